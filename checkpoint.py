@@ -1,0 +1,90 @@
+"""Checkpoints as plain JSON: the parameters, the config they were trained with, and a
+signature of the data (tokenizer and corpus), so weights are never paired with the
+wrong tokenizer. Python writes floats with repr, so they read back exactly.
+
+Every file this lab writes goes through write_atomically: a temporary file beside the
+target, then a rename, so a crash leaves either the old file or the new one.
+"""
+import hashlib
+import json
+import math
+import os
+import tempfile
+
+from model import SHAPES
+
+FORMAT = "kv-lab-checkpoint-1"
+
+
+def write_atomically(path, text):
+    """Write text to path through a temporary file and a rename; never a half-written file."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".part")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def input_signature(tok, corpus_text):
+    """A hash of the tokenizer's vocabulary and merges and of the corpus text."""
+    data = json.dumps({"vocab": tok.vocab, "merges": tok.merges, "corpus": corpus_text})
+    return hashlib.sha256(data.encode("utf-8")).hexdigest()[:16]
+
+
+def save(path, params, config, signature, **meta):
+    """Write params with their config, data signature and any extra facts (meta)."""
+    _check_params(params, "params")
+    record = {"format": FORMAT, "config": config, "signature": signature, "meta": meta,
+              "params": params}
+    write_atomically(path, json.dumps(record, separators=(",", ":")) + "\n")
+
+
+def load(path, config, signature):
+    """Read a checkpoint, refusing one made with another config, data or format."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a checkpoint of this lab "
+                         f"(expected \"format\": \"{FORMAT}\")")
+    saved = record.get("config")
+    if saved != config:
+        saved = saved if isinstance(saved, dict) else {}
+        keys = sorted(k for k in set(saved) | set(config) if saved.get(k) != config.get(k))
+        raise ValueError(f"{path}: trained with another config (differs in {', '.join(keys)}); "
+                         f"retrain with python3 train.py")
+    if record.get("signature") != signature:
+        raise ValueError(f"{path}: trained on other data or another tokenizer "
+                         f"(signature {record.get('signature')!r}, expected {signature!r}); "
+                         f"retrain with python3 train.py")
+    _check_params(record.get("params"), path)
+    return record
+
+
+def _check_params(params, where):
+    """Refuse params with a missing or extra name, a wrong shape or a non-finite value."""
+    if not isinstance(params, dict):
+        raise ValueError(f"{where}: params must be a dict of lists")
+    missing, extra = sorted(set(SHAPES) - set(params)), sorted(set(params) - set(SHAPES))
+    if missing or extra:
+        raise ValueError(f"{where}: params missing {missing}, unexpected {extra}")
+    for name, shape in SHAPES.items():
+        rows = [params[name]] if len(shape) == 1 else params[name]
+        width = shape[-1]
+        if (not isinstance(rows, list) or len(rows) != (1 if len(shape) == 1 else shape[0])
+                or not all(isinstance(r, list) and len(r) == width for r in rows)):
+            raise ValueError(f"{where}: {name} must have shape {' x '.join(map(str, shape))}")
+        for r in rows:
+            for value in r:
+                if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                        or not math.isfinite(value):
+                    raise ValueError(f"{where}: {name} holds {value!r}, not a finite number")

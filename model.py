@@ -1,0 +1,250 @@
+"""A one-block transformer in plain Python: token and position embeddings, one
+pre-norm attention layer with a single head, one ReLU MLP, and a final layer norm.
+
+Every dot product is one correctly rounded sum (math.fsum), and every row does the same
+operations in the same order, so a row's result does not depend on how many other rows
+are computed with it. That is what lets the KV cache (kv_cache.py) reproduce this
+forward pass bit for bit. The backward pass at the end is what training uses.
+"""
+import math
+import random
+from math import fsum
+from operator import mul
+
+VOCAB_SIZE = 96
+CONTEXT = 64          # positions, so the longest input is 64 tokens
+WIDTH = 16
+HIDDEN = 64           # MLP hidden width
+EPS = 1e-5            # layer-norm epsilon
+SCALE = 1 / math.sqrt(WIDTH)
+
+SHAPES = {
+    "tok_emb": (VOCAB_SIZE, WIDTH), "pos_emb": (CONTEXT, WIDTH),
+    "ln1_g": (WIDTH,), "ln1_b": (WIDTH,),
+    "Wq": (WIDTH, WIDTH), "Wk": (WIDTH, WIDTH), "Wv": (WIDTH, WIDTH), "Wo": (WIDTH, WIDTH),
+    "ln2_g": (WIDTH,), "ln2_b": (WIDTH,),
+    "W1": (WIDTH, HIDDEN), "b1": (HIDDEN,), "W2": (HIDDEN, WIDTH), "b2": (WIDTH,),
+    "lnf_g": (WIDTH,), "lnf_b": (WIDTH,),
+    "W_out": (WIDTH, VOCAB_SIZE), "b_out": (VOCAB_SIZE,),
+}
+MATRICES = ("Wq", "Wk", "Wv", "Wo", "W1", "W2", "W_out")
+
+
+def init_params(seed):
+    """Fresh parameters: matrices random with std 1/sqrt(inputs), gains 1, biases 0."""
+    rng = random.Random(seed)
+    params = {}
+    for name, shape in SHAPES.items():
+        if len(shape) == 1:
+            params[name] = [1.0 if name.endswith("_g") else 0.0] * shape[0]
+        else:
+            std = 0.5 if name.endswith("_emb") else 1 / math.sqrt(shape[0])
+            params[name] = [[rng.gauss(0.0, std) for _ in range(shape[1])]
+                            for _ in range(shape[0])]
+    return params
+
+
+# ---- the operations every path shares --------------------------------------------
+
+def dot(a, b):
+    """Sum of a[k] * b[k], correctly rounded: the result does not depend on the order."""
+    return fsum(map(mul, a, b))
+
+
+def columns(params):
+    """Each weight matrix as a list of its columns, so row() can take dot products."""
+    return {name: [list(col) for col in zip(*params[name])] for name in MATRICES}
+
+
+def row(x, cols):
+    """The row vector x times a matrix given by its columns: one dot product per column."""
+    return [fsum(map(mul, x, col)) for col in cols]
+
+
+def add(a, b):
+    """Element by element a + b, in that order."""
+    return [p + q for p, q in zip(a, b)]
+
+
+def relu(z):
+    return [value if value > 0 else 0.0 for value in z]
+
+
+def layernorm(x, g, b):
+    """Normalize one row to mean 0 and variance 1, then scale by g and shift by b."""
+    n = len(x)
+    mean = fsum(x) / n
+    d = [value - mean for value in x]
+    s = math.sqrt(fsum([e * e for e in d]) / n + EPS)
+    return [e / s * gk + bk for e, gk, bk in zip(d, g, b)]
+
+
+def layernorm_forward(rows, g, b):
+    """Layer norm of each row; the second item (the input rows) is what backward needs."""
+    return [layernorm(x, g, b) for x in rows], rows
+
+
+def softmax_row(scores):
+    """Probabilities from scores: subtract the max, exponentiate, divide by the sum."""
+    top = max(scores)
+    exps = [math.exp(s - top) for s in scores]
+    total = fsum(exps)
+    return [e / total for e in exps]
+
+
+def embed_and_project(params, cols, token_id, position):
+    """One position up to attention: its input x0, normed h1, and query, key, value."""
+    x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])
+    h1 = layernorm(x0, params["ln1_g"], params["ln1_b"])
+    return x0, h1, row(h1, cols["Wq"]), row(h1, cols["Wk"]), row(h1, cols["Wv"])
+
+
+def attend(q, keys, values):
+    """Attention of one query over the given keys and values: (weights, mixed value)."""
+    weights = softmax_row([dot(q, k) * SCALE for k in keys])
+    mixed = [fsum(map(mul, weights, column)) for column in zip(*values)]
+    return weights, mixed
+
+
+def mlp_and_logits(params, cols, x0, mixed):
+    """One position after attention: x1, h2, a, x2, hf and its next-token logits."""
+    x1 = add(x0, row(mixed, cols["Wo"]))
+    h2 = layernorm(x1, params["ln2_g"], params["ln2_b"])
+    a = relu(add(row(h2, cols["W1"]), params["b1"]))
+    x2 = add(x1, add(row(a, cols["W2"]), params["b2"]))   # MLP output plus its bias first
+    hf = layernorm(x2, params["lnf_g"], params["lnf_b"])
+    return x1, h2, a, x2, hf, add(row(hf, cols["W_out"]), params["b_out"])
+
+
+# ---- the full forward pass ----------------------------------------------------------
+
+def check_token_id(token_id, what="token ID"):
+    """Refuse anything but an int from 0 to VOCAB_SIZE - 1 (a bool is not a token ID)."""
+    if isinstance(token_id, bool) or not isinstance(token_id, int) \
+            or not 0 <= token_id < VOCAB_SIZE:
+        raise ValueError(f"{what} {token_id!r} is outside the vocabulary "
+                         f"(ints 0 to {VOCAB_SIZE - 1})")
+
+
+def check_ids(ids):
+    """Refuse an input the model cannot run: empty, too long, or a bad token ID."""
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"ids must be a list of token IDs, got {type(ids).__name__}")
+    if not ids:
+        raise ValueError("ids is empty: the model needs at least one token")
+    if len(ids) > CONTEXT:
+        raise ValueError(f"ids has {len(ids)} tokens, beyond the {CONTEXT} positions")
+    for index, token_id in enumerate(ids):
+        check_token_id(token_id, f"token ID at index {index},")
+
+
+def forward(params, ids):
+    """Next-token logits for every position of ids, and what the backward pass needs.
+
+    First every position's query, key and value; then each position i attends to the
+    keys and values of positions 0..i only (causal), and goes on through the MLP.
+    """
+    check_ids(ids)
+    cols = columns(params)
+    projected = [embed_and_project(params, cols, t, i) for i, t in enumerate(ids)]
+    keys = [k for _, _, _, k, _ in projected]
+    values = [v for _, _, _, _, v in projected]
+    logits, saved = [], []
+    for i, (x0, h1, q, k, v) in enumerate(projected):
+        weights, mixed = attend(q, keys[:i + 1], values[:i + 1])
+        rest = mlp_and_logits(params, cols, x0, mixed)
+        logits.append(rest[-1])
+        saved.append((x0, h1, q, k, v, weights, mixed) + rest[:-1])
+    return logits, saved
+
+
+# ---- training: loss and backward pass ----------------------------------------------
+
+def loss_and_grads(params, ids, targets):
+    """Mean cross-entropy of predicting targets[i] after ids[:i + 1], and its gradients."""
+    if len(targets) != len(ids):
+        raise ValueError(f"{len(targets)} targets for {len(ids)} input tokens")
+    for index, token_id in enumerate(targets):
+        check_token_id(token_id, f"target at index {index},")
+    logits, saved = forward(params, ids)
+    n = len(ids)
+    grads = {name: ([[0.0] * s[1] for _ in range(s[0])] if len(s) == 2 else [0.0] * s[0])
+             for name, s in SHAPES.items()}
+    loss, d_logits = 0.0, []
+    for scores, target in zip(logits, targets):
+        probs = softmax_row(scores)
+        loss -= math.log(probs[target])
+        probs[target] -= 1.0
+        d_logits.append([p / n for p in probs])
+    x0, h1, q, k, v, weights, mixed, x1, h2, a, x2, hf = (list(z) for z in zip(*saved))
+
+    # From the logits back to the attention output, each position on its own.
+    _accumulate(grads, "W_out", "b_out", hf, d_logits)
+    d_x2 = _layernorm_backward(params, grads, "lnf", x2, _times_transpose(d_logits, params["W_out"]))
+    _accumulate(grads, "W2", "b2", a, d_x2)
+    d_z = [[g if av > 0 else 0.0 for g, av in zip(dr, ar)]
+           for dr, ar in zip(_times_transpose(d_x2, params["W2"]), a)]
+    _accumulate(grads, "W1", "b1", h2, d_z)
+    d_h2 = _times_transpose(d_z, params["W1"])
+    d_x1 = [add(d, e) for d, e in zip(d_x2, _layernorm_backward(params, grads, "ln2", x1, d_h2))]
+    _accumulate(grads, "Wo", None, mixed, d_x1)
+    d_mixed = _times_transpose(d_x1, params["Wo"])
+
+    # Attention: position i's key and value also receive gradient from later positions.
+    d_q = [[0.0] * WIDTH for _ in range(n)]
+    d_k = [[0.0] * WIDTH for _ in range(n)]
+    d_v = [[0.0] * WIDTH for _ in range(n)]
+    for i in range(n):
+        w, dm = weights[i], d_mixed[i]
+        d_w = [sum(map(mul, dm, v[j])) for j in range(i + 1)]
+        centre = sum(map(mul, w, d_w))
+        d_s = [wj * (dwj - centre) * SCALE for wj, dwj in zip(w, d_w)]
+        for j in range(i + 1):
+            d_v[j] = [acc + w[j] * g for acc, g in zip(d_v[j], dm)]
+            d_k[j] = [acc + d_s[j] * g for acc, g in zip(d_k[j], q[i])]
+            d_q[i] = [acc + d_s[j] * g for acc, g in zip(d_q[i], k[j])]
+
+    d_h1 = [add(add(p, r), s) for p, r, s in zip(_times_transpose(d_q, params["Wq"]),
+                                                 _times_transpose(d_k, params["Wk"]),
+                                                 _times_transpose(d_v, params["Wv"]))]
+    for name, d in (("Wq", d_q), ("Wk", d_k), ("Wv", d_v)):
+        _accumulate(grads, name, None, h1, d)
+    d_x0 = [add(d, e) for d, e in zip(d_x1, _layernorm_backward(params, grads, "ln1", x0, d_h1))]
+    for i, (t, d) in enumerate(zip(ids, d_x0)):
+        grads["tok_emb"][t] = add(grads["tok_emb"][t], d)
+        grads["pos_emb"][i] = add(grads["pos_emb"][i], d)
+    return loss / n, grads
+
+
+def _times_transpose(d_rows, W):
+    """Each gradient row times the transpose of W: back from a layer's outputs to its inputs."""
+    return [[sum(map(mul, w_row, d)) for w_row in W] for d in d_rows]
+
+
+def _accumulate(grads, w_name, b_name, inputs, d_outputs):
+    """Add the gradients of y = x W (+ b) over all positions: W gets x^T dy, b gets sum dy."""
+    in_cols, out_cols = list(zip(*inputs)), list(zip(*d_outputs))
+    grads[w_name] = [[acc + sum(map(mul, xc, dc)) for acc, dc in zip(g_row, out_cols)]
+                     for g_row, xc in zip(grads[w_name], in_cols)]
+    if b_name:
+        grads[b_name] = [acc + sum(dc) for acc, dc in zip(grads[b_name], out_cols)]
+
+
+def _layernorm_backward(params, grads, prefix, inputs, d_outputs):
+    """Gradients of layer norm: adds to its gain and bias, returns the inputs' gradients."""
+    gain, d_gain, d_bias = params[prefix + "_g"], grads[prefix + "_g"], grads[prefix + "_b"]
+    d_inputs = []
+    for x, dy in zip(inputs, d_outputs):
+        n = len(x)
+        mean = fsum(x) / n
+        d = [value - mean for value in x]
+        inv = 1 / math.sqrt(fsum([e * e for e in d]) / n + EPS)
+        xhat = [e * inv for e in d]
+        d_gain = [acc + dv * xh for acc, dv, xh in zip(d_gain, dy, xhat)]
+        d_bias = add(d_bias, dy)
+        d_xhat = [dv * gk for dv, gk in zip(dy, gain)]
+        m1 = sum(d_xhat) / n
+        m2 = sum(map(mul, d_xhat, xhat)) / n
+        d_inputs.append([inv * (dx - m1 - xh * m2) for dx, xh in zip(d_xhat, xhat)])
+    grads[prefix + "_g"], grads[prefix + "_b"] = d_gain, d_bias
+    return d_inputs
