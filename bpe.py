@@ -127,10 +127,14 @@ class Tokenizer:
                                  f"vocabulary (ints 0 to {len(self.vocab) - 1})")
         return "".join(self.vocab[i] for i in ids)
 
+    def to_json(self):
+        """The saved form: readable JSON, one token or merge per line."""
+        return json.dumps({"format": FORMAT, "vocab": self.vocab, "merges": self.merges},
+                          indent=1) + "\n"
+
     def save(self, path):
-        """Write the tokenizer as JSON, one token or merge per line, atomically."""
-        write_atomically(path, json.dumps(
-            {"format": FORMAT, "vocab": self.vocab, "merges": self.merges}, indent=1) + "\n")
+        """Write the tokenizer to path as JSON, atomically."""
+        write_atomically(path, self.to_json())
 
     @classmethod
     def load(cls, path):
@@ -175,15 +179,19 @@ def main(argv=None):
     parser.add_argument("--check", action="store_true",
                         help="exit non-zero if retraining would change tokenizer.json")
     args = parser.parse_args(argv)
-    with open("corpus.txt", encoding="utf-8") as f:
-        tok = Tokenizer.train(f.read(), VOCAB_SIZE)
+    try:
+        with open("corpus.txt", encoding="utf-8") as f:
+            tok = Tokenizer.train(f.read(), VOCAB_SIZE)
+    except (OSError, ValueError) as e:
+        sys.exit(f"bpe.py: error: {e}")
     if args.check:
         try:
-            same = Tokenizer.load("tokenizer.json").vocab == tok.vocab
-        except (OSError, ValueError) as e:
-            sys.exit(f"tokenizer.json cannot be read: {e}")
+            with open("tokenizer.json", encoding="utf-8") as f:
+                same = f.read() == tok.to_json()
+        except OSError as e:
+            sys.exit(f"bpe.py: error: tokenizer.json cannot be read: {e}")
         if not same:
-            sys.exit("tokenizer.json differs from a tokenizer retrained on corpus.txt; "
+            sys.exit("bpe.py: error: tokenizer.json differs from a tokenizer retrained on corpus.txt; "
                      "run python3 bpe.py to rewrite it")
         print(f"tokenizer.json matches corpus.txt ({len(tok.vocab)} tokens)")
         return

@@ -1,0 +1,128 @@
+"""Generation without a cache: for every new token, run the whole model on every token
+so far and use only the last row of scores. Simple, and it redoes all the work for the
+opening at every step. kv_cache.py keeps that work instead.
+
+    python3 generate.py "mia found a shell." [--temperature T] [--top-k K] [--seed S]
+                        [--max-new-tokens N]
+"""
+import argparse
+import math
+import random
+import sys
+
+import checkpoint
+import model
+from bpe import Tokenizer
+from train import CONFIG
+
+
+def load_trained(tokenizer_path="tokenizer.json", checkpoint_path="best.json",
+                 corpus_path="corpus.txt"):
+    """The shipped model: (params, tokenizer), refusing a checkpoint of other data."""
+    tok = Tokenizer.load(tokenizer_path)
+    with open(corpus_path, encoding="utf-8") as f:
+        signature = checkpoint.input_signature(tok, f.read())
+    return checkpoint.load(checkpoint_path, CONFIG, signature)["params"], tok
+
+
+def check_settings(temperature, top_k, vocab_size):
+    """Raise ValueError unless temperature is a finite number >= 0 and top_k is None or
+    an int from 1 to vocab_size."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
+                              or not 1 <= top_k <= vocab_size):
+        raise ValueError(f"top_k must be None or an int from 1 to {vocab_size}, got {top_k!r}")
+
+
+def next_token_probs(logits, temperature, top_k):
+    """Probabilities for the next token: greedy (1.0 at the first highest score) at
+    temperature 0, else the softmax of logits / temperature over the top_k highest."""
+    if temperature == 0:
+        best = logits.index(max(logits))
+        return [1.0 if i == best else 0.0 for i in range(len(logits))]
+    kept = range(len(logits)) if top_k is None else \
+        sorted(range(len(logits)), key=lambda i: -logits[i])[:top_k]
+    probs = [0.0] * len(logits)
+    for i, p in zip(kept, model.softmax_row([logits[i] / temperature for i in kept])):
+        probs[i] = p
+    return probs
+
+
+def check_request(tok, prompt, max_new_tokens, temperature, top_k):
+    """The prompt's token IDs, after refusing every bad argument of generate."""
+    check_settings(temperature, top_k, len(tok.vocab))
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+            or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError(f"prompt must be a non-empty string, got {prompt!r}")
+    ids = tok.encode(prompt)
+    if len(ids) > model.CONTEXT:
+        raise ValueError(f"prompt is {len(ids)} tokens, longer than the model's "
+                         f"{model.CONTEXT} positions")
+    return ids
+
+
+def choose(probs, temperature, rng):
+    """The next token ID: the greedy one, or a sample drawn with rng."""
+    if temperature == 0:
+        return probs.index(1.0)
+    return rng.choices(range(len(probs)), weights=probs)[0]
+
+
+def generate(params, tok, prompt, max_new_tokens=60, temperature=0.0, top_k=None, seed=0):
+    """Continue prompt token by token, running the full model on all tokens every step."""
+    ids = check_request(tok, prompt, max_new_tokens, temperature, top_k)
+    rng = random.Random(seed)
+    steps = []
+    while True:
+        if len(steps) == max_new_tokens:
+            stopped = "max_new_tokens"
+            break
+        if len(ids) == model.CONTEXT:
+            stopped = "context full"
+            break
+        logits, _ = model.forward(params, ids)          # every row, again
+        probs = next_token_probs(logits[-1], temperature, top_k)
+        token_id = choose(probs, temperature, rng)
+        ids.append(token_id)
+        steps.append({"token": tok.vocab[token_id], "probability": round(probs[token_id], 4)})
+        if token_id == tok.ids["\n"]:
+            stopped = "end of story"
+            break
+    return {"text": tok.decode(ids), "steps": steps, "stopped": stopped}
+
+
+def add_generation_flags(parser):
+    """The prompt and sampling flags shared by generate.py and kv_cache.py."""
+    parser.add_argument("prompt", help='the opening to continue, e.g. "mia found a shell."')
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 (default) is greedy; higher samples more freely")
+    parser.add_argument("--top-k", type=int, default=None,
+                        help="sample only among the K highest-scoring tokens")
+    parser.add_argument("--seed", type=int, default=0, help="seed for sampling (default 0)")
+    parser.add_argument("--max-new-tokens", type=int, default=60,
+                        help="stop after this many new tokens (default 60)")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Continue a story with the trained model "
+                                                 "(no cache: the full model every step).")
+    add_generation_flags(parser)
+    args = parser.parse_args(argv)
+    try:
+        params, tok = load_trained()
+        result = generate(params, tok, args.prompt, args.max_new_tokens, args.temperature,
+                          args.top_k, args.seed)
+    except (OSError, ValueError) as e:
+        sys.exit(f"generate.py: error: {e}")
+    print(result["text"].rstrip("\n"))
+    for step in result["steps"]:
+        print(f"  {step['token']!r:12} {step['probability']:.4f}")
+    print(f"stopped: {result['stopped']}")
+
+
+if __name__ == "__main__":
+    main()
