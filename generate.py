@@ -50,7 +50,7 @@ def next_token_probs(logits, temperature, top_k):
     return probs
 
 
-def check_request(tok, prompt, max_new_tokens, temperature, top_k):
+def _check_request(tok, prompt, max_new_tokens, temperature, top_k):
     """The prompt's token IDs, after refusing every bad argument of generate."""
     check_settings(temperature, top_k, len(tok.vocab))
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
@@ -65,16 +65,10 @@ def check_request(tok, prompt, max_new_tokens, temperature, top_k):
     return ids
 
 
-def choose(probs, temperature, rng):
-    """The next token ID: the greedy one, or a sample drawn with rng."""
-    if temperature == 0:
-        return probs.index(1.0)
-    return rng.choices(range(len(probs)), weights=probs)[0]
-
-
-def generate(params, tok, prompt, max_new_tokens=60, temperature=0.0, top_k=None, seed=0):
-    """Continue prompt token by token, running the full model on all tokens every step."""
-    ids = check_request(tok, prompt, max_new_tokens, temperature, top_k)
+def generate_with(next_logits, tok, prompt, max_new_tokens, temperature, top_k, seed):
+    """The generation loop, given next_logits(ids): the scores for the token after ids.
+    generate and kv_cache.generate_cached differ only in the next_logits they pass."""
+    ids = _check_request(tok, prompt, max_new_tokens, temperature, top_k)
     rng = random.Random(seed)
     steps = []
     while True:
@@ -84,15 +78,25 @@ def generate(params, tok, prompt, max_new_tokens=60, temperature=0.0, top_k=None
         if len(ids) == model.CONTEXT:
             stopped = "context full"
             break
-        logits, _ = model.forward(params, ids)          # every row, again
-        probs = next_token_probs(logits[-1], temperature, top_k)
-        token_id = choose(probs, temperature, rng)
+        probs = next_token_probs(next_logits(ids), temperature, top_k)
+        if temperature == 0:
+            token_id = probs.index(1.0)
+        else:
+            token_id = rng.choices(range(len(probs)), weights=probs)[0]
         ids.append(token_id)
         steps.append({"token": tok.vocab[token_id], "probability": round(probs[token_id], 4)})
         if token_id == tok.ids["\n"]:
             stopped = "end of story"
             break
     return {"text": tok.decode(ids), "steps": steps, "stopped": stopped}
+
+
+def generate(params, tok, prompt, max_new_tokens=60, temperature=0.0, top_k=None, seed=0):
+    """Continue prompt token by token, running the full model on all tokens every step."""
+    def next_logits(ids):
+        logits, _ = model.forward(params, ids)   # every row, again
+        return logits[-1]                        # only the last one is used
+    return generate_with(next_logits, tok, prompt, max_new_tokens, temperature, top_k, seed)
 
 
 def add_generation_flags(parser):

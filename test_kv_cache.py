@@ -1,0 +1,235 @@
+"""The lab's claims, each as a test: the cache changes no float, it does the work the
+formulas say, and every misuse is refused before anything is computed."""
+import copy
+import json
+import os
+import unittest
+from unittest import mock
+
+import generate
+import kv_cache
+import model
+import trace_kv
+from generate import load_trained
+from kv_cache import KVCache, forward_step, generate_cached
+from train import split_stories
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def setUpModule():
+    global PARAMS, TOK, STORIES, OPENINGS
+    os.chdir(HERE)
+    PARAMS, TOK = load_trained()
+    with open("corpus.txt", encoding="utf-8") as f:
+        _, _, STORIES = split_stories(f.read())
+    OPENINGS = trace_kv.openings(STORIES)
+
+
+def cached_rows(params, ids, step=forward_step):
+    """The logits of every position of ids, fed one at a time through a fresh cache."""
+    cache = KVCache(params)
+    return [step(params, cache, t, i) for i, t in enumerate(ids)]
+
+
+NEXT = object()   # stands for "the cache's next position" in Misuse.assertRefused
+
+
+def snapshot(cache):
+    return len(cache), [list(k) for k in cache.keys], [list(v) for v in cache.values]
+
+
+class Exactness(unittest.TestCase):
+
+    def test_recorded_trace(self):
+        record, _ = trace_kv.run()
+        with open(trace_kv.TRACE, encoding="utf-8") as f:
+            self.assertEqual(record, json.load(f))
+        self.assertEqual(record["largest_logit_gap_first_story"], 0.0)
+        self.assertEqual(record["greedy_identical"], record["stories"])
+        self.assertEqual(record["sampled_identical"], record["stories"])
+
+    def test_every_cached_row_equals_the_full_forward_pass(self):
+        longest = [t for story in STORIES for t in TOK.encode(story)][:model.CONTEXT]
+        for ids in [TOK.encode(story) for story in STORIES[:5]] + [longest]:
+            full, _ = model.forward(PARAMS, ids)
+            self.assertEqual(cached_rows(PARAMS, ids), full)
+
+    def test_a_reordered_addition_is_caught(self):
+        """A step that adds the skip path before the MLP bias, (x1 + mlp) + b2, instead of
+        x1 + (mlp + b2), differs from the full pass in some last bit."""
+        def step_with(reordered):
+            def step(params, cache, token_id, position):
+                x0, _, q, k, v = model.embed_and_project(params, cache.columns, token_id,
+                                                         position)
+                cache.keys.append(k)
+                cache.values.append(v)
+                _, mixed = model.attend(q, cache.keys, cache.values)
+                x1 = model.add(x0, model.row(mixed, cache.columns["Wo"]))
+                h2 = model.layernorm(x1, params["ln2_g"], params["ln2_b"])
+                a = model.relu(model.add(model.row(h2, cache.columns["W1"]), params["b1"]))
+                mlp = model.row(a, cache.columns["W2"])
+                if reordered:
+                    x2 = model.add(model.add(x1, mlp), params["b2"])
+                else:
+                    x2 = model.add(x1, model.add(mlp, params["b2"]))
+                hf = model.layernorm(x2, params["lnf_g"], params["lnf_b"])
+                return model.add(model.row(hf, cache.columns["W_out"]), params["b_out"])
+            return step
+
+        ids = TOK.encode(STORIES[0])
+        full, _ = model.forward(PARAMS, ids)
+        self.assertEqual(cached_rows(PARAMS, ids, step_with(reordered=False)), full)
+        self.assertNotEqual(cached_rows(PARAMS, ids, step_with(reordered=True)), full)
+
+    def test_cached_generation_matches_uncached(self):
+        settings = [{}, {"temperature": 1.0, "seed": 1}, {"temperature": 1.0, "seed": 7},
+                    {"temperature": 1.0, "top_k": 3, "seed": 2},
+                    {"temperature": 0.5, "top_k": 3, "seed": 5, "max_new_tokens": 10}]
+        for prompt in OPENINGS[:4] + ["mia found a shell."]:
+            for kwargs in settings:
+                with self.subTest(prompt=prompt, **kwargs):
+                    self.assertEqual(generate_cached(PARAMS, TOK, prompt, **kwargs),
+                                     generate.generate(PARAMS, TOK, prompt, **kwargs))
+
+    def test_context_full_stops_at_the_same_point(self):
+        never_ends = copy.deepcopy(PARAMS)
+        never_ends["b_out"][TOK.ids["\n"]] = -1e9
+        prompt = STORIES[0].rstrip("\n") + " " + STORIES[1].rstrip("\n")
+        prompt_tokens = len(TOK.encode(prompt))
+        self.assertLess(prompt_tokens, model.CONTEXT)
+        uncached = generate.generate(never_ends, TOK, prompt)
+        cached = generate_cached(never_ends, TOK, prompt)
+        self.assertEqual(cached, uncached)
+        self.assertEqual(cached["stopped"], "context full")
+        self.assertEqual(len(cached["steps"]), model.CONTEXT - prompt_tokens)
+
+
+class Work(unittest.TestCase):
+
+    def setUp(self):
+        self.prompt = OPENINGS[0]
+        self.prompt_tokens = len(TOK.encode(self.prompt))
+
+    def count_scores(self):
+        """Patch model.attend to count the attention scores it computes."""
+        counted = {"scores": 0}
+        real = model.attend
+
+        def counting(q, keys, values):
+            counted["scores"] += len(keys)
+            return real(q, keys, values)
+        return counted, mock.patch.object(model, "attend", counting)
+
+    def test_work_counts_match_the_rows_the_model_processes(self):
+        counted, patch_attend = self.count_scores()
+        counted["rows"] = 0
+        real = model.forward
+
+        def counting(params, ids):
+            counted["rows"] += len(ids)
+            return real(params, ids)
+        with mock.patch.object(model, "forward", counting), patch_attend:
+            result = generate.generate(PARAMS, TOK, self.prompt)
+        expected = trace_kv.work(self.prompt_tokens, len(result["steps"]))
+        self.assertEqual(counted["rows"], expected["uncached_rows"])
+        self.assertEqual(counted["scores"], expected["uncached_scores"])
+
+    def test_cached_work_counts_match_the_forward_step_calls(self):
+        counted, patch_attend = self.count_scores()
+        counted["rows"] = 0
+        real = kv_cache.forward_step
+
+        def counting(params, cache, token_id, position):
+            counted["rows"] += 1
+            return real(params, cache, token_id, position)
+        with mock.patch.object(kv_cache, "forward_step", counting), patch_attend:
+            result = generate_cached(PARAMS, TOK, self.prompt)
+        expected = trace_kv.work(self.prompt_tokens, len(result["steps"]))
+        self.assertEqual(counted["rows"], expected["cached_rows"])
+        self.assertEqual(counted["scores"], expected["cached_scores"])
+
+    def test_work_formula_on_small_cases(self):
+        # 2 prompt tokens, 3 chosen: the uncached calls see 2, 3, 4 tokens; the cache is
+        # fed positions 0..3 (the last chosen token is never fed back).
+        self.assertEqual(trace_kv.work(2, 3), {
+            "uncached_rows": 2 + 3 + 4, "cached_rows": 4,
+            "uncached_scores": (1 + 2) + (1 + 2 + 3) + (1 + 2 + 3 + 4),
+            "cached_scores": 1 + 2 + 3 + 4})
+        self.assertEqual(trace_kv.work(5, 0), dict.fromkeys(trace_kv.work(5, 0), 0))
+        for bad in (-1, 1.0, True, None):
+            with self.assertRaisesRegex(ValueError, "prompt_tokens"):
+                trace_kv.work(bad, 1)
+
+
+class Misuse(unittest.TestCase):
+
+    def setUp(self):
+        self.ids = TOK.encode(OPENINGS[0])
+        self.cache = KVCache(PARAMS)
+        for position, token_id in enumerate(self.ids):
+            forward_step(PARAMS, self.cache, token_id, position)
+
+    def assertRefused(self, fragment, *, params=None, token_id=5, position=NEXT, cache=None):
+        """The call is refused with fragment in the message, leaving the cache as it was."""
+        cache = self.cache if cache is None else cache
+        before = snapshot(cache)
+        with self.assertRaises(ValueError) as caught:
+            forward_step(PARAMS if params is None else params, cache, token_id,
+                         len(cache) if position is NEXT else position)
+        self.assertIn(fragment, str(caught.exception))
+        self.assertEqual(snapshot(cache), before)
+
+    def test_reusing_a_cache_for_a_new_prompt(self):
+        other = TOK.encode(OPENINGS[1])
+        # Starting the new prompt at position 0 is refused...
+        self.assertRefused(f"expected position {len(self.ids)}, got 0",
+                           token_id=other[0], position=0)
+        # ...but carrying on from where the old prompt ended is a valid call with wrong
+        # scores: the new tokens attend to the old prompt's keys and values.
+        continued = [forward_step(PARAMS, self.cache, t, len(self.ids) + i)
+                     for i, t in enumerate(other)]
+        self.assertNotEqual(continued, cached_rows(PARAMS, other))
+
+    def test_tokens_out_of_order(self):
+        n = len(self.ids)
+        for position in (n + 1, n - 1, 0, -1, float(n), True, None, str(n)):
+            with self.subTest(position=position):
+                self.assertRefused(f"expected position {n}, got {position}", position=position)
+
+    def test_cache_from_other_parameters(self):
+        twin = copy.deepcopy(PARAMS)   # equal values, another model to the cache
+        self.assertRefused("different parameters", params=twin)
+        # Checked first: a wrong position with the wrong params names the params.
+        self.assertRefused("different parameters", params=twin, position=0)
+
+    def test_position_beyond_the_table(self):
+        full = KVCache(PARAMS)
+        full.keys = [[0.0] * model.WIDTH for _ in range(model.CONTEXT)]
+        full.values = [[0.0] * model.WIDTH for _ in range(model.CONTEXT)]
+        self.assertRefused(f"beyond the {model.CONTEXT} positions", cache=full)
+        self.assertRefused(f"beyond the {model.CONTEXT} positions", cache=full, token_id=-1)
+        self.assertRefused(f"expected position {model.CONTEXT}, got {model.CONTEXT + 1}",
+                           cache=full, position=model.CONTEXT + 1)
+
+    def test_token_outside_the_vocabulary(self):
+        for token_id in (-1, model.VOCAB_SIZE, True, False, 1.0, "3", None):
+            with self.subTest(token_id=token_id):
+                self.assertRefused("outside the vocabulary", token_id=token_id)
+
+    def test_generate_cached_refuses_what_generate_refuses(self):
+        bad = [{"prompt": ""}, {"prompt": "Mia!"}, {"prompt": "mia " * 40},
+               {"temperature": -1.0}, {"temperature": float("nan")}, {"top_k": 0},
+               {"top_k": True}, {"max_new_tokens": -1}, {"max_new_tokens": 2.0}]
+        for kwargs in bad:
+            kwargs = {"prompt": "mia found a shell.", **kwargs}
+            with self.subTest(**kwargs):
+                with self.assertRaises(ValueError) as uncached:
+                    generate.generate(PARAMS, TOK, **kwargs)
+                with self.assertRaises(ValueError) as cached:
+                    generate_cached(PARAMS, TOK, **kwargs)
+                self.assertEqual(str(cached.exception), str(uncached.exception))
+
+
+if __name__ == "__main__":
+    unittest.main()
