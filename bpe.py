@@ -13,7 +13,7 @@ import itertools
 import json
 import sys
 
-from checkpoint import write_atomically
+from checkpoint import read_json, write_atomically
 from model import VOCAB_SIZE
 
 FORMAT = "kv-lab-bpe-1"
@@ -120,6 +120,7 @@ class Tokenizer:
 
     def decode(self, ids):
         """The text of a list of token IDs."""
+        ids = list(ids)
         for index, token_id in enumerate(ids):
             if (isinstance(token_id, bool) or not isinstance(token_id, int)
                     or not 0 <= token_id < len(self.vocab)):
@@ -139,14 +140,7 @@ class Tokenizer:
     @classmethod
     def load(cls, path):
         """Read a tokenizer written by save, refusing a malformed or inconsistent file."""
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from None
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise ValueError(f"{path}: not a tokenizer file (expected \"format\": \"{FORMAT}\")")
+        data = read_json(path, FORMAT, "a tokenizer file")
         try:
             return cls(data.get("vocab"), data.get("merges"))
         except ValueError as e:

@@ -31,6 +31,21 @@ def write_atomically(path, text):
         raise
 
 
+def read_json(path, fmt, what):
+    """The JSON object in path, refusing a file that is not UTF-8 JSON of format fmt."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict) or data.get("format") != fmt:
+        raise ValueError(f"{path}: not {what} (expected \"format\": \"{fmt}\")")
+    return data
+
+
 def input_signature(tok, corpus_text):
     """A hash of the tokenizer's vocabulary and merges and of the corpus text."""
     data = json.dumps({"vocab": tok.vocab, "merges": tok.merges, "corpus": corpus_text})
@@ -47,15 +62,7 @@ def save(path, params, config, signature, **meta):
 
 def load(path, config, signature):
     """Read a checkpoint, refusing one made with another config, data or format."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(record, dict) or record.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a checkpoint of this lab "
-                         f"(expected \"format\": \"{FORMAT}\")")
+    record = read_json(path, FORMAT, "a checkpoint of this lab")
     saved = record.get("config")
     if saved != config:
         saved = saved if isinstance(saved, dict) else {}
@@ -85,6 +92,5 @@ def _check_params(params, where):
             raise ValueError(f"{where}: {name} must have shape {' x '.join(map(str, shape))}")
         for r in rows:
             for value in r:
-                if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                        or not math.isfinite(value):
-                    raise ValueError(f"{where}: {name} holds {value!r}, not a finite number")
+                if not isinstance(value, float) or not math.isfinite(value):
+                    raise ValueError(f"{where}: {name} holds {value!r}, not a finite float")
