@@ -39,6 +39,7 @@ def check_settings(temperature, top_k, vocab_size):
 def next_token_probs(logits, temperature, top_k):
     """Probabilities for the next token: greedy (1.0 at the first highest score) at
     temperature 0, else the softmax of logits / temperature over the top_k highest."""
+    check_settings(temperature, top_k, len(logits))
     if temperature == 0:
         best = logits.index(max(logits))
         return [1.0 if i == best else 0.0 for i in range(len(logits))]
@@ -50,9 +51,11 @@ def next_token_probs(logits, temperature, top_k):
     return probs
 
 
-def _check_request(tok, prompt, max_new_tokens, temperature, top_k):
+def _check_request(tok, prompt, max_new_tokens, temperature, top_k, seed):
     """The prompt's token IDs, after refusing every bad argument of generate."""
     check_settings(temperature, top_k, len(tok.vocab))
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an int, got {seed!r}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
             or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
@@ -68,7 +71,7 @@ def _check_request(tok, prompt, max_new_tokens, temperature, top_k):
 def generate_with(next_logits, tok, prompt, max_new_tokens, temperature, top_k, seed):
     """The generation loop, given next_logits(ids): the scores for the token after ids.
     generate and kv_cache.generate_cached differ only in the next_logits they pass."""
-    ids = _check_request(tok, prompt, max_new_tokens, temperature, top_k)
+    ids = _check_request(tok, prompt, max_new_tokens, temperature, top_k, seed)
     rng = random.Random(seed)
     steps = []
     while True:

@@ -32,13 +32,13 @@ def forward_step(params, cache, token_id, position):
                          "start a new cache with KVCache(params)")
     if isinstance(position, bool) or not isinstance(position, int) or position != len(cache):
         raise ValueError(f"expected position {len(cache)}, got {position}: the cache holds "
-                         f"positions 0 to {len(cache) - 1}, so feed the next one (an int), "
-                         f"or start a new cache for a new sequence")
+                         f"{len(cache)} positions, so the next token goes at position "
+                         f"{len(cache)} (an int); for a new sequence, start a new cache")
     if position >= model.CONTEXT:
         raise ValueError(f"position {position} is beyond the {model.CONTEXT} positions "
                          f"of the model's table")
     model.check_token_id(token_id)
-    x0, h1, q, k, v = model.embed_and_project(params, cache.columns, token_id, position)
+    x0, _, q, k, v = model.embed_and_project(params, cache.columns, token_id, position)
     cache.keys.append(k)
     cache.values.append(v)
     _, mixed = model.attend(q, cache.keys, cache.values)   # every position so far, from the cache

@@ -26,6 +26,9 @@ CONFIG = {
 def split_stories(text):
     """(train, val, test) lists of stories, each a line of text with its "\\n"."""
     stories = text.splitlines(keepends=True)
+    if not text.endswith("\n") or "\n" in stories:
+        raise ValueError("the corpus must be one story per line, each ending with a newline, "
+                         "and no empty lines")
     need = CONFIG["test_stories"] + CONFIG["val_stories"] + 1
     if len(stories) < need:
         raise ValueError(f"the corpus has {len(stories)} stories; the split needs at least {need}")

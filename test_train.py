@@ -1,0 +1,201 @@
+"""Tests of train.py: the split of corpus.txt, Adam lowering the loss, reproducibility by
+seed, the unigram baseline, and a whole (tiny) training run."""
+import math
+import os
+import tempfile
+import unittest
+from unittest import mock
+
+import checkpoint
+import model
+import train
+from bpe import Tokenizer
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# Hand-made token sequences: a tiny "corpus" of two repeated patterns.
+SEQUENCES = [[4, 1, 30, 1, 4, 3, 0], [5, 1, 31, 1, 5, 3, 0], [4, 1, 30, 1, 5, 3, 0]]
+
+TINY_STORIES = [
+    "mia found a shell. she took it home.\n",
+    "the dog lost a ball. he found it.\n",
+    "ana played with a kite. it was fun.\n",
+    "tom made a cake. he said thank you.\n",
+    "mia went home. she played with the dog.\n",
+    "the cat found a box. it played in it.\n",
+    "ana lost her hat. she found it.\n",
+    "tom took a ball home. he had fun.\n",
+]
+TINY_CONFIG = {"test_stories": 2, "val_stories": 2, "epochs": 2, "batch_size": 2}
+
+
+def read(name):
+    with open(os.path.join(HERE, name), encoding="utf-8") as f:
+        return f.read()
+
+
+def params_difference(first, second):
+    """None if the two parameter dicts are equal (==), else where they first differ
+    (unittest's own diff of long float lists is slow to compute)."""
+    if set(first) != set(second):
+        return f"names differ: {sorted(set(first) ^ set(second))}"
+    for name in model.SHAPES:
+        rows_a = first[name] if isinstance(first[name][0], list) else [first[name]]
+        rows_b = second[name] if isinstance(second[name][0], list) else [second[name]]
+        for i, (a, b) in enumerate(zip(rows_a, rows_b)):
+            if a != b:
+                return f"{name} row {i} differs"
+        if len(rows_a) != len(rows_b):
+            return f"{name} has {len(rows_a)} rows, the other {len(rows_b)}"
+    return None
+
+
+def adam_steps(params, sequences, steps, lr=0.01):
+    """Run full-batch Adam steps on the sequences, updating params in place."""
+    adam = train.Adam(params)
+    for _ in range(steps):
+        grads = [model.loss_and_grads(params, ids[:-1], ids[1:])[1] for ids in sequences]
+        adam.update(params, train.average_grads(grads), lr)
+
+
+class SplitTest(unittest.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        cls.text = read("corpus.txt")
+        cls.stories = cls.text.splitlines(keepends=True)
+        cls.splits = train.split_stories(cls.text)
+
+    def test_exactly_60_test_stories(self):
+        self.assertEqual(len(self.splits[2]), 60)
+
+    def test_no_story_is_in_two_splits(self):
+        train_set, val_set, test_set = (set(s) for s in self.splits)
+        self.assertEqual(train_set & val_set, set())
+        self.assertEqual(train_set & test_set, set())
+        self.assertEqual(val_set & test_set, set())
+
+    def test_the_splits_together_are_all_the_stories(self):
+        together = self.splits[0] + self.splits[1] + self.splits[2]
+        self.assertEqual(len(together), len(self.stories))
+        self.assertTrue(sorted(together) == sorted(self.stories))
+
+    def test_every_story_ends_with_a_newline(self):
+        for split in self.splits:
+            for story in split:
+                self.assertTrue(story.endswith("\n"), repr(story))
+                self.assertEqual(story.count("\n"), 1, repr(story))
+
+    def test_split_is_deterministic(self):
+        again = train.split_stories(self.text)
+        for name, first, second in zip(("train", "val", "test"), self.splits, again):
+            self.assertTrue(first == second, f"the {name} split differs between two calls")
+
+    def test_a_corpus_too_small_for_the_split_is_refused(self):
+        need = train.CONFIG["test_stories"] + train.CONFIG["val_stories"] + 1
+        enough = "".join(self.stories[:need])
+        train_set, _, _ = train.split_stories(enough)
+        self.assertEqual(len(train_set), 1)
+        with self.assertRaises(ValueError):
+            train.split_stories("".join(self.stories[:need - 1]))
+        with self.assertRaises(ValueError):
+            train.split_stories("")
+
+    def test_a_corpus_with_an_unfinished_or_empty_line_is_refused(self):
+        text = "".join(self.stories)
+        for bad in (text.rstrip("\n"), text + "\n", "\n" + text):
+            with self.assertRaisesRegex(ValueError, "one story per line"):
+                train.split_stories(bad)
+
+
+class OptimiserTest(unittest.TestCase):
+
+    def test_a_few_adam_steps_lower_the_loss(self):
+        params = model.init_params(0)
+        before = train.mean_loss(params, SEQUENCES)
+        adam_steps(params, SEQUENCES, 5)
+        after = train.mean_loss(params, SEQUENCES)
+        self.assertLess(after, 0.9 * before)
+
+    def test_the_same_seed_gives_the_same_weights(self):
+        first, second = model.init_params(1), model.init_params(1)
+        self.assertIsNone(params_difference(first, second))
+        adam_steps(first, SEQUENCES, 3)
+        adam_steps(second, SEQUENCES, 3)
+        self.assertIsNone(params_difference(first, second))
+        self.assertIsNotNone(params_difference(first, model.init_params(1)))
+
+    def test_a_different_seed_gives_different_weights(self):
+        first, second = model.init_params(1), model.init_params(2)
+        adam_steps(first, SEQUENCES, 3)
+        adam_steps(second, SEQUENCES, 3)
+        for name in model.MATRICES + ("tok_emb", "pos_emb"):
+            self.assertTrue(first[name] != second[name], name)
+
+    def test_average_grads_is_the_element_wise_mean(self):
+        _, g1 = model.loss_and_grads(model.init_params(3), [4, 1, 30], [1, 30, 3])
+        _, g2 = model.loss_and_grads(model.init_params(4), [5, 1], [1, 31])
+        _, g3 = model.loss_and_grads(model.init_params(5), [31, 1, 4, 3], [1, 4, 3, 0])
+        self.assertIsNone(params_difference(train.average_grads([g1, g1]), g1))
+        mean = train.average_grads([g1, g2, g3])
+        self.assertEqual(set(mean), set(model.SHAPES))
+        self.assertEqual(mean["b_out"], [math.fsum(cells) / 3 for cells in
+                                         zip(g1["b_out"], g2["b_out"], g3["b_out"])])
+        self.assertEqual(mean["W1"][3], [math.fsum(cells) / 3 for cells in
+                                         zip(g1["W1"][3], g2["W1"][3], g3["W1"][3])])
+
+
+class UnigramEntropyTest(unittest.TestCase):
+
+    def test_uniform_over_4_tokens_is_log_4(self):
+        self.assertEqual(train.unigram_entropy([[0, 1, 2, 3]]), math.log(4))
+        self.assertEqual(train.unigram_entropy([[3, 2], [1, 0], [0, 1, 2, 3]]), math.log(4))
+
+    def test_one_token_only_has_zero_entropy(self):
+        self.assertEqual(train.unigram_entropy([[7, 7, 7]]), 0.0)
+
+    def test_uneven_counts_have_less_entropy_than_uniform(self):
+        self.assertLess(train.unigram_entropy([[0, 0, 0, 1, 2, 3]]), math.log(4))
+
+
+class TrainingRunTest(unittest.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tok = Tokenizer.load(os.path.join(HERE, "tokenizer.json"))
+        cls.text = "".join(TINY_STORIES)
+
+    def run_training(self, folder, name, seed):
+        """train.train on the tiny corpus with a small CONFIG; the saved params and log."""
+        path = os.path.join(folder, name)
+        lines = []
+        with mock.patch.dict(train.CONFIG, dict(TINY_CONFIG, seed=seed)):
+            best, baseline = train.train(self.tok, self.text, out_path=path, log=lines.append)
+            record = checkpoint.load(path, train.CONFIG,
+                                     checkpoint.input_signature(self.tok, self.text))
+        return record, best, baseline, lines
+
+    def test_training_writes_the_best_checkpoint_and_reports_progress(self):
+        with tempfile.TemporaryDirectory() as folder:
+            record, best, baseline, lines = self.run_training(folder, "best.json", 0)
+            self.assertEqual(os.listdir(folder), ["best.json"])
+        self.assertEqual(record["meta"]["val_loss"], best)
+        self.assertEqual(record["meta"]["unigram_baseline"], baseline)
+        self.assertIn(record["meta"]["epoch"], (1, 2))
+        self.assertTrue(math.isfinite(best) and best > 0)
+        self.assertTrue(any(line.startswith("epoch  1/2") for line in lines), lines)
+        self.assertTrue(any(line.startswith("epoch  2/2") for line in lines), lines)
+        self.assertTrue(all("left" in line for line in lines if line.startswith("epoch")))
+
+    def test_training_is_reproducible_by_seed(self):
+        with tempfile.TemporaryDirectory() as folder:
+            first, best1, _, _ = self.run_training(folder, "a.json", 0)
+            second, best2, _, _ = self.run_training(folder, "b.json", 0)
+            other, _, _, _ = self.run_training(folder, "c.json", 1)
+        self.assertIsNone(params_difference(first["params"], second["params"]))
+        self.assertEqual(best1, best2)
+        self.assertIsNotNone(params_difference(first["params"], other["params"]))
+
+
+if __name__ == "__main__":
+    unittest.main()
