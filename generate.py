@@ -51,7 +51,7 @@ def next_token_probs(logits, temperature, top_k):
     return probs
 
 
-def _check_request(tok, prompt, max_new_tokens, temperature, top_k, seed):
+def check_request(tok, prompt, max_new_tokens, temperature, top_k, seed):
     """The prompt's token IDs, after refusing every bad argument of generate."""
     check_settings(temperature, top_k, len(tok.vocab))
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -71,7 +71,7 @@ def _check_request(tok, prompt, max_new_tokens, temperature, top_k, seed):
 def generate_with(next_logits, tok, prompt, max_new_tokens, temperature, top_k, seed):
     """The generation loop, given next_logits(ids): the scores for the token after ids.
     generate and kv_cache.generate_cached differ only in the next_logits they pass."""
-    ids = _check_request(tok, prompt, max_new_tokens, temperature, top_k, seed)
+    ids = check_request(tok, prompt, max_new_tokens, temperature, top_k, seed)
     rng = random.Random(seed)
     steps = []
     while True:
@@ -125,6 +125,11 @@ def main(argv=None):
                           args.top_k, args.seed)
     except (OSError, ValueError) as e:
         sys.exit(f"generate.py: error: {e}")
+    print_result(result)
+
+
+def print_result(result):
+    """The story, each chosen token with its probability, and why generation stopped."""
     print(result["text"].rstrip("\n"))
     for step in result["steps"]:
         print(f"  {step['token']!r:12} {step['probability']:.4f}")

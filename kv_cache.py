@@ -7,6 +7,11 @@ new row, appends its key and value to the cache, and attends over the cache.
 
     python3 kv_cache.py "mia found a shell."    (see --help for the sampling flags)
 """
+import argparse
+import copy
+import sys
+import time
+
 import generate
 import model
 
@@ -17,11 +22,26 @@ class KVCache:
     def __init__(self, params):
         self.params = params
         self.columns = model.columns(params)   # the weight matrices, ready for row()
+        self.tokens = []                       # the token ID at each position
         self.keys = []                         # one key (WIDTH floats) per position
         self.values = []                       # one value (WIDTH floats) per position
 
     def __len__(self):
         return len(self.keys)
+
+    def copy(self):
+        """An independent cache holding the same positions: a fork of this sequence."""
+        fork = copy.copy(self)   # the same params and columns; rows are never changed in place
+        fork.tokens, fork.keys, fork.values = self.tokens[:], self.keys[:], self.values[:]
+        return fork
+
+    def crop(self, length):
+        """Forget every position from length on (rewind the sequence to length tokens)."""
+        if isinstance(length, bool) or not isinstance(length, int) \
+                or not 0 <= length <= len(self):
+            raise ValueError(f"crop length must be an int from 0 to {len(self)} "
+                             f"(the positions held), got {length!r}")
+        del self.tokens[length:], self.keys[length:], self.values[length:]
 
 
 def forward_step(params, cache, token_id, position):
@@ -39,6 +59,7 @@ def forward_step(params, cache, token_id, position):
                          f"of the model's table")
     model.check_token_id(token_id)
     x0, _, q, k, v = model.embed_and_project(params, cache.columns, token_id, position)
+    cache.tokens.append(token_id)
     cache.keys.append(k)
     cache.values.append(v)
     _, mixed = model.attend(q, cache.keys, cache.values)   # every position so far, from the cache
@@ -46,9 +67,14 @@ def forward_step(params, cache, token_id, position):
 
 
 def generate_cached(params, tok, prompt, max_new_tokens=60, temperature=0.0, top_k=None,
-                    seed=0):
-    """Same arguments and result as generate.generate, computing one new row per step."""
-    cache = KVCache(params)
+                    seed=0, cache=None):
+    """Same arguments and result as generate.generate, computing one new row per step.
+    Given a cache that holds the start of the prompt, starts from a copy of it."""
+    if cache is None:
+        cache = KVCache(params)
+    else:
+        ids = generate.check_request(tok, prompt, max_new_tokens, temperature, top_k, seed)
+        cache = _fork_for_prompt(params, cache, ids, tok)
 
     def next_logits(ids):
         # Feed the tokens the cache does not hold yet: the whole prompt on the first call
@@ -58,3 +84,54 @@ def generate_cached(params, tok, prompt, max_new_tokens=60, temperature=0.0, top
         return logits
     return generate.generate_with(next_logits, tok, prompt, max_new_tokens, temperature,
                                   top_k, seed)
+
+
+def _fork_for_prompt(params, cache, ids, tok):
+    """A copy of cache to continue the prompt ids from, after checking that the cache
+    belongs to params and holds a prefix of ids."""
+    if cache.params is not params:
+        raise ValueError("the cache was made for different parameters; "
+                         "start a new cache with KVCache(params)")
+    if len(cache.tokens) != len(cache):
+        raise ValueError(f"the cache holds {len(cache)} keys but {len(cache.tokens)} tokens")
+    for position, (held, wanted) in enumerate(zip(cache.tokens, ids)):
+        if held != wanted:
+            raise ValueError(f"the cache is not a prefix of the prompt: at position {position} "
+                             f"it holds {tok.vocab[held]!r}, the prompt has {tok.vocab[wanted]!r}")
+    if len(cache) > len(ids):
+        raise ValueError(f"the cache holds {len(cache)} tokens, more than the prompt's "
+                         f"{len(ids)}; crop it to a prefix of the prompt first")
+    fork = cache.copy()
+    if len(fork) == len(ids):
+        # The scores for the first new token come from the last prompt position's row,
+        # which the cache does not keep: forget that position and feed it again.
+        fork.crop(len(ids) - 1)
+    return fork
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Continue a story with and without the KV "
+                                                 "cache, and compare the two.")
+    generate.add_generation_flags(parser)
+    args = parser.parse_args(argv)
+    from trace_kv import work   # trace_kv imports this module, so import it only here
+    settings = (args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    try:
+        params, tok = generate.load_trained()
+        start = time.perf_counter()
+        uncached = generate.generate(params, tok, args.prompt, *settings)
+        middle = time.perf_counter()
+        cached = generate_cached(params, tok, args.prompt, *settings)
+        end = time.perf_counter()
+    except (OSError, ValueError) as e:
+        sys.exit(f"kv_cache.py: error: {e}")
+    generate.print_result(cached)
+    counts = work(len(tok.encode(args.prompt)), len(cached["steps"]))
+    for path, seconds in (("uncached", middle - start), ("cached", end - middle)):
+        print(f"{path:>8}: {counts[path + '_rows']:6,} rows, "
+              f"{counts[path + '_scores']:8,} attention scores, {seconds:.3f} s")
+    print(f"identical: {'yes' if cached == uncached else 'NO'}")
+
+
+if __name__ == "__main__":
+    main()

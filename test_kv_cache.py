@@ -3,6 +3,8 @@ formulas say, and every misuse is refused before anything is computed."""
 import copy
 import json
 import os
+import subprocess
+import sys
 import unittest
 from unittest import mock
 
@@ -12,6 +14,7 @@ import model
 import trace_kv
 from generate import load_trained
 from kv_cache import KVCache, forward_step, generate_cached
+from trace_kv import cached_rows, never_ending
 from train import split_stories
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -26,17 +29,20 @@ def setUpModule():
     OPENINGS = trace_kv.openings(STORIES)
 
 
-def cached_rows(params, ids, step=forward_step):
-    """The logits of every position of ids, fed one at a time through a fresh cache."""
-    cache = KVCache(params)
-    return [step(params, cache, t, i) for i, t in enumerate(ids)]
-
-
 NEXT = object()   # stands for "the cache's next position" in Misuse.assertRefused
 
 
 def snapshot(cache):
-    return len(cache), [list(k) for k in cache.keys], [list(v) for v in cache.values]
+    return (len(cache), list(cache.tokens), [list(k) for k in cache.keys],
+            [list(v) for v in cache.values])
+
+
+def prefilled(ids):
+    """A new cache holding ids, and the logits of its last position."""
+    cache = KVCache(PARAMS)
+    for position, token_id in enumerate(ids):
+        logits = forward_step(PARAMS, cache, token_id, position)
+    return cache, logits
 
 
 class Exactness(unittest.TestCase):
@@ -93,8 +99,7 @@ class Exactness(unittest.TestCase):
                                      generate.generate(PARAMS, TOK, prompt, **kwargs))
 
     def test_context_full_stops_at_the_same_point(self):
-        never_ends = copy.deepcopy(PARAMS)
-        never_ends["b_out"][TOK.ids["\n"]] = -1e9
+        never_ends = never_ending(PARAMS, TOK)
         prompt = STORIES[0].rstrip("\n") + " " + STORIES[1].rstrip("\n")
         prompt_tokens = len(TOK.encode(prompt))
         self.assertLess(prompt_tokens, model.CONTEXT)
@@ -229,6 +234,187 @@ class Misuse(unittest.TestCase):
                 with self.assertRaises(ValueError) as cached:
                     generate_cached(PARAMS, TOK, **kwargs)
                 self.assertEqual(str(cached.exception), str(uncached.exception))
+
+
+class Reuse(unittest.TestCase):
+    """Deliberate reuse: forks, crops, and continuing a prompt from a cache."""
+
+    def setUp(self):
+        self.prompt = OPENINGS[0]
+        self.ids = TOK.encode(self.prompt)
+
+    def test_a_fork_never_changes_its_parent_or_sibling(self):
+        parent, _ = prefilled(self.ids)
+        before = snapshot(parent)
+        left, right = parent.copy(), parent.copy()
+        for fork, more in ((left, TOK.encode(" she")), (right, TOK.encode(" tom ran"))):
+            for token_id in more:
+                forward_step(PARAMS, fork, token_id, len(fork))
+            self.assertEqual(snapshot(fork), snapshot(prefilled(self.ids + more)[0]))
+        self.assertEqual(snapshot(parent), before)
+
+    def test_crop_rewinds_the_sequence(self):
+        cache, _ = prefilled(self.ids)
+        cache.crop(3)
+        self.assertEqual(snapshot(cache), snapshot(prefilled(self.ids[:3])[0]))
+        # Feeding the rest again gives the very rows of an uncropped run.
+        rows = [forward_step(PARAMS, cache, t, 3 + i) for i, t in enumerate(self.ids[3:])]
+        self.assertEqual(rows, cached_rows(PARAMS, self.ids)[3:])
+
+    def test_crop_refuses_a_bad_length(self):
+        cache, _ = prefilled(self.ids)
+        before = snapshot(cache)
+        for length in (-1, len(self.ids) + 1, 2.0, True, None, "2"):
+            with self.subTest(length=length):
+                with self.assertRaisesRegex(ValueError, "crop length"):
+                    cache.crop(length)
+                self.assertEqual(snapshot(cache), before)
+
+    def test_generation_from_a_cache_equals_a_fresh_run(self):
+        """An empty cache, one holding part of the prompt, and one holding all of it."""
+        for held in (0, 1, len(self.ids) - 1, len(self.ids)):
+            cache, _ = prefilled(self.ids[:held]) if held else (KVCache(PARAMS), None)
+            before = snapshot(cache)
+            for settings in ({}, {"temperature": 1.0, "seed": 3},
+                             {"temperature": 1.0, "top_k": 3, "seed": 4}):
+                with self.subTest(held=held, **settings):
+                    self.assertEqual(
+                        generate_cached(PARAMS, TOK, self.prompt, cache=cache, **settings),
+                        generate.generate(PARAMS, TOK, self.prompt, **settings))
+                    self.assertEqual(snapshot(cache), before)
+
+    def test_a_cache_feeds_only_the_prompt_tokens_it_lacks(self):
+        for held, fed in ((0, len(self.ids)), (3, len(self.ids) - 3), (len(self.ids), 1)):
+            cache, _ = prefilled(self.ids[:held]) if held else (KVCache(PARAMS), None)
+            calls = []
+            real = kv_cache.forward_step
+
+            def counting(params, cache, token_id, position):
+                calls.append(position)
+                return real(params, cache, token_id, position)
+            with mock.patch.object(kv_cache, "forward_step", counting):
+                generate_cached(PARAMS, TOK, self.prompt, max_new_tokens=1, cache=cache)
+            self.assertEqual(calls, list(range(len(self.ids) - fed, len(self.ids))))
+
+    def test_generation_refuses_a_cache_it_cannot_continue(self):
+        other, _ = prefilled(TOK.encode(OPENINGS[1]))
+        longer, _ = prefilled(self.ids + TOK.encode(" she"))
+        foreign = KVCache(copy.deepcopy(PARAMS))
+        position = next(i for i, (a, b) in enumerate(zip(other.tokens, self.ids)) if a != b)
+        for cache, fragment in ((other, f"not a prefix of the prompt: at position {position}"),
+                                (longer, "more than the prompt's"),
+                                (foreign, "different parameters")):
+            before = snapshot(cache)
+            with self.subTest(fragment=fragment):
+                with self.assertRaisesRegex(ValueError, fragment):
+                    generate_cached(PARAMS, TOK, self.prompt, cache=cache)
+                self.assertEqual(snapshot(cache), before)
+
+    def test_one_cache_per_sequence_interleaved(self):
+        """Like a server: several sequences advance one greedy step each in turn, each
+        with its own cache, and each ends as it would alone."""
+        prompts = OPENINGS[:4]
+        running = []
+        for prompt in prompts:
+            ids = TOK.encode(prompt)
+            cache, logits = prefilled(ids)
+            running.append({"ids": ids, "cache": cache, "logits": logits})
+        for _ in range(12):
+            for seq in running:
+                token_id = seq["logits"].index(max(seq["logits"]))
+                seq["ids"].append(token_id)
+                seq["logits"] = forward_step(PARAMS, seq["cache"], token_id, len(seq["ids"]) - 1)
+        for prompt, seq in zip(prompts, running):
+            alone = generate_cached(PARAMS, TOK, prompt, max_new_tokens=12)
+            self.assertEqual(TOK.decode(seq["ids"]), alone["text"])
+            self.assertEqual(len(alone["steps"]), 12)
+
+
+class Record(unittest.TestCase):
+    """The figures in kv-trace.json that the README quotes, against real runs."""
+
+    @classmethod
+    def setUpClass(cls):
+        with open(trace_kv.TRACE, encoding="utf-8") as f:
+            cls.record = json.load(f)
+
+    def test_cost_by_length_matches_instrumented_runs(self):
+        never_ends = never_ending(PARAMS, TOK)
+        for entry in self.record["cost_by_length"]:
+            length = entry["positions"]
+            counted = {"uncached_rows": 0, "cached_rows": 0}
+            real_forward, real_step = model.forward, kv_cache.forward_step
+
+            def forward(params, ids):
+                counted["uncached_rows"] += len(ids)
+                return real_forward(params, ids)
+
+            def step(params, cache, token_id, position):
+                counted["cached_rows"] += 1
+                return real_step(params, cache, token_id, position)
+            with mock.patch.object(model, "forward", forward), \
+                    mock.patch.object(kv_cache, "forward_step", step):
+                result = generate.generate(never_ends, TOK, "mia", max_new_tokens=length - 1)
+                self.assertEqual(generate_cached(never_ends, TOK, "mia",
+                                                 max_new_tokens=length - 1), result)
+            self.assertEqual(len(TOK.encode(result["text"])), length)
+            self.assertEqual(counted["uncached_rows"], entry["uncached_rows"])
+            self.assertEqual(counted["cached_rows"], entry["cached_rows"])
+            self.assertEqual(entry, {"positions": length, **trace_kv.work(1, length - 1)})
+
+    def test_prefix_sharing_saves_the_recorded_rows(self):
+        sharing = self.record["prefix_sharing"]
+        self.assertEqual(sharing["identical"], sharing["runs"])
+        lengths = [len(TOK.encode(prompt)) for prompt in OPENINGS]
+        self.assertEqual(sharing["prompt_rows_without_sharing"], 3 * sum(lengths))
+        self.assertEqual(sharing["prompt_rows_with_sharing"], sum(lengths) + 3 * len(lengths))
+
+    def test_sums_in_another_order_change_the_scores_and_only_inside_the_block(self):
+        ids = TOK.encode(STORIES[0])
+        full, _ = model.forward(PARAMS, ids)
+        with trace_kv.sums_in_another_order():
+            reordered = cached_rows(PARAMS, ids)
+        self.assertNotEqual(reordered, full)
+        self.assertEqual(trace_kv.largest_gap(full, reordered),
+                         self.record["sums_in_another_order"]["largest_logit_gap_first_story"])
+        self.assertEqual(cached_rows(PARAMS, ids), full)
+
+
+class Playground(unittest.TestCase):
+
+    def run_cli(self, *args):
+        return subprocess.run([sys.executable, "kv_cache.py", *args], cwd=HERE,
+                              capture_output=True, text=True, timeout=120)
+
+    def test_playground_compares_the_two_paths(self):
+        done = self.run_cli("mia found a shell.", "--temperature", "1.0", "--seed", "3",
+                            "--max-new-tokens", "8")
+        self.assertEqual(done.returncode, 0, done.stderr)
+        result = generate.generate(PARAMS, TOK, "mia found a shell.", temperature=1.0, seed=3,
+                                   max_new_tokens=8)
+        counts = trace_kv.work(len(TOK.encode("mia found a shell.")), len(result["steps"]))
+        lines = done.stdout.splitlines()
+        self.assertEqual(lines[0], result["text"].rstrip("\n"))
+        self.assertIn(f"stopped: {result['stopped']}", lines)
+        self.assertRegex(done.stdout, rf"uncached: +{counts['uncached_rows']:,} rows, "
+                                      rf"+{counts['uncached_scores']:,} attention scores")
+        self.assertRegex(done.stdout, rf"cached: +{counts['cached_rows']:,} rows, "
+                                      rf"+{counts['cached_scores']:,} attention scores")
+        self.assertEqual(lines[-1], "identical: yes")
+
+    def test_playground_refuses_bad_arguments_in_one_line(self):
+        for args, fragment in ((["mia!"], "unknown character"),
+                               (["mia", "--top-k", "0"], "top_k"),
+                               (["mia", "--max-new-tokens", "-2"], "max_new_tokens")):
+            with self.subTest(args=args):
+                done = self.run_cli(*args)
+                self.assertEqual(done.returncode, 1)
+                self.assertNotIn("Traceback", done.stderr)
+                self.assertEqual(len(done.stderr.strip().splitlines()), 1, done.stderr)
+                self.assertIn(fragment, done.stderr)
+        done = self.run_cli("mia", "--temprature", "1")
+        self.assertEqual(done.returncode, 2)
+        self.assertNotIn("Traceback", done.stderr)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ kv-trace.json holds only what any machine reproduces exactly (results and counts
 kv-time.json holds wall-clock times, which vary, and is never compared.
 """
 import argparse
+import contextlib
 import json
+import os
 import platform
 import sys
 import time
@@ -23,6 +25,7 @@ from kv_cache import KVCache, forward_step, generate_cached
 from train import split_stories
 
 TRACE, TIMES = "kv-trace.json", "kv-time.json"
+LENGTHS = (8, 16, 32, 64)
 
 
 def work(prompt_tokens, generated_tokens):
@@ -48,18 +51,21 @@ def openings(stories):
     return [story.split(". ")[0] + "." for story in stories]
 
 
-def largest_gap(params, ids):
-    """The largest difference between any logit of the full forward pass and the cached one."""
-    full, _ = model.forward(params, ids)
+def cached_rows(params, ids, step=forward_step):
+    """The logits of every position of ids, fed one at a time through a new cache."""
     cache = KVCache(params)
-    cached = [forward_step(params, cache, t, i) for i, t in enumerate(ids)]
-    return max(abs(a - b) for full_row, cached_row in zip(full, cached)
-               for a, b in zip(full_row, cached_row))
+    return [step(params, cache, t, i) for i, t in enumerate(ids)]
+
+
+def largest_gap(rows, other_rows):
+    """The largest difference between any two corresponding logits."""
+    return max(abs(a - b) for row, other in zip(rows, other_rows) for a, b in zip(row, other))
 
 
 def _bare_sum_pairs(params, ids):
     """The operand pairs of every fsum a cached pass over ids does: each matrix column,
-    each attention score and mixing sum, and the two sums of each layer norm."""
+    each attention score, the softmax's sum, each mixing sum, and the two sums of each
+    layer norm (the softmax and layer-norm sums stood for by sums of products as long)."""
     _, saved = model.forward(params, ids)
     cols = KVCache(params).columns
     pairs, keys, values = [], [], []
@@ -69,26 +75,119 @@ def _bare_sum_pairs(params, ids):
         for x, matrices in ((h1, ("Wq", "Wk", "Wv")), (mixed, ("Wo",)), (h2, ("W1",)),
                             (a, ("W2",)), (hf, ("W_out",))):
             pairs += [(x, col) for name in matrices for col in cols[name]]
-        pairs += [(q, key) for key in keys]
+        pairs += [(q, key) for key in keys] + [(weights, weights)]
         pairs += [(weights, list(column)) for column in zip(*values)]
         pairs += [(x, x) for x in (x0, x0, x1, x1, x2, x2)]
     return pairs
 
 
 def speed_of_a_row(params, ids, repeats=20):
-    """Seconds for forward_step over ids, and for only the fsum calls those rows need."""
+    """Seconds for forward_step over ids, and for only the fsum calls those rows need,
+    measured in turns so that both see the same machine."""
     pairs = _bare_sum_pairs(params, ids)
-    start = time.perf_counter()
-    for _ in range(repeats):
+    steps = bare = 0.0
+    for cache in [KVCache(params) for _ in range(repeats)]:
+        start = time.perf_counter()
+        for position, token_id in enumerate(ids):
+            forward_step(params, cache, token_id, position)
+        middle = time.perf_counter()
+        for a, b in pairs:
+            fsum(map(mul, a, b))
+        steps += middle - start
+        bare += time.perf_counter() - middle
+    return steps, bare
+
+
+def compare_on_openings(params, tok, prompts):
+    """Both generators on every prompt, greedy and sampled (temperature 1.0, seed = the
+    prompt's index): the uncached results, how many cached ones are identical, the work
+    and the greedy seconds of each path."""
+    greedy, sampled, identical = [], [], {"greedy": 0, "sampled": 0}
+    seconds = {"uncached": 0.0, "cached": 0.0}
+    total = dict.fromkeys(work(1, 1), 0)
+    for index, prompt in enumerate(prompts):
+        start = time.perf_counter()
+        uncached = generate(params, tok, prompt)
+        middle = time.perf_counter()
+        cached = generate_cached(params, tok, prompt)
+        seconds["uncached"] += middle - start
+        seconds["cached"] += time.perf_counter() - middle
+        greedy.append(uncached)
+        identical["greedy"] += cached == uncached
+        for key, count in work(len(tok.encode(prompt)), len(uncached["steps"])).items():
+            total[key] += count
+        sampled.append(generate(params, tok, prompt, temperature=1.0, seed=index))
+        identical["sampled"] += sampled[-1] == generate_cached(params, tok, prompt,
+                                                               temperature=1.0, seed=index)
+    return greedy, sampled, identical, total, seconds
+
+
+@contextlib.contextmanager
+def sums_in_another_order():
+    """Inside this block the model adds its terms one by one, last term first, instead of
+    with one correctly rounded fsum: the same numbers, summed in another order."""
+    exact = model.fsum
+    model.fsum = lambda terms: sum(reversed(list(terms)))
+    try:
+        yield
+    finally:
+        model.fsum = exact
+
+
+def share_prefixes(params, tok, prompts, greedy, sampled):
+    """Prefill each opening once and continue it three ways (greedy, sampled, top-k 3)
+    from that cache; each must equal the run without a shared cache."""
+    identical, without, shared = 0, 0, 0
+    for index, prompt in enumerate(prompts):
+        ids = tok.encode(prompt)
         cache = KVCache(params)
         for position, token_id in enumerate(ids):
             forward_step(params, cache, token_id, position)
-    steps = time.perf_counter() - start
-    start = time.perf_counter()
-    for _ in range(repeats):
-        for a, b in pairs:
-            fsum(map(mul, a, b))
-    return steps, time.perf_counter() - start
+        top_k = {"temperature": 1.0, "top_k": 3, "seed": index}
+        identical += generate_cached(params, tok, prompt, cache=cache) == greedy[index]
+        identical += generate_cached(params, tok, prompt, temperature=1.0, seed=index,
+                                     cache=cache) == sampled[index]
+        identical += (generate_cached(params, tok, prompt, cache=cache, **top_k)
+                      == generate_cached(params, tok, prompt, **top_k))
+        without += 3 * len(ids)       # each run prefills the whole opening
+        shared += len(ids) + 3        # one prefill, then each run feeds the last token again
+    return {"runs": 3 * len(prompts), "identical": identical,
+            "prompt_rows_without_sharing": without, "prompt_rows_with_sharing": shared}
+
+
+def never_ending(params, tok):
+    """A copy of params whose newline score is so low that no story ever ends."""
+    copy = dict(params, b_out=list(params["b_out"]))
+    copy["b_out"][tok.ids["\n"]] = -1e9
+    return copy
+
+
+def cost_by_length(params, tok):
+    """Rows, scores and seconds of both generators from a one-token prompt ("mia") to
+    8, 16, 32 and 64 positions, with a copy of the model that never ends a story."""
+    never_ends = never_ending(params, tok)
+    counts, seconds = [], []
+    for length in LENGTHS:
+        start = time.perf_counter()
+        generate(never_ends, tok, "mia", max_new_tokens=length - 1)
+        middle = time.perf_counter()
+        generate_cached(never_ends, tok, "mia", max_new_tokens=length - 1)
+        end = time.perf_counter()
+        counts.append({"positions": length, **work(1, length - 1)})
+        seconds.append({"positions": length, "uncached_seconds": round(middle - start, 4),
+                        "cached_seconds": round(end - middle, 4),
+                        "speedup": round((middle - start) / (end - middle), 1)})
+    return counts, seconds
+
+
+def cache_bytes(params, ids):
+    """Bytes CPython uses for a cache holding ids: the lists and every float object."""
+    cache = KVCache(params)
+    for position, token_id in enumerate(ids):
+        forward_step(params, cache, token_id, position)
+    rows = cache.keys + cache.values
+    return (sys.getsizeof(cache.keys) + sys.getsizeof(cache.values)
+            + sum(sys.getsizeof(r) + sum(sys.getsizeof(x) for x in r) for r in rows))
 
 
 def run():
@@ -98,54 +197,49 @@ def run():
         _, _, test = split_stories(f.read())
     prompts = openings(test)
     first_story = tok.encode(test[0])
+    full_context = [t for story in test for t in tok.encode(story)][:model.CONTEXT]
 
-    greedy = {"identical": 0, "ended": 0, "generated": 0, "examples": [],
-              "seconds": {"uncached": 0.0, "cached": 0.0}}
-    total = dict.fromkeys(work(1, 1), 0)
-    for prompt in prompts:
-        start = time.perf_counter()
-        uncached = generate(params, tok, prompt)
-        middle = time.perf_counter()
-        cached = generate_cached(params, tok, prompt)
-        greedy["seconds"]["uncached"] += middle - start
-        greedy["seconds"]["cached"] += time.perf_counter() - middle
-        greedy["identical"] += uncached == cached
-        greedy["ended"] += uncached["stopped"] == "end of story"
-        greedy["generated"] += len(uncached["steps"])
-        for key, count in work(len(tok.encode(prompt)), len(uncached["steps"])).items():
-            total[key] += count
-        if len(greedy["examples"]) < 3:
-            greedy["examples"].append(uncached["text"])
-    sampled_identical = sum(
-        generate(params, tok, prompt, temperature=1.0, seed=index)
-        == generate_cached(params, tok, prompt, temperature=1.0, seed=index)
-        for index, prompt in enumerate(prompts))
-
+    greedy, sampled, identical, total, seconds = compare_on_openings(params, tok, prompts)
+    full, _ = model.forward(params, first_story)
+    with sums_in_another_order():
+        reordered = cached_rows(params, first_story)
+        reordered_identical = sum(generate_cached(params, tok, prompt) == result
+                                  for prompt, result in zip(prompts, greedy))
+    by_length, seconds_by_length = cost_by_length(params, tok)
     record = {
         "stories": len(prompts),
-        "largest_logit_gap_first_story": largest_gap(params, first_story),
+        "largest_logit_gap_first_story": largest_gap(full, cached_rows(params, first_story)),
         "positions_checked": len(first_story),
-        "greedy_identical": greedy["identical"],
-        "sampled_identical": sampled_identical,
-        "greedy_ended_with_newline": greedy["ended"],
-        "generated_tokens": greedy["generated"],
+        "greedy_identical": identical["greedy"],
+        "sampled_identical": identical["sampled"],
+        "greedy_ended_with_newline": sum(r["stopped"] == "end of story" for r in greedy),
+        "generated_tokens": sum(len(r["steps"]) for r in greedy),
         "work": total,
         "rows_ratio": round(total["uncached_rows"] / total["cached_rows"], 2),
         "scores_ratio": round(total["uncached_scores"] / total["cached_scores"], 2),
         "cache_floats_per_position": 2 * model.WIDTH,
         "cache_floats_full_context": 2 * model.WIDTH * model.CONTEXT,
-        "greedy_examples": greedy["examples"],
+        "greedy_examples": [r["text"] for r in greedy[:3]],
+        "prefix_sharing": share_prefixes(params, tok, prompts, greedy, sampled),
+        "cost_by_length": by_length,
+        "sums_in_another_order": {"largest_logit_gap_first_story": largest_gap(full, reordered),
+                                  "greedy_identical": reordered_identical},
     }
-    seconds = greedy["seconds"]
     step_seconds, bare_seconds = speed_of_a_row(params, first_story)
+    memory = cache_bytes(params, full_context)
     timing = {
         "uncached_seconds": round(seconds["uncached"], 3),
         "cached_seconds": round(seconds["cached"], 3),
         "speedup": round(seconds["uncached"] / seconds["cached"], 2),
-        "uncached_microseconds_per_row": round(seconds["uncached"] / total["uncached_rows"] * 1e6, 1),
+        "uncached_microseconds_per_row":
+            round(seconds["uncached"] / total["uncached_rows"] * 1e6, 1),
         "cached_microseconds_per_row": round(seconds["cached"] / total["cached_rows"] * 1e6, 1),
         "forward_step_over_bare_fsum": round(step_seconds / bare_seconds, 2),
-        "machine": f"{platform.system()} {platform.machine()}, {platform.processor() or 'unknown CPU'}",
+        "cost_by_length": seconds_by_length,
+        "cache_bytes_full_context": memory,
+        "cache_bytes_per_position": memory // model.CONTEXT,
+        "cache_bytes_as_8_byte_floats": 8 * 2 * model.WIDTH * model.CONTEXT,
+        "machine": f"{platform.platform()}, {os.cpu_count()} cores",
         "python": platform.python_version(),
     }
     return record, timing
