@@ -7,11 +7,10 @@ target, then a rename, so a crash leaves either the old file or the new one.
 """
 import hashlib
 import json
-import math
 import os
 import tempfile
 
-from model import SHAPES
+import model
 
 FORMAT = "kv-lab-checkpoint-1"
 
@@ -54,7 +53,7 @@ def input_signature(tok, corpus_text):
 
 def save(path, params, config, signature, **meta):
     """Write params with their config, data signature and any extra facts (meta)."""
-    _check_params(params, "params")
+    model.check_params(params)
     record = {"format": FORMAT, "config": config, "signature": signature, "meta": meta,
               "params": params}
     write_atomically(path, json.dumps(record, separators=(",", ":")) + "\n")
@@ -73,24 +72,8 @@ def load(path, config, signature):
         raise ValueError(f"{path}: trained on other data or another tokenizer "
                          f"(signature {record.get('signature')!r}, expected {signature!r}); "
                          f"retrain with python3 train.py")
-    _check_params(record.get("params"), path)
+    try:
+        model.check_params(record.get("params"))
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
     return record
-
-
-def _check_params(params, where):
-    """Refuse params with a missing or extra name, a wrong shape or a non-finite value."""
-    if not isinstance(params, dict):
-        raise ValueError(f"{where}: params must be a dict of lists")
-    missing, extra = sorted(set(SHAPES) - set(params)), sorted(set(params) - set(SHAPES))
-    if missing or extra:
-        raise ValueError(f"{where}: params missing {missing}, unexpected {extra}")
-    for name, shape in SHAPES.items():
-        rows = [params[name]] if len(shape) == 1 else params[name]
-        width = shape[-1]
-        if (not isinstance(rows, list) or len(rows) != (1 if len(shape) == 1 else shape[0])
-                or not all(isinstance(r, list) and len(r) == width for r in rows)):
-            raise ValueError(f"{where}: {name} must have shape {' x '.join(map(str, shape))}")
-        for r in rows:
-            for value in r:
-                if not isinstance(value, float) or not math.isfinite(value):
-                    raise ValueError(f"{where}: {name} holds {value!r}, not a finite float")

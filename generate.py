@@ -96,6 +96,8 @@ def generate_with(next_logits, tok, prompt, max_new_tokens, temperature, top_k, 
 
 def generate(params, tok, prompt, max_new_tokens=60, temperature=0.0, top_k=None, seed=0):
     """Continue prompt token by token, running the full model on all tokens every step."""
+    model.check_shapes(params)
+
     def next_logits(ids):
         logits, _ = model.forward(params, ids)   # every row, again
         return logits[-1]                        # only the last one is used

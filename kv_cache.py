@@ -20,6 +20,7 @@ class KVCache:
     """The keys and values of one sequence so far, for the params it was made for."""
 
     def __init__(self, params):
+        model.check_shapes(params)
         self.params = params
         self.columns = model.columns(params)   # the weight matrices, ready for row()
         self.tokens = []                       # the token ID at each position

@@ -30,6 +30,30 @@ SHAPES = {
 MATRICES = ("Wq", "Wk", "Wv", "Wo", "W1", "W2", "W_out")
 
 
+def check_shapes(params):
+    """Refuse params with a missing or extra name or a matrix or vector of the wrong shape."""
+    if not isinstance(params, dict):
+        raise ValueError(f"params must be a dict of lists, got {type(params).__name__}")
+    missing, extra = sorted(set(SHAPES) - set(params)), sorted(set(params) - set(SHAPES))
+    if missing or extra:
+        raise ValueError(f"params missing {missing}, unexpected {extra}")
+    for name, shape in SHAPES.items():
+        rows = [params[name]] if len(shape) == 1 else params[name]
+        if (not isinstance(rows, list) or len(rows) != (1 if len(shape) == 1 else shape[0])
+                or not all(isinstance(r, list) and len(r) == shape[-1] for r in rows)):
+            raise ValueError(f"params: {name} must have shape {' x '.join(map(str, shape))}")
+
+
+def check_params(params):
+    """Refuse params of the wrong shape or holding anything but finite floats."""
+    check_shapes(params)
+    for name, shape in SHAPES.items():
+        for r in [params[name]] if len(shape) == 1 else params[name]:
+            if set(map(type, r)) != {float} or not all(map(math.isfinite, r)):
+                bad = next(v for v in r if type(v) is not float or not math.isfinite(v))
+                raise ValueError(f"params: {name} holds {bad!r}, not a finite float")
+
+
 def init_params(seed):
     """Fresh parameters: matrices random with std 1/sqrt(inputs), gains 1, biases 0."""
     rng = random.Random(seed)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tempfile
 import unittest
+from unittest import mock
 
 from bpe import Tokenizer
 from model import VOCAB_SIZE
@@ -137,6 +138,20 @@ class TestSaveLoad(unittest.TestCase):
         self.assertEqual(loaded.merges, TOK.merges)
         self.assertEqual(loaded.ids, TOK.ids)
         self.assertEqual(loaded.encode(CORPUS), TOK.encode(CORPUS))
+
+    def test_a_failed_save_keeps_the_previous_file_and_leaves_no_temporary_file(self):
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "tokenizer.json")
+            with open(path, "w", encoding="utf-8") as f:
+                f.write("the previous tokenizer\n")
+            for target in ("checkpoint.os.replace", "checkpoint.os.fsync"):
+                with self.subTest(failing=target):
+                    with mock.patch(target, side_effect=OSError("disk full")):
+                        with self.assertRaises(OSError):
+                            TOK.save(path)
+                    with open(path, encoding="utf-8") as f:
+                        self.assertEqual(f.read(), "the previous tokenizer\n")
+                    self.assertEqual(os.listdir(folder), ["tokenizer.json"])
 
     def test_loading_a_missing_file_raises_file_not_found(self):
         with tempfile.TemporaryDirectory() as folder:

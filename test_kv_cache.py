@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import unittest
 from unittest import mock
 
@@ -222,6 +223,20 @@ class Misuse(unittest.TestCase):
             with self.subTest(token_id=token_id):
                 self.assertRefused("outside the vocabulary", token_id=token_id)
 
+    def test_params_of_the_wrong_shape_are_refused_by_both_generators(self):
+        missing = {k: v for k, v in PARAMS.items() if k != "Wq"}
+        short = dict(PARAMS, b1=PARAMS["b1"][:3])
+        ragged = dict(PARAMS, W_out=PARAMS["W_out"][:-1] + [PARAMS["W_out"][-1][:5]])
+        for params, fragment in ((missing, r"missing \['Wq'\]"), (short, "b1 must have shape 64"),
+                                 (ragged, "W_out must have shape 16 x 96"),
+                                 ([], "params must be a dict")):
+            with self.subTest(fragment=fragment):
+                for attempt in (lambda: KVCache(params),
+                                lambda: generate.generate(params, TOK, "mia"),
+                                lambda: generate_cached(params, TOK, "mia")):
+                    with self.assertRaisesRegex(ValueError, fragment):
+                        attempt()
+
     def test_generate_cached_refuses_what_generate_refuses(self):
         bad = [{"prompt": ""}, {"prompt": "Mia!"}, {"prompt": "mia " * 40},
                {"temperature": -1.0}, {"temperature": float("nan")}, {"top_k": 0},
@@ -378,6 +393,67 @@ class Record(unittest.TestCase):
         self.assertEqual(trace_kv.largest_gap(full, reordered),
                          self.record["sums_in_another_order"]["largest_logit_gap_first_story"])
         self.assertEqual(cached_rows(PARAMS, ids), full)
+
+
+class Records(unittest.TestCase):
+
+    def test_a_failed_write_keeps_the_previous_records_and_leaves_no_temporary_file(self):
+        previous = {trace_kv.TRACE: "the previous trace\n", trace_kv.TIMES: "the previous times\n"}
+        with tempfile.TemporaryDirectory() as folder:
+            os.chdir(folder)
+            try:
+                for name, text in previous.items():
+                    with open(name, "w", encoding="utf-8") as f:
+                        f.write(text)
+                for target in ("checkpoint.os.replace", "checkpoint.os.fsync"):
+                    with self.subTest(failing=target):
+                        with mock.patch(target, side_effect=OSError("disk full")):
+                            with self.assertRaises(OSError):
+                                trace_kv.save_records({"stories": 60}, {"python": "3"})
+                        self.assertEqual(sorted(os.listdir(folder)), sorted(previous))
+                        for name, text in previous.items():
+                            with open(name, encoding="utf-8") as f:
+                                self.assertEqual(f.read(), text)
+                trace_kv.save_records({"stories": 60}, {"python": "3"})
+                with open(trace_kv.TRACE, encoding="utf-8") as f:
+                    self.assertEqual(json.load(f), {"stories": 60})
+            finally:
+                os.chdir(HERE)
+
+
+    def test_check_names_a_missing_or_unreadable_record_and_the_keys_that_differ(self):
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, trace_kv.TRACE)
+            with self.assertRaisesRegex(ValueError, "cannot read .*--write"):
+                trace_kv.read_record(path)
+            for text in ("{ not json", "[1, 2]", "\xff"):
+                with open(path, "w", encoding="latin-1") as f:
+                    f.write(text)
+                with self.subTest(text=text), self.assertRaisesRegex(ValueError, "--write"):
+                    trace_kv.read_record(path)
+        record = {"stories": 60, "greedy_identical": 60, "work": {"cached_rows": 5}}
+        changed = dict(record, greedy_identical=59, work={"cached_rows": 6}, extra=1)
+        self.assertEqual(trace_kv.differing_keys(record, changed),
+                         ["extra", "greedy_identical", "work"])
+        self.assertEqual(trace_kv.differing_keys(record, dict(record)), [])
+
+    def test_check_fails_fast_in_one_line_when_the_record_is_missing(self):
+        with tempfile.TemporaryDirectory() as folder:
+            done = subprocess.run([sys.executable, os.path.join(HERE, "trace_kv.py"), "--check"],
+                                  cwd=folder, capture_output=True, text=True, timeout=60)
+        self.assertEqual(done.returncode, 1)
+        self.assertEqual(len(done.stderr.strip().splitlines()), 1, done.stderr)
+        self.assertIn("cannot read kv-trace.json", done.stderr)
+
+    def test_unknown_flags_are_usage_errors(self):
+        for script, flag in (("trace_kv.py", "--chek"), ("trace_kv.py", "--check --write"),
+                             ("train.py", "--epochs")):
+            with self.subTest(script=script, flag=flag):
+                done = subprocess.run([sys.executable, script, *flag.split()], cwd=HERE,
+                                      capture_output=True, text=True, timeout=60)
+                self.assertEqual(done.returncode, 2)
+                self.assertNotIn("Traceback", done.stderr)
+                self.assertIn("usage:", done.stderr)
 
 
 class Playground(unittest.TestCase):

@@ -249,6 +249,31 @@ def _dumps(data):
     return json.dumps(data, indent=2) + "\n"
 
 
+def save_records(record, timing):
+    """Write kv-trace.json and kv-time.json in the current folder, each atomically."""
+    write_atomically(TRACE, _dumps(record))
+    write_atomically(TIMES, _dumps(timing))
+
+
+def read_record(path=TRACE):
+    """The recorded trace in path, or a ValueError that says how to make one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            recorded = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path} ({e}); "
+                         f"run python3 trace_kv.py --write to record it") from None
+    if not isinstance(recorded, dict):
+        raise ValueError(f"{path} does not hold a record (a JSON object); "
+                         f"run python3 trace_kv.py --write to record it")
+    return recorded
+
+
+def differing_keys(record, recorded):
+    """The keys whose values differ between two records, sorted."""
+    return sorted(k for k in set(record) | set(recorded) if record.get(k) != recorded.get(k))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
         description="Run the uncached and cached generators on the 60 test openings.")
@@ -258,6 +283,7 @@ def main(argv=None):
     mode.add_argument("--write", action="store_true", help=f"rewrite {TRACE} and {TIMES}")
     args = parser.parse_args(argv)
     try:
+        recorded = read_record() if args.check else None   # fail before the long run
         record, timing = run()
     except (OSError, ValueError) as e:
         sys.exit(f"trace_kv.py: error: {e}")
@@ -267,17 +293,10 @@ def main(argv=None):
           f"forward_step takes {timing['forward_step_over_bare_fsum']}x its bare fsum calls; "
           f"{timing['machine']}, Python {timing['python']}")
     if args.write:
-        write_atomically(TRACE, _dumps(record))
-        write_atomically(TIMES, _dumps(timing))
+        save_records(record, timing)
         print(f"wrote {TRACE} and {TIMES}")
     elif args.check:
-        try:
-            with open(TRACE, encoding="utf-8") as f:
-                recorded = json.load(f)
-        except (OSError, ValueError) as e:
-            sys.exit(f"trace_kv.py: error: cannot read {TRACE} ({e}); "
-                     f"run python3 trace_kv.py --write to record it")
-        differ = sorted(k for k in set(record) | set(recorded) if record.get(k) != recorded.get(k))
+        differ = differing_keys(record, recorded)
         if differ:
             sys.exit(f"trace_kv.py: {TRACE} differs from this run in: {', '.join(differ)}")
         print(f"{TRACE} matches this run")

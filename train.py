@@ -9,6 +9,7 @@ best.json byte for byte.
 import argparse
 import math
 import random
+import sys
 import time
 
 import checkpoint
@@ -149,10 +150,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(
         description="Retrain the model from scratch on corpus.txt and write best.json.")
     parser.parse_args(argv)
-    tok = Tokenizer.load("tokenizer.json")
-    with open("corpus.txt", encoding="utf-8") as f:
-        text = f.read()
-    train(tok, text)
+    try:
+        tok = Tokenizer.load("tokenizer.json")
+        with open("corpus.txt", encoding="utf-8") as f:
+            text = f.read()
+        train(tok, text)
+    except (OSError, ValueError) as e:
+        sys.exit(f"train.py: error: {e}")
 
 
 if __name__ == "__main__":
