@@ -35,8 +35,10 @@ def check_shapes(params):
     if not isinstance(params, dict):
         raise ValueError(f"params must be a dict of lists, got {type(params).__name__}")
     missing, extra = sorted(set(SHAPES) - set(params)), sorted(set(params) - set(SHAPES))
-    if missing or extra:
-        raise ValueError(f"params missing {missing}, unexpected {extra}")
+    if missing:
+        raise ValueError(f"params missing {missing}")
+    if extra:
+        raise ValueError(f"params with unexpected names {extra}")
     for name, shape in SHAPES.items():
         rows = [params[name]] if len(shape) == 1 else params[name]
         if (not isinstance(rows, list) or len(rows) != (1 if len(shape) == 1 else shape[0])
@@ -55,7 +57,8 @@ def check_params(params):
 
 
 def init_params(seed):
-    """Fresh parameters: matrices random with std 1/sqrt(inputs), gains 1, biases 0."""
+    """Fresh parameters from a seed: embeddings random with std 0.5, weight matrices with
+    std 1/sqrt(inputs), layer-norm gains 1, biases 0."""
     rng = random.Random(seed)
     params = {}
     for name, shape in SHAPES.items():
@@ -82,7 +85,7 @@ def columns(params):
 
 def row(x, cols):
     """The row vector x times a matrix given by its columns: one dot product per column."""
-    return [fsum(map(mul, x, col)) for col in cols]
+    return [fsum(map(mul, x, col)) for col in cols]   # dot(x, col), inlined: the hot loop
 
 
 def add(a, b):
@@ -91,6 +94,7 @@ def add(a, b):
 
 
 def relu(z):
+    """z where it is positive, else 0.0."""
     return [value if value > 0 else 0.0 for value in z]
 
 
@@ -126,7 +130,7 @@ def embed_and_project(params, cols, token_id, position):
 def attend(q, keys, values):
     """Attention of one query over the given keys and values: (weights, mixed value)."""
     weights = softmax_row([dot(q, k) * SCALE for k in keys])
-    mixed = [fsum(map(mul, weights, column)) for column in zip(*values)]
+    mixed = [dot(weights, column) for column in zip(*values)]
     return weights, mixed
 
 
@@ -159,7 +163,7 @@ def check_ids(ids):
     if len(ids) > CONTEXT:
         raise ValueError(f"ids has {len(ids)} tokens, beyond the {CONTEXT} positions")
     for index, token_id in enumerate(ids):
-        check_token_id(token_id, f"token ID at index {index},")
+        check_token_id(token_id, f"ids[{index}] =")
 
 
 def forward(params, ids):
@@ -187,9 +191,10 @@ def forward(params, ids):
 def loss_and_grads(params, ids, targets):
     """Mean cross-entropy of predicting targets[i] after ids[:i + 1], and its gradients."""
     if len(targets) != len(ids):
-        raise ValueError(f"{len(targets)} targets for {len(ids)} input tokens")
+        raise ValueError(f"targets has {len(targets)} token IDs but ids has {len(ids)}: "
+                         f"one target per input position")
     for index, token_id in enumerate(targets):
-        check_token_id(token_id, f"target at index {index},")
+        check_token_id(token_id, f"targets[{index}] =")
     logits, saved = forward(params, ids)
     n = len(ids)
     grads = {name: ([[0.0] * s[1] for _ in range(s[0])] if len(s) == 2 else [0.0] * s[0])

@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import unittest
 from unittest import mock
 
@@ -318,6 +319,12 @@ class CommandLineTest(unittest.TestCase):
 
     def test_command_line_refuses_top_k_0_in_one_line(self):
         self.assert_one_line_error(self.run_cli("mia found a shell.", "--top-k", "0"), "top_k")
+
+    def test_command_line_without_the_model_files_says_so_in_one_line(self):
+        with tempfile.TemporaryDirectory() as folder:
+            done = subprocess.run([sys.executable, os.path.join(HERE, "generate.py"), "mia"],
+                                  cwd=folder, capture_output=True, text=True, timeout=60)
+        self.assert_one_line_error(done, "tokenizer.json")
 
     def test_command_line_unknown_flag_is_a_usage_error(self):
         done = self.run_cli("mia found a shell.", "--topk", "3")

@@ -2,7 +2,9 @@
 formulas say, and every misuse is refused before anything is computed."""
 import copy
 import json
+import math
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -46,6 +48,17 @@ def prefilled(ids):
     return cache, logits
 
 
+def assert_same_rows(test, rows, expected):
+    """Fail test unless rows == expected, naming the first row that differs (assertEqual
+    would diff thousands of floats line by line, which takes minutes when many fail)."""
+    test.assertEqual(len(rows), len(expected), "the number of rows differs")
+    for position, (row, wanted) in enumerate(zip(rows, expected)):
+        if row != wanted:
+            test.fail(f"row {position} differs; largest gap "
+                      f"{trace_kv.largest_gap([row], [wanted])!r}")
+
+
+
 class Exactness(unittest.TestCase):
 
     def test_recorded_trace(self):
@@ -60,34 +73,7 @@ class Exactness(unittest.TestCase):
         longest = [t for story in STORIES for t in TOK.encode(story)][:model.CONTEXT]
         for ids in [TOK.encode(story) for story in STORIES[:5]] + [longest]:
             full, _ = model.forward(PARAMS, ids)
-            self.assertEqual(cached_rows(PARAMS, ids), full)
-
-    def test_a_reordered_addition_is_caught(self):
-        """A step that adds the skip path before the MLP bias, (x1 + mlp) + b2, instead of
-        x1 + (mlp + b2), differs from the full pass in some last bit."""
-        def step_with(reordered):
-            def step(params, cache, token_id, position):
-                x0, _, q, k, v = model.embed_and_project(params, cache.columns, token_id,
-                                                         position)
-                cache.keys.append(k)
-                cache.values.append(v)
-                _, mixed = model.attend(q, cache.keys, cache.values)
-                x1 = model.add(x0, model.row(mixed, cache.columns["Wo"]))
-                h2 = model.layernorm(x1, params["ln2_g"], params["ln2_b"])
-                a = model.relu(model.add(model.row(h2, cache.columns["W1"]), params["b1"]))
-                mlp = model.row(a, cache.columns["W2"])
-                if reordered:
-                    x2 = model.add(model.add(x1, mlp), params["b2"])
-                else:
-                    x2 = model.add(x1, model.add(mlp, params["b2"]))
-                hf = model.layernorm(x2, params["lnf_g"], params["lnf_b"])
-                return model.add(model.row(hf, cache.columns["W_out"]), params["b_out"])
-            return step
-
-        ids = TOK.encode(STORIES[0])
-        full, _ = model.forward(PARAMS, ids)
-        self.assertEqual(cached_rows(PARAMS, ids, step_with(reordered=False)), full)
-        self.assertNotEqual(cached_rows(PARAMS, ids, step_with(reordered=True)), full)
+            assert_same_rows(self, cached_rows(PARAMS, ids), full)
 
     def test_cached_generation_matches_uncached(self):
         settings = [{}, {"temperature": 1.0, "seed": 1}, {"temperature": 1.0, "seed": 7},
@@ -109,6 +95,194 @@ class Exactness(unittest.TestCase):
         self.assertEqual(cached, uncached)
         self.assertEqual(cached["stopped"], "context full")
         self.assertEqual(len(cached["steps"]), model.CONTEXT - prompt_tokens)
+
+
+class RandomModels(unittest.TestCase):
+    """The cache is an identity for any weights, not only the trained ones: random models
+    of the lab's shapes, random prompts and random settings. Case n draws everything from
+    random.Random(n), so RandomModels.case(n) rebuilds any case that fails."""
+
+    DEFAULT_CASES = 200     # KV_LAB_RANDOM_CASES=1000 runs cases 0..999 instead
+    LONG_EVERY = 50         # cases 0, 50, 100, ...: a long prompt, run until context full
+    SCALES = (0.1, 0.3, 1.0, 2.0, 5.0)          # weight matrices and biases
+    EMBEDDING_SCALES = (0.1, 1.0, 5.0)
+    TEMPERATURES = (0.0, 0.3, 1.0, 2.5)         # 0.0 is greedy
+    TOP_KS = (1, 2, 3, 10, model.VOCAB_SIZE, None)
+    STOP_REASONS = {"end of story", "max_new_tokens", "context full"}
+
+    @classmethod
+    def requested_cases(cls):
+        """How many cases to run: DEFAULT_CASES, or more from KV_LAB_RANDOM_CASES."""
+        raw = os.environ.get("KV_LAB_RANDOM_CASES")
+        if raw is None:
+            return cls.DEFAULT_CASES
+        try:
+            count = int(raw)
+        except ValueError:
+            count = None
+        if count is None or count < cls.DEFAULT_CASES:
+            raise ValueError(f"KV_LAB_RANDOM_CASES must be a whole number of cases, at least "
+                             f"{cls.DEFAULT_CASES} (the default run), got {raw!r}")
+        return count
+
+    @staticmethod
+    def random_model(rng, scale, embedding_scale):
+        """Params of the lab's shapes: matrices uniform with std scale / sqrt(inputs),
+        embeddings with std embedding_scale, layer-norm gains uniform in [-3, 3] and
+        biases uniform in [-scale, scale]."""
+        def matrix(rows, cols, std):
+            half_width = std * math.sqrt(3)   # a uniform on [-w, w] has std w / sqrt(3)
+            return [[rng.uniform(-half_width, half_width) for _ in range(cols)]
+                    for _ in range(rows)]
+        params = {}
+        for name, shape in model.SHAPES.items():
+            if name.endswith("_emb"):
+                params[name] = matrix(*shape, embedding_scale)
+            elif len(shape) == 2:
+                params[name] = matrix(*shape, scale / math.sqrt(shape[0]))
+            elif name.endswith("_g"):
+                params[name] = [rng.uniform(-3.0, 3.0) for _ in range(shape[0])]
+            else:
+                params[name] = [rng.uniform(-scale, scale) for _ in range(shape[0])]
+        return params
+
+    @staticmethod
+    def random_prompt(rng, fewest, most):
+        """The text of random token IDs, re-drawn until it encodes to fewest..most tokens
+        (encoding the decoded text may merge the pieces differently: only its text counts)."""
+        while True:
+            ids = [rng.randrange(model.VOCAB_SIZE) for _ in range(rng.randint(fewest, most))]
+            prompt = TOK.decode(ids)
+            if fewest <= len(TOK.encode(prompt)) <= most:
+                return prompt
+
+    @classmethod
+    def case(cls, index):
+        """Case index: (params, prompt, settings for generate, label naming the case)."""
+        rng = random.Random(index)
+        scale, embedding_scale = rng.choice(cls.SCALES), rng.choice(cls.EMBEDDING_SCALES)
+        params = cls.random_model(rng, scale, embedding_scale)
+        long = index % cls.LONG_EVERY == 0
+        if long:
+            params = trace_kv.never_ending(params, TOK)
+            prompt = cls.random_prompt(rng, 50, 60)
+        else:
+            prompt = cls.random_prompt(rng, 1, 12)
+        settings = {"max_new_tokens": model.CONTEXT if long else rng.randint(0, 8),
+                    "temperature": rng.choice(cls.TEMPERATURES),
+                    "top_k": rng.choice(cls.TOP_KS), "seed": rng.randrange(2 ** 32)}
+        label = {"case": index, "scale": scale, "embedding_scale": embedding_scale,
+                 "never_ends": long, "prompt_tokens": len(TOK.encode(prompt)), **settings}
+        return params, prompt, settings, label
+
+    def test_cached_generation_equals_uncached_on_random_models(self):
+        wanted = self.requested_cases()
+        compared, stops = 0, set()
+        for index in range(wanted):
+            params, prompt, settings, label = self.case(index)
+            with self.subTest(**label):
+                uncached = generate.generate(params, TOK, prompt, **settings)
+                cached = kv_cache.generate_cached(params, TOK, prompt, **settings)
+                compared += 1
+                stops.add(uncached["stopped"])
+                self.assertEqual(cached, uncached)
+                if label["never_ends"]:
+                    self.assertEqual(uncached["stopped"], "context full")
+        self.assertEqual(compared, wanted)
+        self.assertEqual(stops, self.STOP_REASONS)   # every way a generation can end
+
+    def test_every_cached_row_equals_the_full_forward_pass_on_random_models(self):
+        wanted = self.requested_cases()
+        compared, longest = 0, 0
+        for index in range(wanted):
+            params, prompt, settings, label = self.case(index)
+            with self.subTest(**label):
+                result = kv_cache.generate_cached(params, TOK, prompt, **settings)
+                ids = TOK.encode(prompt) + [TOK.ids[step["token"]] for step in result["steps"]]
+                full, _ = model.forward(params, ids)
+                compared += 1
+                longest = max(longest, len(ids))
+                assert_same_rows(self, trace_kv.cached_rows(params, ids), full)
+        self.assertEqual(compared, wanted)
+        self.assertEqual(longest, model.CONTEXT)   # some case filled every position
+
+    def test_a_bad_case_count_is_refused(self):
+        for raw in ("", "many", "2.5", "-1", "0", str(self.DEFAULT_CASES - 1)):
+            with self.subTest(raw=raw), mock.patch.dict(os.environ, {"KV_LAB_RANDOM_CASES": raw}):
+                with self.assertRaises(ValueError) as refused:
+                    self.requested_cases()
+                self.assertIn("KV_LAB_RANDOM_CASES must be a whole number", str(refused.exception))
+                self.assertIn(f"got {raw!r}", str(refused.exception))
+        with mock.patch.dict(os.environ, {"KV_LAB_RANDOM_CASES": "1000"}):
+            self.assertEqual(self.requested_cases(), 1000)
+        with mock.patch.dict(os.environ):
+            os.environ.pop("KV_LAB_RANDOM_CASES", None)
+            self.assertEqual(self.requested_cases(), self.DEFAULT_CASES)
+
+
+class Teeth(unittest.TestCase):
+    """Each one-line mistake in a copy of forward_step changes some score, so the
+    equality tests would catch it.
+
+    Not every edit is a mistake. The scale is 1 / sqrt(16) = 0.25 exactly, and dividing a
+    float by 4.0 or multiplying it by 0.25 both give the correctly rounded x / 4: the same
+    bits for every x, so writing "/ math.sqrt(16)" instead of "* SCALE" changes no float
+    and no test could (or should) catch it. Likewise tok_emb[t] + pos_emb[i] and
+    pos_emb[i] + tok_emb[t] are the same floats (one addition is commutative); it is
+    regrouping three or more terms that changes last bits."""
+
+    MISTAKES = ("no attention scale", "one position too few", "wrong position embedding",
+                "no relu", "skip path before the mlp bias")
+
+    @classmethod
+    def step_with(cls, mistake=None):
+        """A copy of kv_cache.forward_step's arithmetic from model's helpers, making the
+        named mistake (None: no mistake)."""
+        if mistake is not None and mistake not in cls.MISTAKES:
+            raise ValueError(f"unknown mistake {mistake!r}")
+
+        def step(params, cache, token_id, position):
+            cols = cache.columns
+            if mistake == "wrong position embedding":
+                position = min(position + 1, model.CONTEXT - 1)   # the next position's
+            x0 = model.add(params["tok_emb"][token_id], params["pos_emb"][position])
+            h1 = model.layernorm(x0, params["ln1_g"], params["ln1_b"])
+            q, k, v = (model.row(h1, cols[name]) for name in ("Wq", "Wk", "Wv"))
+            cache.keys.append(k)
+            cache.values.append(v)
+            # The mistake drops the oldest position, 0 (a first position keeps its own).
+            first = 1 if mistake == "one position too few" and len(cache) > 1 else 0
+            keys, values = cache.keys[first:], cache.values[first:]
+            scale = 1.0 if mistake == "no attention scale" else model.SCALE   # s * 1.0 is s
+            weights = model.softmax_row([model.dot(q, key) * scale for key in keys])
+            mixed = [model.dot(weights, column) for column in zip(*values)]
+            x1 = model.add(x0, model.row(mixed, cols["Wo"]))
+            h2 = model.layernorm(x1, params["ln2_g"], params["ln2_b"])
+            z = model.add(model.row(h2, cols["W1"]), params["b1"])
+            a = z if mistake == "no relu" else model.relu(z)
+            mlp = model.row(a, cols["W2"])
+            if mistake == "skip path before the mlp bias":
+                x2 = model.add(model.add(x1, mlp), params["b2"])
+            else:
+                x2 = model.add(x1, model.add(mlp, params["b2"]))
+            hf = model.layernorm(x2, params["lnf_g"], params["lnf_b"])
+            return model.add(model.row(hf, cols["W_out"]), params["b_out"])
+        return step
+
+    def test_each_one_line_mistake_is_caught(self):
+        """On the trained model and on a random one, with the first test story."""
+        ids = TOK.encode(STORIES[0])
+        models = {"trained": PARAMS,
+                  "random, seed 6": RandomModels.random_model(random.Random(6), 1.0, 1.0)}
+        for name, params in models.items():
+            full, _ = model.forward(params, ids)
+            with self.subTest(model=name, mistake=None):   # the harness itself is right
+                assert_same_rows(self, trace_kv.cached_rows(params, ids, self.step_with()), full)
+            for mistake in self.MISTAKES:
+                with self.subTest(model=name, mistake=mistake):
+                    self.assertNotEqual(
+                        trace_kv.cached_rows(params, ids, self.step_with(mistake)), full)
+
 
 
 class Work(unittest.TestCase):
@@ -345,7 +519,7 @@ class Reuse(unittest.TestCase):
             self.assertEqual(len(alone["steps"]), 12)
 
 
-class Record(unittest.TestCase):
+class RecordedFigures(unittest.TestCase):
     """The figures in kv-trace.json that the README quotes, against real runs."""
 
     @classmethod
@@ -372,7 +546,7 @@ class Record(unittest.TestCase):
                 result = generate.generate(never_ends, TOK, "mia", max_new_tokens=length - 1)
                 self.assertEqual(generate_cached(never_ends, TOK, "mia",
                                                  max_new_tokens=length - 1), result)
-            self.assertEqual(len(TOK.encode(result["text"])), length)
+            self.assertEqual(len(TOK.encode("mia")) + len(result["steps"]), length)
             self.assertEqual(counted["uncached_rows"], entry["uncached_rows"])
             self.assertEqual(counted["cached_rows"], entry["cached_rows"])
             self.assertEqual(entry, {"positions": length, **trace_kv.work(1, length - 1)})
@@ -395,7 +569,7 @@ class Record(unittest.TestCase):
         self.assertEqual(cached_rows(PARAMS, ids), full)
 
 
-class Records(unittest.TestCase):
+class RecordFiles(unittest.TestCase):
 
     def test_a_failed_write_keeps_the_previous_records_and_leaves_no_temporary_file(self):
         previous = {trace_kv.TRACE: "the previous trace\n", trace_kv.TIMES: "the previous times\n"}
