@@ -185,8 +185,8 @@ def main(argv=None):
         except OSError as e:
             sys.exit(f"bpe.py: error: tokenizer.json cannot be read: {e}")
         if not same:
-            sys.exit("bpe.py: error: tokenizer.json differs from a tokenizer retrained on corpus.txt; "
-                     "run python3 bpe.py to rewrite it")
+            sys.exit("bpe.py: error: tokenizer.json differs from a tokenizer retrained on "
+                     "corpus.txt; run python3 bpe.py to rewrite it")
         print(f"tokenizer.json matches corpus.txt ({len(tok.vocab)} tokens)")
         return
     tok.save("tokenizer.json")

@@ -2,8 +2,8 @@
 so far and use only the last row of scores. Simple, and it redoes all the work for the
 opening at every step. kv_cache.py keeps that work instead.
 
-    python3 generate.py "mia found a shell." [--temperature T] [--top-k K] [--seed S]
-                        [--max-new-tokens N]
+    python3 generate.py "mia found a shell at the beach." [--temperature T] [--top-k K]
+                        [--seed S] [--max-new-tokens N]
 """
 import argparse
 import math
@@ -106,7 +106,8 @@ def generate(params, tok, prompt, max_new_tokens=60, temperature=0.0, top_k=None
 
 def add_generation_flags(parser):
     """The prompt and sampling flags shared by generate.py and kv_cache.py."""
-    parser.add_argument("prompt", help='the opening to continue, e.g. "mia found a shell."')
+    parser.add_argument("prompt",
+                        help='the opening to continue, e.g. "mia found a shell at the beach."')
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0 (default) is greedy; higher samples more freely")
     parser.add_argument("--top-k", type=int, default=None,

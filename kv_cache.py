@@ -5,7 +5,7 @@ and value are computed they never change, however many tokens follow. The uncach
 generator (generate.py) recomputes them all at every step; here each step computes one
 new row, appends its key and value to the cache, and attends over the cache.
 
-    python3 kv_cache.py "mia found a shell."    (see --help for the sampling flags)
+    python3 kv_cache.py "mia found a shell at the beach."    (--help lists the flags)
 """
 import argparse
 import copy
@@ -45,12 +45,17 @@ class KVCache:
         del self.tokens[length:], self.keys[length:], self.values[length:]
 
 
-def forward_step(params, cache, token_id, position):
-    """Next-token logits for token_id at position, the next one after the cache's;
-    appends this position's key and value to the cache."""
+def _check_owner(cache, params):
+    """A cache belongs to the very params object it was made for (a copy is another model)."""
     if cache.params is not params:
         raise ValueError("this cache was made for different parameters; "
                          "start a new cache with KVCache(params)")
+
+
+def forward_step(params, cache, token_id, position):
+    """Next-token logits for token_id at position, the next one after the cache's;
+    appends this position's key and value to the cache."""
+    _check_owner(cache, params)
     if isinstance(position, bool) or not isinstance(position, int) or position != len(cache):
         raise ValueError(f"expected position {len(cache)}, got {position}: the cache holds "
                          f"{len(cache)} positions, so the next token goes at position "
@@ -90,11 +95,10 @@ def generate_cached(params, tok, prompt, max_new_tokens=60, temperature=0.0, top
 def _fork_for_prompt(params, cache, ids, tok):
     """A copy of cache to continue the prompt ids from, after checking that the cache
     belongs to params and holds a prefix of ids."""
-    if cache.params is not params:
-        raise ValueError("the cache was made for different parameters; "
-                         "start a new cache with KVCache(params)")
+    _check_owner(cache, params)
     if len(cache.tokens) != len(cache):
-        raise ValueError(f"the cache holds {len(cache)} keys but {len(cache.tokens)} tokens")
+        raise ValueError(f"the cache holds {len(cache)} keys but {len(cache.tokens)} tokens: "
+                         f"its lists were changed by hand; start a new cache")
     for position, (held, wanted) in enumerate(zip(cache.tokens, ids)):
         if held != wanted:
             raise ValueError(f"the cache is not a prefix of the prompt: at position {position} "

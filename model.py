@@ -209,7 +209,8 @@ def loss_and_grads(params, ids, targets):
 
     # From the logits back to the attention output, each position on its own.
     _accumulate(grads, "W_out", "b_out", hf, d_logits)
-    d_x2 = _layernorm_backward(params, grads, "lnf", x2, _times_transpose(d_logits, params["W_out"]))
+    d_hf = _times_transpose(d_logits, params["W_out"])
+    d_x2 = _layernorm_backward(params, grads, "lnf", x2, d_hf)
     _accumulate(grads, "W2", "b2", a, d_x2)
     d_z = [[g if av > 0 else 0.0 for g, av in zip(dr, ar)]
            for dr, ar in zip(_times_transpose(d_x2, params["W2"]), a)]

@@ -2,6 +2,8 @@
 seed, the unigram baseline, and a whole (tiny) training run."""
 import math
 import os
+import subprocess
+import sys
 import tempfile
 import unittest
 from unittest import mock
@@ -195,6 +197,21 @@ class TrainingRunTest(unittest.TestCase):
         self.assertIsNone(params_difference(first["params"], second["params"]))
         self.assertEqual(best1, best2)
         self.assertIsNotNone(params_difference(first["params"], other["params"]))
+
+
+
+class CommandLineTest(unittest.TestCase):
+
+    def test_without_the_data_files_it_says_so_in_one_line(self):
+        with tempfile.TemporaryDirectory() as folder:
+            done = subprocess.run([sys.executable, os.path.join(HERE, "train.py")], cwd=folder,
+                                  capture_output=True, text=True, timeout=60)
+            self.assertEqual(os.listdir(folder), [])   # nothing written
+        self.assertEqual(done.returncode, 1)
+        self.assertNotIn("Traceback", done.stderr)
+        self.assertEqual(len(done.stderr.strip().splitlines()), 1, done.stderr)
+        self.assertIn("train.py: error:", done.stderr)
+        self.assertIn("tokenizer.json", done.stderr)
 
 
 if __name__ == "__main__":

@@ -37,8 +37,8 @@ def split_stories(text):
     random.Random(CONFIG["seed"]).shuffle(order)
     test_end = CONFIG["test_stories"]
     val_end = test_end + CONFIG["val_stories"]
-    pick = lambda indices: [stories[i] for i in sorted(indices)]
-    return pick(order[val_end:]), pick(order[test_end:val_end]), pick(order[:test_end])
+    parts = order[val_end:], order[test_end:val_end], order[:test_end]
+    return tuple([stories[i] for i in sorted(part)] for part in parts)
 
 
 def mean_loss(params, sequences):
