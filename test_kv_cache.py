@@ -551,6 +551,25 @@ class RecordedFigures(unittest.TestCase):
             self.assertEqual(counted["cached_rows"], entry["cached_rows"])
             self.assertEqual(entry, {"positions": length, **trace_kv.work(1, length - 1)})
 
+    def test_the_readme_quotes_the_recorded_figures(self):
+        with open("README.md", encoding="utf-8") as f:
+            readme = f.read()
+        r, sharing = self.record, self.record["prefix_sharing"]
+        quoted = [f"{count:,}" for count in r["work"].values()] + [
+            f"{r['rows_ratio']}x", f"{r['scores_ratio']}x",
+            f"**{r['largest_logit_gap_first_story']}**",
+            f"**{r['greedy_identical']} of {r['stories']}**",
+            f"**{r['sampled_identical']} of {r['stories']}**",
+            f"{sharing['prompt_rows_with_sharing']:,} rows instead of "
+            f"{sharing['prompt_rows_without_sharing']:,}",
+            repr(r["sums_in_another_order"]["largest_logit_gap_first_story"]),
+        ] + [text.rstrip("\n") for text in r["greedy_examples"]] + [
+            f"| {e['positions']} | {e['uncached_rows']:,} | {e['cached_rows']:,} | "
+            f"{e['uncached_scores']:,} | {e['cached_scores']:,} |" for e in r["cost_by_length"]]
+        for figure in quoted:
+            with self.subTest(figure=figure):
+                self.assertIn(figure, readme)
+
     def test_prefix_sharing_saves_the_recorded_rows(self):
         sharing = self.record["prefix_sharing"]
         self.assertEqual(sharing["identical"], sharing["runs"])
