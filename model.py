@@ -226,8 +226,8 @@ def loss_and_grads(params, ids, targets):
     d_v = [[0.0] * WIDTH for _ in range(n)]
     for i in range(n):
         w, dm = weights[i], d_mixed[i]
-        d_w = [sum(map(mul, dm, v[j])) for j in range(i + 1)]
-        centre = sum(map(mul, w, d_w))
+        d_w = [fsum(map(mul, dm, v[j])) for j in range(i + 1)]
+        centre = fsum(map(mul, w, d_w))
         d_s = [wj * (dwj - centre) * SCALE for wj, dwj in zip(w, d_w)]
         for j in range(i + 1):
             d_v[j] = [acc + w[j] * g for acc, g in zip(d_v[j], dm)]
@@ -248,16 +248,16 @@ def loss_and_grads(params, ids, targets):
 
 def _times_transpose(d_rows, W):
     """Each gradient row times the transpose of W: back from a layer's outputs to its inputs."""
-    return [[sum(map(mul, w_row, d)) for w_row in W] for d in d_rows]
+    return [[fsum(map(mul, w_row, d)) for w_row in W] for d in d_rows]
 
 
 def _accumulate(grads, w_name, b_name, inputs, d_outputs):
     """Add the gradients of y = x W (+ b) over all positions: W gets x^T dy, b gets sum dy."""
     in_cols, out_cols = list(zip(*inputs)), list(zip(*d_outputs))
-    grads[w_name] = [[acc + sum(map(mul, xc, dc)) for acc, dc in zip(g_row, out_cols)]
+    grads[w_name] = [[acc + fsum(map(mul, xc, dc)) for acc, dc in zip(g_row, out_cols)]
                      for g_row, xc in zip(grads[w_name], in_cols)]
     if b_name:
-        grads[b_name] = [acc + sum(dc) for acc, dc in zip(grads[b_name], out_cols)]
+        grads[b_name] = [acc + fsum(dc) for acc, dc in zip(grads[b_name], out_cols)]
 
 
 def _layernorm_backward(params, grads, prefix, inputs, d_outputs):
@@ -273,8 +273,8 @@ def _layernorm_backward(params, grads, prefix, inputs, d_outputs):
         d_gain = [acc + dv * xh for acc, dv, xh in zip(d_gain, dy, xhat)]
         d_bias = add(d_bias, dy)
         d_xhat = [dv * gk for dv, gk in zip(dy, gain)]
-        m1 = sum(d_xhat) / n
-        m2 = sum(map(mul, d_xhat, xhat)) / n
+        m1 = fsum(d_xhat) / n
+        m2 = fsum(map(mul, d_xhat, xhat)) / n
         d_inputs.append([inv * (dx - m1 - xh * m2) for dx, xh in zip(d_xhat, xhat)])
     grads[prefix + "_g"], grads[prefix + "_b"] = d_gain, d_bias
     return d_inputs

@@ -10,13 +10,14 @@ kv-time.json holds wall-clock times, which vary, and is never compared.
 """
 import argparse
 import contextlib
+import functools
 import json
 import os
 import platform
 import sys
 import time
 from math import fsum
-from operator import mul
+from operator import add, mul
 
 import model
 from checkpoint import write_atomically
@@ -127,7 +128,7 @@ def sums_in_another_order():
     """Inside this block the model adds its terms one by one, last term first, instead of
     with one correctly rounded fsum: the same numbers, summed in another order."""
     exact = model.fsum
-    model.fsum = lambda terms: sum(reversed(list(terms)))
+    model.fsum = lambda terms: functools.reduce(add, reversed(list(terms)), 0.0)
     try:
         yield
     finally:
