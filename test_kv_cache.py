@@ -17,7 +17,7 @@ import model
 import trace_kv
 from generate import load_trained
 from kv_cache import KVCache, forward_step, generate_cached
-from trace_kv import cached_rows, never_ending
+from trace_kv import cached_rows, never_ending, prefill
 from train import split_stories
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -38,14 +38,6 @@ NEXT = object()   # stands for "the cache's next position" in Misuse.assertRefus
 def snapshot(cache):
     return (len(cache), list(cache.tokens), [list(k) for k in cache.keys],
             [list(v) for v in cache.values])
-
-
-def prefilled(ids):
-    """A new cache holding ids, and the logits of its last position."""
-    cache = KVCache(PARAMS)
-    for position, token_id in enumerate(ids):
-        logits = forward_step(PARAMS, cache, token_id, position)
-    return cache, logits
 
 
 def assert_same_rows(test, rows, expected):
@@ -346,9 +338,7 @@ class Misuse(unittest.TestCase):
 
     def setUp(self):
         self.ids = TOK.encode(OPENINGS[0])
-        self.cache = KVCache(PARAMS)
-        for position, token_id in enumerate(self.ids):
-            forward_step(PARAMS, self.cache, token_id, position)
+        self.cache = prefill(PARAMS, self.ids)
 
     def assertRefused(self, fragment, *, params=None, token_id=5, position=NEXT, cache=None):
         """The call is refused with fragment in the message, leaving the cache as it was."""
@@ -433,25 +423,25 @@ class Reuse(unittest.TestCase):
         self.ids = TOK.encode(self.prompt)
 
     def test_a_fork_never_changes_its_parent_or_sibling(self):
-        parent, _ = prefilled(self.ids)
+        parent = prefill(PARAMS, self.ids)
         before = snapshot(parent)
         left, right = parent.copy(), parent.copy()
         for fork, more in ((left, TOK.encode(" she")), (right, TOK.encode(" tom ran"))):
             for token_id in more:
                 forward_step(PARAMS, fork, token_id, len(fork))
-            self.assertEqual(snapshot(fork), snapshot(prefilled(self.ids + more)[0]))
+            self.assertEqual(snapshot(fork), snapshot(prefill(PARAMS, self.ids + more)))
         self.assertEqual(snapshot(parent), before)
 
     def test_crop_rewinds_the_sequence(self):
-        cache, _ = prefilled(self.ids)
+        cache = prefill(PARAMS, self.ids)
         cache.crop(3)
-        self.assertEqual(snapshot(cache), snapshot(prefilled(self.ids[:3])[0]))
+        self.assertEqual(snapshot(cache), snapshot(prefill(PARAMS, self.ids[:3])))
         # Feeding the rest again gives the very rows of an uncropped run.
         rows = [forward_step(PARAMS, cache, t, 3 + i) for i, t in enumerate(self.ids[3:])]
         self.assertEqual(rows, cached_rows(PARAMS, self.ids)[3:])
 
     def test_crop_refuses_a_bad_length(self):
-        cache, _ = prefilled(self.ids)
+        cache = prefill(PARAMS, self.ids)
         before = snapshot(cache)
         for length in (-1, len(self.ids) + 1, 2.0, True, None, "2"):
             with self.subTest(length=length):
@@ -462,7 +452,7 @@ class Reuse(unittest.TestCase):
     def test_generation_from_a_cache_equals_a_fresh_run(self):
         """An empty cache, one holding part of the prompt, and one holding all of it."""
         for held in (0, 1, len(self.ids) - 1, len(self.ids)):
-            cache, _ = prefilled(self.ids[:held]) if held else (KVCache(PARAMS), None)
+            cache = prefill(PARAMS, self.ids[:held])
             before = snapshot(cache)
             for settings in ({}, {"temperature": 1.0, "seed": 3},
                              {"temperature": 1.0, "top_k": 3, "seed": 4}):
@@ -474,7 +464,7 @@ class Reuse(unittest.TestCase):
 
     def test_a_cache_feeds_only_the_prompt_tokens_it_lacks(self):
         for held, fed in ((0, len(self.ids)), (3, len(self.ids) - 3), (len(self.ids), 1)):
-            cache, _ = prefilled(self.ids[:held]) if held else (KVCache(PARAMS), None)
+            cache = prefill(PARAMS, self.ids[:held])
             calls = []
             real = kv_cache.forward_step
 
@@ -486,8 +476,8 @@ class Reuse(unittest.TestCase):
             self.assertEqual(calls, list(range(len(self.ids) - fed, len(self.ids))))
 
     def test_generation_refuses_a_cache_it_cannot_continue(self):
-        other, _ = prefilled(TOK.encode(OPENINGS[1]))
-        longer, _ = prefilled(self.ids + TOK.encode(" she"))
+        other = prefill(PARAMS, TOK.encode(OPENINGS[1]))
+        longer = prefill(PARAMS, self.ids + TOK.encode(" she"))
         foreign = KVCache(copy.deepcopy(PARAMS))
         position = next(i for i, (a, b) in enumerate(zip(other.tokens, self.ids)) if a != b)
         for cache, fragment in ((other, f"not a prefix of the prompt: at position {position}"),
@@ -506,7 +496,8 @@ class Reuse(unittest.TestCase):
         running = []
         for prompt in prompts:
             ids = TOK.encode(prompt)
-            cache, logits = prefilled(ids)
+            cache = prefill(PARAMS, ids[:-1])
+            logits = forward_step(PARAMS, cache, ids[-1], len(ids) - 1)
             running.append({"ids": ids, "cache": cache, "logits": logits})
         for _ in range(12):
             for seq in running:

@@ -52,6 +52,14 @@ def openings(stories):
     return [story.split(". ")[0] + "." for story in stories]
 
 
+def prefill(params, ids):
+    """A new cache holding the keys and values of ids."""
+    cache = KVCache(params)
+    for position, token_id in enumerate(ids):
+        forward_step(params, cache, token_id, position)
+    return cache
+
+
 def cached_rows(params, ids, step=forward_step):
     """The logits of every position of ids, fed one at a time through a new cache."""
     cache = KVCache(params)
@@ -141,9 +149,7 @@ def share_prefixes(params, tok, prompts, greedy, sampled):
     identical, without, shared = 0, 0, 0
     for index, prompt in enumerate(prompts):
         ids = tok.encode(prompt)
-        cache = KVCache(params)
-        for position, token_id in enumerate(ids):
-            forward_step(params, cache, token_id, position)
+        cache = prefill(params, ids)
         top_k = {"temperature": 1.0, "top_k": 3, "seed": index}
         identical += generate_cached(params, tok, prompt, cache=cache) == greedy[index]
         identical += generate_cached(params, tok, prompt, temperature=1.0, seed=index,
@@ -158,9 +164,9 @@ def share_prefixes(params, tok, prompts, greedy, sampled):
 
 def never_ending(params, tok):
     """A copy of params whose newline score is so low that no story ever ends."""
-    copy = dict(params, b_out=list(params["b_out"]))
-    copy["b_out"][tok.ids["\n"]] = -1e9
-    return copy
+    changed = dict(params, b_out=list(params["b_out"]))
+    changed["b_out"][tok.ids["\n"]] = -1e9
+    return changed
 
 
 def cost_by_length(params, tok):
@@ -183,9 +189,7 @@ def cost_by_length(params, tok):
 
 def cache_bytes(params, ids):
     """Bytes CPython uses for a cache holding ids: the lists and every float object."""
-    cache = KVCache(params)
-    for position, token_id in enumerate(ids):
-        forward_step(params, cache, token_id, position)
+    cache = prefill(params, ids)
     rows = cache.keys + cache.values
     return (sys.getsizeof(cache.keys) + sys.getsizeof(cache.values)
             + sum(sys.getsizeof(r) + sum(sys.getsizeof(x) for x in r) for r in rows))
