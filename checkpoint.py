@@ -24,6 +24,7 @@ def write_atomically(path, text):
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)   # mkstemp makes it private; the lab's files are for reading
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
