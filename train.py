@@ -19,7 +19,7 @@ from bpe import Tokenizer
 CONFIG = {
     "vocab_size": model.VOCAB_SIZE, "context": model.CONTEXT, "width": model.WIDTH,
     "hidden": model.HIDDEN, "seed": 0, "test_stories": 60, "val_stories": 100,
-    "epochs": 24, "batch_size": 8, "learning_rate": 0.02, "final_learning_rate": 0.001,
+    "epochs": 24, "batch_size": 4, "learning_rate": 0.02, "final_learning_rate": 0.001,
     "beta1": 0.9, "beta2": 0.99,
 }
 
