@@ -30,6 +30,11 @@ SHAPES = {
 MATRICES = ("Wq", "Wk", "Wv", "Wo", "W1", "W2", "W_out")
 
 
+def _rows(params, name):
+    """The rows of a parameter: a matrix's rows, or a vector as a single row."""
+    return [params[name]] if len(SHAPES[name]) == 1 else params[name]
+
+
 def check_shapes(params):
     """Refuse params with a missing or extra name or a matrix or vector of the wrong shape."""
     if not isinstance(params, dict):
@@ -40,7 +45,7 @@ def check_shapes(params):
     if extra:
         raise ValueError(f"params with unexpected names {extra}")
     for name, shape in SHAPES.items():
-        rows = [params[name]] if len(shape) == 1 else params[name]
+        rows = _rows(params, name)
         if (not isinstance(rows, list) or len(rows) != (1 if len(shape) == 1 else shape[0])
                 or not all(isinstance(r, list) and len(r) == shape[-1] for r in rows)):
             raise ValueError(f"params: {name} must have shape {' x '.join(map(str, shape))}")
@@ -49,8 +54,8 @@ def check_shapes(params):
 def check_params(params):
     """Refuse params of the wrong shape or holding anything but finite floats."""
     check_shapes(params)
-    for name, shape in SHAPES.items():
-        for r in [params[name]] if len(shape) == 1 else params[name]:
+    for name in SHAPES:
+        for r in _rows(params, name):
             if set(map(type, r)) != {float} or not all(map(math.isfinite, r)):
                 bad = next(v for v in r if type(v) is not float or not math.isfinite(v))
                 raise ValueError(f"params: {name} holds {bad!r}, not a finite float")
