@@ -68,10 +68,10 @@ def check_request(tok, prompt, max_new_tokens, temperature, top_k, seed):
     return ids
 
 
-def generate_with(next_logits, tok, prompt, max_new_tokens, temperature, top_k, seed):
-    """The generation loop, given next_logits(ids): the scores for the token after ids.
-    generate and kv_cache.generate_cached differ only in the next_logits they pass."""
-    ids = check_request(tok, prompt, max_new_tokens, temperature, top_k, seed)
+def generate_with(next_logits, tok, ids, max_new_tokens, temperature, top_k, seed):
+    """The generation loop from the prompt's token IDs (checked by check_request), given
+    next_logits(ids): the scores for the token after ids. generate and
+    kv_cache.generate_cached differ only in the next_logits they pass. Appends to ids."""
     rng = random.Random(seed)
     steps = []
     while True:
@@ -97,11 +97,12 @@ def generate_with(next_logits, tok, prompt, max_new_tokens, temperature, top_k, 
 def generate(params, tok, prompt, max_new_tokens=60, temperature=0.0, top_k=None, seed=0):
     """Continue prompt token by token, running the full model on all tokens every step."""
     model.check_shapes(params)
+    ids = check_request(tok, prompt, max_new_tokens, temperature, top_k, seed)
 
     def next_logits(ids):
         logits, _ = model.forward(params, ids)   # every row, again
         return logits[-1]                        # only the last one is used
-    return generate_with(next_logits, tok, prompt, max_new_tokens, temperature, top_k, seed)
+    return generate_with(next_logits, tok, ids, max_new_tokens, temperature, top_k, seed)
 
 
 def add_generation_flags(parser):

@@ -14,6 +14,7 @@ import time
 
 import generate
 import model
+from model import SCALE, add, dot, layernorm, relu, row, softmax_row
 
 
 class KVCache:
@@ -47,6 +48,9 @@ class KVCache:
 
 def _check_owner(cache, params):
     """A cache belongs to the very params object it was made for (a copy is another model)."""
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache must be a KVCache, got {type(cache).__name__}; "
+                         f"start one with KVCache(params)")
     if cache.params is not params:
         raise ValueError("this cache was made for different parameters; "
                          "start a new cache with KVCache(params)")
@@ -54,22 +58,61 @@ def _check_owner(cache, params):
 
 def forward_step(params, cache, token_id, position):
     """Next-token logits for token_id at position, the next one after the cache's;
-    appends this position's key and value to the cache."""
+    appends this position's key and value to the cache.
+
+    The row is model.forward's, line for line; only the keys and values differ in where
+    they come from: here, the cache."""
     _check_owner(cache, params)
     if isinstance(position, bool) or not isinstance(position, int) or position != len(cache):
-        raise ValueError(f"expected position {len(cache)}, got {position}: the cache holds "
+        raise ValueError(f"expected position {len(cache)}, got {position!r}: the cache holds "
                          f"{len(cache)} positions, so the next token goes at position "
                          f"{len(cache)} (an int); for a new sequence, start a new cache")
     if position >= model.CONTEXT:
         raise ValueError(f"position {position} is beyond the {model.CONTEXT} positions "
                          f"of the model's table")
     model.check_token_id(token_id)
-    x0, _, q, k, v = model.embed_and_project(params, cache.columns, token_id, position)
+    cols = cache.columns
+    x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])
+    h1 = layernorm(x0, params["ln1_g"], params["ln1_b"])
+    q, k, v = row(h1, cols["Wq"]), row(h1, cols["Wk"]), row(h1, cols["Wv"])
     cache.tokens.append(token_id)
-    cache.keys.append(k)
+    cache.keys.append(k)        # before attention: a position attends to itself too
     cache.values.append(v)
-    _, mixed = model.attend(q, cache.keys, cache.values)   # every position so far, from the cache
-    return model.mlp_and_logits(params, cache.columns, x0, mixed)[-1]
+    keys, values = cache.keys, cache.values      # positions 0..position, from the cache
+    scores = [dot(q, k_j) * SCALE for k_j in keys]
+    weights = softmax_row(scores)
+    mixed = [dot(weights, column) for column in zip(*values)]
+    x1 = add(x0, row(mixed, cols["Wo"]))
+    h2 = layernorm(x1, params["ln2_g"], params["ln2_b"])
+    a = relu(add(row(h2, cols["W1"]), params["b1"]))
+    x2 = add(x1, add(row(a, cols["W2"]), params["b2"]))   # the MLP output plus its bias first
+    hf = layernorm(x2, params["lnf_g"], params["lnf_b"])
+    return add(row(hf, cols["W_out"]), params["b_out"])
+
+
+def feed(params, cache, ids):
+    """Feed the tokens of ids that the cache does not hold yet, one forward_step each
+    (positions len(cache) to len(ids) - 1); their rows of logits, in order."""
+    return [forward_step(params, cache, ids[position], position)
+            for position in range(len(cache), len(ids))]
+
+
+def work(prompt_tokens, generated_tokens):
+    """Rows and attention scores each generator computes for a prompt of prompt_tokens
+    tokens and generated_tokens chosen tokens (one model call per chosen token)."""
+    for name, value in (("prompt_tokens", prompt_tokens), ("generated_tokens", generated_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    # Without the cache, call s runs the model on all n = prompt_tokens + s tokens in hand.
+    calls = range(prompt_tokens, prompt_tokens + generated_tokens)
+    # With it, every position is fed once, except the last chosen token (never fed back).
+    fed = prompt_tokens + generated_tokens - 1 if generated_tokens else 0
+    return {
+        "uncached_rows": sum(calls),
+        "cached_rows": fed,
+        "uncached_scores": sum(n * (n + 1) // 2 for n in calls),   # row i has i + 1 scores
+        "cached_scores": fed * (fed + 1) // 2,
+    }
 
 
 def generate_cached(params, tok, prompt, max_new_tokens=60, temperature=0.0, top_k=None,
@@ -78,17 +121,14 @@ def generate_cached(params, tok, prompt, max_new_tokens=60, temperature=0.0, top
     Given a cache that holds the start of the prompt, starts from a copy of it."""
     if cache is None:
         cache = KVCache(params)
-    else:
-        ids = generate.check_request(tok, prompt, max_new_tokens, temperature, top_k, seed)
-        cache = _fork_for_prompt(params, cache, ids, tok)
+    ids = generate.check_request(tok, prompt, max_new_tokens, temperature, top_k, seed)
+    cache = _fork_for_prompt(params, cache, ids, tok)
 
     def next_logits(ids):
-        # Feed the tokens the cache does not hold yet: the whole prompt on the first call
-        # (prefill), then only the token chosen last (decode).
-        for position in range(len(cache), len(ids)):
-            logits = forward_step(params, cache, ids[position], position)
-        return logits
-    return generate.generate_with(next_logits, tok, prompt, max_new_tokens, temperature,
+        # The whole prompt on the first call (prefill), then only the token chosen last
+        # (decode).
+        return feed(params, cache, ids)[-1]
+    return generate.generate_with(next_logits, tok, ids, max_new_tokens, temperature,
                                   top_k, seed)
 
 
@@ -119,7 +159,6 @@ def main(argv=None):
                                                  "cache, and compare the two.")
     generate.add_generation_flags(parser)
     args = parser.parse_args(argv)
-    from trace_kv import work   # trace_kv imports this module, so import it only here
     settings = (args.max_new_tokens, args.temperature, args.top_k, args.seed)
     try:
         params, tok = generate.load_trained()

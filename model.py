@@ -8,6 +8,7 @@ forward pass bit for bit. The backward pass at the end is what training uses.
 """
 import math
 import random
+from collections import namedtuple
 from math import fsum
 from operator import mul
 
@@ -125,30 +126,6 @@ def softmax_row(scores):
     return [e / total for e in exps]
 
 
-def embed_and_project(params, cols, token_id, position):
-    """One position up to attention: its input x0, normed h1, and query, key, value."""
-    x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])
-    h1 = layernorm(x0, params["ln1_g"], params["ln1_b"])
-    return x0, h1, row(h1, cols["Wq"]), row(h1, cols["Wk"]), row(h1, cols["Wv"])
-
-
-def attend(q, keys, values):
-    """Attention of one query over the given keys and values: (weights, mixed value)."""
-    weights = softmax_row([dot(q, k) * SCALE for k in keys])
-    mixed = [dot(weights, column) for column in zip(*values)]
-    return weights, mixed
-
-
-def mlp_and_logits(params, cols, x0, mixed):
-    """One position after attention: x1, h2, a, x2, hf and its next-token logits."""
-    x1 = add(x0, row(mixed, cols["Wo"]))
-    h2 = layernorm(x1, params["ln2_g"], params["ln2_b"])
-    a = relu(add(row(h2, cols["W1"]), params["b1"]))
-    x2 = add(x1, add(row(a, cols["W2"]), params["b2"]))   # MLP output plus its bias first
-    hf = layernorm(x2, params["lnf_g"], params["lnf_b"])
-    return x1, h2, a, x2, hf, add(row(hf, cols["W_out"]), params["b_out"])
-
-
 # ---- the full forward pass ----------------------------------------------------------
 
 def check_token_id(token_id, what="token ID"):
@@ -171,24 +148,47 @@ def check_ids(ids):
         check_token_id(token_id, f"ids[{index}] =")
 
 
+Saved = namedtuple("Saved", "x0 h1 q k v weights mixed x1 h2 a x2 hf")
+Saved.__doc__ = """What forward keeps for the backward pass: for each of the row's named
+values, a list with one entry per position."""
+
+
 def forward(params, ids):
     """Next-token logits for every position of ids, and what the backward pass needs.
 
     First every position's query, key and value; then each position i attends to the
     keys and values of positions 0..i only (causal), and goes on through the MLP.
+    kv_cache.forward_step does the same row for one position, line for line.
     """
     check_ids(ids)
     cols = columns(params)
-    projected = [embed_and_project(params, cols, t, i) for i, t in enumerate(ids)]
-    keys = [k for _, _, _, k, _ in projected]
-    values = [v for _, _, _, _, v in projected]
-    logits, saved = [], []
-    for i, (x0, h1, q, k, v) in enumerate(projected):
-        weights, mixed = attend(q, keys[:i + 1], values[:i + 1])
-        rest = mlp_and_logits(params, cols, x0, mixed)
-        logits.append(rest[-1])
-        saved.append((x0, h1, q, k, v, weights, mixed) + rest[:-1])
+    saved = Saved(*([] for _ in Saved._fields))
+    for i, t in enumerate(ids):
+        x0 = add(params["tok_emb"][t], params["pos_emb"][i])
+        h1 = layernorm(x0, params["ln1_g"], params["ln1_b"])
+        q, k, v = row(h1, cols["Wq"]), row(h1, cols["Wk"]), row(h1, cols["Wv"])
+        _keep(saved, x0=x0, h1=h1, q=q, k=k, v=v)
+    logits = []
+    for i in range(len(ids)):
+        x0, q = saved.x0[i], saved.q[i]
+        keys, values = saved.k[:i + 1], saved.v[:i + 1]      # positions 0..i only (causal)
+        scores = [dot(q, k_j) * SCALE for k_j in keys]
+        weights = softmax_row(scores)
+        mixed = [dot(weights, column) for column in zip(*values)]
+        x1 = add(x0, row(mixed, cols["Wo"]))
+        h2 = layernorm(x1, params["ln2_g"], params["ln2_b"])
+        a = relu(add(row(h2, cols["W1"]), params["b1"]))
+        x2 = add(x1, add(row(a, cols["W2"]), params["b2"]))   # the MLP output plus its bias first
+        hf = layernorm(x2, params["lnf_g"], params["lnf_b"])
+        logits.append(add(row(hf, cols["W_out"]), params["b_out"]))
+        _keep(saved, weights=weights, mixed=mixed, x1=x1, h2=h2, a=a, x2=x2, hf=hf)
     return logits, saved
+
+
+def _keep(saved, **values):
+    """Append each named value of one position to its list in saved."""
+    for name, value in values.items():
+        getattr(saved, name).append(value)
 
 
 # ---- training: loss and backward pass ----------------------------------------------
@@ -210,19 +210,18 @@ def loss_and_grads(params, ids, targets):
         loss -= math.log(probs[target])
         probs[target] -= 1.0
         d_logits.append([p / n for p in probs])
-    x0, h1, q, k, v, weights, mixed, x1, h2, a, x2, hf = (list(z) for z in zip(*saved))
 
     # From the logits back to the attention output, each position on its own.
-    _accumulate(grads, "W_out", "b_out", hf, d_logits)
+    _accumulate(grads, "W_out", "b_out", saved.hf, d_logits)
     d_hf = _times_transpose(d_logits, params["W_out"])
-    d_x2 = _layernorm_backward(params, grads, "lnf", x2, d_hf)
-    _accumulate(grads, "W2", "b2", a, d_x2)
+    d_x2 = _layernorm_backward(params, grads, "lnf", saved.x2, d_hf)
+    _accumulate(grads, "W2", "b2", saved.a, d_x2)
     d_z = [[g if av > 0 else 0.0 for g, av in zip(dr, ar)]
-           for dr, ar in zip(_times_transpose(d_x2, params["W2"]), a)]
-    _accumulate(grads, "W1", "b1", h2, d_z)
+           for dr, ar in zip(_times_transpose(d_x2, params["W2"]), saved.a)]
+    _accumulate(grads, "W1", "b1", saved.h2, d_z)
     d_h2 = _times_transpose(d_z, params["W1"])
-    d_x1 = [add(d, e) for d, e in zip(d_x2, _layernorm_backward(params, grads, "ln2", x1, d_h2))]
-    _accumulate(grads, "Wo", None, mixed, d_x1)
+    d_x1 = [add(d, e) for d, e in zip(d_x2, _layernorm_backward(params, grads, "ln2", saved.x1, d_h2))]
+    _accumulate(grads, "Wo", None, saved.mixed, d_x1)
     d_mixed = _times_transpose(d_x1, params["Wo"])
 
     # Attention: position i's key and value also receive gradient from later positions.
@@ -230,21 +229,21 @@ def loss_and_grads(params, ids, targets):
     d_k = [[0.0] * WIDTH for _ in range(n)]
     d_v = [[0.0] * WIDTH for _ in range(n)]
     for i in range(n):
-        w, dm = weights[i], d_mixed[i]
-        d_w = [fsum(map(mul, dm, v[j])) for j in range(i + 1)]
+        w, dm = saved.weights[i], d_mixed[i]
+        d_w = [fsum(map(mul, dm, saved.v[j])) for j in range(i + 1)]
         centre = fsum(map(mul, w, d_w))
         d_s = [wj * (dwj - centre) * SCALE for wj, dwj in zip(w, d_w)]
         for j in range(i + 1):
             d_v[j] = [acc + w[j] * g for acc, g in zip(d_v[j], dm)]
-            d_k[j] = [acc + d_s[j] * g for acc, g in zip(d_k[j], q[i])]
-            d_q[i] = [acc + d_s[j] * g for acc, g in zip(d_q[i], k[j])]
+            d_k[j] = [acc + d_s[j] * g for acc, g in zip(d_k[j], saved.q[i])]
+            d_q[i] = [acc + d_s[j] * g for acc, g in zip(d_q[i], saved.k[j])]
 
     d_h1 = [add(add(p, r), s) for p, r, s in zip(_times_transpose(d_q, params["Wq"]),
                                                  _times_transpose(d_k, params["Wk"]),
                                                  _times_transpose(d_v, params["Wv"]))]
     for name, d in (("Wq", d_q), ("Wk", d_k), ("Wv", d_v)):
-        _accumulate(grads, name, None, h1, d)
-    d_x0 = [add(d, e) for d, e in zip(d_x1, _layernorm_backward(params, grads, "ln1", x0, d_h1))]
+        _accumulate(grads, name, None, saved.h1, d)
+    d_x0 = [add(d, e) for d, e in zip(d_x1, _layernorm_backward(params, grads, "ln1", saved.x0, d_h1))]
     for i, (t, d) in enumerate(zip(ids, d_x0)):
         grads["tok_emb"][t] = add(grads["tok_emb"][t], d)
         grads["pos_emb"][i] = add(grads["pos_emb"][i], d)

@@ -1,6 +1,7 @@
 """The lab's claims, each as a test: the cache changes no float, it does the work the
 formulas say, and every misuse is refused before anything is computed."""
 import copy
+import inspect
 import json
 import math
 import os
@@ -8,6 +9,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import textwrap
 import unittest
 from unittest import mock
 
@@ -16,8 +18,8 @@ import kv_cache
 import model
 import trace_kv
 from generate import load_trained
-from kv_cache import KVCache, forward_step, generate_cached
-from trace_kv import cached_rows, never_ending, prefill
+from kv_cache import KVCache, feed, forward_step, generate_cached
+from trace_kv import never_ending
 from train import split_stories
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -35,6 +37,18 @@ def setUpModule():
 NEXT = object()   # stands for "the cache's next position" in Misuse.assertRefused
 
 
+def prefill(ids):
+    """A new cache of the trained model holding the keys and values of ids."""
+    cache = KVCache(PARAMS)
+    feed(PARAMS, cache, ids)
+    return cache
+
+
+def cached_rows(params, ids):
+    """The logits of every position of ids, fed one at a time through a new cache."""
+    return feed(params, KVCache(params), ids)
+
+
 def snapshot(cache):
     return (len(cache), list(cache.tokens), [list(k) for k in cache.keys],
             [list(v) for v in cache.values])
@@ -50,22 +64,30 @@ def assert_same_rows(test, rows, expected):
                       f"{trace_kv.largest_gap([row], [wanted])!r}")
 
 
+def assert_every_row_equal(test, params, ids):
+    """The lab's comparison: every row fed through a new cache == model.forward's row."""
+    full, _ = model.forward(params, ids)
+    assert_same_rows(test, cached_rows(params, ids), full)
 
 class Exactness(unittest.TestCase):
 
     def test_recorded_trace(self):
-        record, _ = trace_kv.run()
+        record, timing = trace_kv.run(timing=False)
+        self.assertIsNone(timing)
         with open(trace_kv.TRACE, encoding="utf-8") as f:
             self.assertEqual(record, json.load(f))
         self.assertEqual(record["largest_logit_gap_first_story"], 0.0)
+        every_row = record["every_row_of_every_story"]
+        self.assertEqual(every_row["largest_logit_gap"], 0.0)
+        self.assertEqual(every_row["stories"], 2 * record["stories"])   # greedy and sampled
+        self.assertGreater(every_row["positions"], 60 * 2 * 20)
         self.assertEqual(record["greedy_identical"], record["stories"])
         self.assertEqual(record["sampled_identical"], record["stories"])
 
     def test_every_cached_row_equals_the_full_forward_pass(self):
         longest = [t for story in STORIES for t in TOK.encode(story)][:model.CONTEXT]
         for ids in [TOK.encode(story) for story in STORIES[:5]] + [longest]:
-            full, _ = model.forward(PARAMS, ids)
-            assert_same_rows(self, cached_rows(PARAMS, ids), full)
+            assert_every_row_equal(self, PARAMS, ids)
 
     def test_cached_generation_matches_uncached(self):
         settings = [{}, {"temperature": 1.0, "seed": 1}, {"temperature": 1.0, "seed": 7},
@@ -191,10 +213,9 @@ class RandomModels(unittest.TestCase):
             with self.subTest(**label):
                 result = kv_cache.generate_cached(params, TOK, prompt, **settings)
                 ids = TOK.encode(prompt) + [TOK.ids[step["token"]] for step in result["steps"]]
-                full, _ = model.forward(params, ids)
                 compared += 1
                 longest = max(longest, len(ids))
-                assert_same_rows(self, trace_kv.cached_rows(params, ids), full)
+                assert_every_row_equal(self, params, ids)
         self.assertEqual(compared, wanted)
         self.assertEqual(longest, model.CONTEXT)   # some case filled every position
 
@@ -212,69 +233,122 @@ class RandomModels(unittest.TestCase):
             self.assertEqual(self.requested_cases(), self.DEFAULT_CASES)
 
 
+def plant(module, function, old, new):
+    """module.function compiled from its real source with the text old replaced by new, in
+    the module's namespace. old must occur exactly once, so a test cannot go stale."""
+    source = textwrap.dedent(inspect.getsource(getattr(module, function)))
+    if source.count(old) != 1:
+        raise AssertionError(f"{old!r} occurs {source.count(old)} times in "
+                             f"{module.__name__}.{function}, not once")
+    namespace = dict(vars(module))
+    exec(compile(source.replace(old, new), f"<{module.__name__}.{function}, planted>", "exec"),
+         namespace)
+    return namespace[function]
+
+
 class Teeth(unittest.TestCase):
-    """Each one-line mistake in a copy of forward_step changes some score, so the
-    equality tests would catch it.
+    """Each one-line mistake, planted in the real source of kv_cache.forward_step or
+    model.forward, is caught by the lab's comparison of every cached row with the full
+    pass; each harmless edit is not.
 
-    Not every edit is a mistake. The scale is 1 / sqrt(16) = 0.25 exactly, and dividing a
-    float by 4.0 or multiplying it by 0.25 both give the correctly rounded x / 4: the same
-    bits for every x, so writing "/ math.sqrt(16)" instead of "* SCALE" changes no float
-    and no test could (or should) catch it. Likewise tok_emb[t] + pos_emb[i] and
-    pos_emb[i] + tok_emb[t] are the same floats (one addition is commutative); it is
-    regrouping three or more terms that changes last bits."""
+    Harmless, because they give the same bits for every float: the scale is
+    1 / sqrt(16) = 0.25 exactly, so multiplying by it and dividing by 4.0 are both the
+    correctly rounded x / 4; and one addition is commutative, so tok_emb[t] + pos_emb[i]
+    and pos_emb[i] + tok_emb[t] agree. It is regrouping three or more terms that changes
+    last bits."""
 
-    MISTAKES = ("no attention scale", "one position too few", "wrong position embedding",
-                "no relu", "skip path before the mlp bias")
+    APPEND = """    cache.keys.append(k)        # before attention: a position attends to itself too
+    cache.values.append(v)
+"""
+    ATTEND = """    mixed = [dot(weights, column) for column in zip(*values)]
+"""
+    # (mistake, module, function, text, replacement, how it is caught)
+    MISTAKES = [
+        ("no attention scale", kv_cache, "forward_step",
+         "dot(q, k_j) * SCALE", "dot(q, k_j)", "rows differ"),
+        ("no attention scale", model, "forward",
+         "dot(q, k_j) * SCALE", "dot(q, k_j)", "rows differ"),
+        ("one position too few (position 0 dropped once there are two)", model, "forward",
+         "saved.k[:i + 1], saved.v[:i + 1]", "saved.k[min(1, i):i + 1], saved.v[min(1, i):i + 1]",
+         "rows differ"),
+        ("the position embedding of the previous position", kv_cache, "forward_step",
+         'params["pos_emb"][position]', 'params["pos_emb"][position - 1]', "rows differ"),
+        ("the position embedding of the previous position", model, "forward",
+         'params["pos_emb"][i]', 'params["pos_emb"][i - 1]', "rows differ"),
+        ("no ReLU", kv_cache, "forward_step",
+         'relu(add(row(h2, cols["W1"]), params["b1"]))', 'add(row(h2, cols["W1"]), params["b1"])',
+         "rows differ"),
+        ("no ReLU", model, "forward",
+         'relu(add(row(h2, cols["W1"]), params["b1"]))', 'add(row(h2, cols["W1"]), params["b1"])',
+         "rows differ"),
+        ("the MLP's skip path added before its bias", kv_cache, "forward_step",
+         'add(x1, add(row(a, cols["W2"]), params["b2"]))',
+         'add(add(x1, row(a, cols["W2"])), params["b2"])', "rows differ"),
+        ("the MLP's skip path added before its bias", model, "forward",
+         'add(x1, add(row(a, cols["W2"]), params["b2"]))',
+         'add(add(x1, row(a, cols["W2"])), params["b2"])', "rows differ"),
+        ("the new key and value appended after attention", kv_cache, "forward_step",
+         APPEND + """    keys, values = cache.keys, cache.values      # positions 0..position, from the cache
+    scores = [dot(q, k_j) * SCALE for k_j in keys]
+    weights = softmax_row(scores)
+""" + ATTEND,
+         """    keys, values = cache.keys, cache.values      # positions 0..position, from the cache
+    scores = [dot(q, k_j) * SCALE for k_j in keys]
+    weights = softmax_row(scores)
+""" + ATTEND + APPEND,
+         "raises"),   # position 0 then has nothing to attend to
+    ]
+    HARMLESS = [
+        ("dividing by 4.0 instead of multiplying by 0.25", kv_cache, "forward_step",
+         "dot(q, k_j) * SCALE", "dot(q, k_j) / 4.0"),
+        ("the position embedding added first", kv_cache, "forward_step",
+         'add(params["tok_emb"][token_id], params["pos_emb"][position])',
+         'add(params["pos_emb"][position], params["tok_emb"][token_id])'),
+    ]
 
-    @classmethod
-    def step_with(cls, mistake=None):
-        """A copy of kv_cache.forward_step's arithmetic from model's helpers, making the
-        named mistake (None: no mistake)."""
-        if mistake is not None and mistake not in cls.MISTAKES:
-            raise ValueError(f"unknown mistake {mistake!r}")
+    def setUp(self):
+        self.ids = TOK.encode(STORIES[0])
+        self.models = {"trained": PARAMS,
+                       "random, seed 6": RandomModels.random_model(random.Random(6), 1.0, 1.0)}
 
-        def step(params, cache, token_id, position):
-            cols = cache.columns
-            if mistake == "wrong position embedding":
-                position = min(position + 1, model.CONTEXT - 1)   # the next position's
-            x0 = model.add(params["tok_emb"][token_id], params["pos_emb"][position])
-            h1 = model.layernorm(x0, params["ln1_g"], params["ln1_b"])
-            q, k, v = (model.row(h1, cols[name]) for name in ("Wq", "Wk", "Wv"))
-            cache.keys.append(k)
-            cache.values.append(v)
-            # The mistake drops the oldest position, 0 (a first position keeps its own).
-            first = 1 if mistake == "one position too few" and len(cache) > 1 else 0
-            keys, values = cache.keys[first:], cache.values[first:]
-            scale = 1.0 if mistake == "no attention scale" else model.SCALE   # s * 1.0 is s
-            weights = model.softmax_row([model.dot(q, key) * scale for key in keys])
-            mixed = [model.dot(weights, column) for column in zip(*values)]
-            x1 = model.add(x0, model.row(mixed, cols["Wo"]))
-            h2 = model.layernorm(x1, params["ln2_g"], params["ln2_b"])
-            z = model.add(model.row(h2, cols["W1"]), params["b1"])
-            a = z if mistake == "no relu" else model.relu(z)
-            mlp = model.row(a, cols["W2"])
-            if mistake == "skip path before the mlp bias":
-                x2 = model.add(model.add(x1, mlp), params["b2"])
-            else:
-                x2 = model.add(x1, model.add(mlp, params["b2"]))
-            hf = model.layernorm(x2, params["lnf_g"], params["lnf_b"])
-            return model.add(model.row(hf, cols["W_out"]), params["b_out"])
-        return step
+    def verdict(self, module, function, old, new):
+        """What the lab's comparison says of the code with old replaced by new, on each
+        model: "equal", "rows differ", or "raises" (when the code cannot run)."""
+        planted = plant(module, function, old, new)
+        verdicts = {}
+        with mock.patch.object(module, function, planted):
+            for name, params in self.models.items():
+                try:
+                    assert_every_row_equal(self, params, self.ids)
+                    verdicts[name] = "equal"
+                except self.failureException:
+                    verdicts[name] = "rows differ"
+                except (ValueError, IndexError):
+                    verdicts[name] = "raises"
+        return verdicts
 
     def test_each_one_line_mistake_is_caught(self):
-        """On the trained model and on a random one, with the first test story."""
-        ids = TOK.encode(STORIES[0])
-        models = {"trained": PARAMS,
-                  "random, seed 6": RandomModels.random_model(random.Random(6), 1.0, 1.0)}
-        for name, params in models.items():
-            full, _ = model.forward(params, ids)
-            with self.subTest(model=name, mistake=None):   # the harness itself is right
-                assert_same_rows(self, trace_kv.cached_rows(params, ids, self.step_with()), full)
-            for mistake in self.MISTAKES:
-                with self.subTest(model=name, mistake=mistake):
-                    self.assertNotEqual(
-                        trace_kv.cached_rows(params, ids, self.step_with(mistake)), full)
+        for function in ("forward_step", "forward"):
+            module = kv_cache if function == "forward_step" else model
+            signature = f"def {function}("
+            with self.subTest(unchanged=function):   # the harness itself is right
+                self.assertEqual(set(self.verdict(module, function, signature, signature)
+                                     .values()), {"equal"})
+        for mistake, module, function, old, new, caught in self.MISTAKES:
+            with self.subTest(mistake=mistake, planted_in=f"{module.__name__}.{function}"):
+                self.assertEqual(set(self.verdict(module, function, old, new).values()),
+                                 {caught})
 
+    def test_harmless_edits_are_not_mistakes(self):
+        for edit, module, function, old, new in self.HARMLESS:
+            with self.subTest(edit=edit):
+                self.assertEqual(set(self.verdict(module, function, old, new).values()),
+                                 {"equal"})
+
+    def test_planting_refuses_text_that_is_not_there_exactly_once(self):
+        for old in ("no such text", "row("):
+            with self.subTest(old=old), self.assertRaisesRegex(AssertionError, "not once"):
+                plant(kv_cache, "forward_step", old, "x")
 
 
 class Work(unittest.TestCase):
@@ -283,39 +357,38 @@ class Work(unittest.TestCase):
         self.prompt = OPENINGS[0]
         self.prompt_tokens = len(TOK.encode(self.prompt))
 
-    def count_scores(self):
-        """Patch model.attend to count the attention scores it computes."""
-        counted = {"scores": 0}
-        real = model.attend
+    def count_scores(self, module):
+        """Patch module.softmax_row, which the row calls once on its attention scores, to
+        count the scores (greedy choices never call it)."""
+        counted = {"scores": 0, "rows": 0}
+        real = module.softmax_row
 
-        def counting(q, keys, values):
-            counted["scores"] += len(keys)
-            return real(q, keys, values)
-        return counted, mock.patch.object(model, "attend", counting)
+        def counting(scores):
+            counted["scores"] += len(scores)
+            return real(scores)
+        return counted, mock.patch.object(module, "softmax_row", counting)
 
     def test_work_counts_match_the_rows_the_model_processes(self):
-        counted, patch_attend = self.count_scores()
-        counted["rows"] = 0
+        counted, patch_softmax = self.count_scores(model)
         real = model.forward
 
         def counting(params, ids):
             counted["rows"] += len(ids)
             return real(params, ids)
-        with mock.patch.object(model, "forward", counting), patch_attend:
+        with mock.patch.object(model, "forward", counting), patch_softmax:
             result = generate.generate(PARAMS, TOK, self.prompt)
         expected = trace_kv.work(self.prompt_tokens, len(result["steps"]))
         self.assertEqual(counted["rows"], expected["uncached_rows"])
         self.assertEqual(counted["scores"], expected["uncached_scores"])
 
     def test_cached_work_counts_match_the_forward_step_calls(self):
-        counted, patch_attend = self.count_scores()
-        counted["rows"] = 0
+        counted, patch_softmax = self.count_scores(kv_cache)
         real = kv_cache.forward_step
 
         def counting(params, cache, token_id, position):
             counted["rows"] += 1
             return real(params, cache, token_id, position)
-        with mock.patch.object(kv_cache, "forward_step", counting), patch_attend:
+        with mock.patch.object(kv_cache, "forward_step", counting), patch_softmax:
             result = generate_cached(PARAMS, TOK, self.prompt)
         expected = trace_kv.work(self.prompt_tokens, len(result["steps"]))
         self.assertEqual(counted["rows"], expected["cached_rows"])
@@ -338,7 +411,7 @@ class Misuse(unittest.TestCase):
 
     def setUp(self):
         self.ids = TOK.encode(OPENINGS[0])
-        self.cache = prefill(PARAMS, self.ids)
+        self.cache = prefill(self.ids)
 
     def assertRefused(self, fragment, *, params=None, token_id=5, position=NEXT, cache=None):
         """The call is refused with fragment in the message, leaving the cache as it was."""
@@ -365,13 +438,23 @@ class Misuse(unittest.TestCase):
         n = len(self.ids)
         for position in (n + 1, n - 1, 0, -1, float(n), True, None, str(n)):
             with self.subTest(position=position):
-                self.assertRefused(f"expected position {n}, got {position}", position=position)
+                self.assertRefused(f"expected position {n}, got {position!r}", position=position)
 
     def test_cache_from_other_parameters(self):
         twin = copy.deepcopy(PARAMS)   # equal values, another model to the cache
         self.assertRefused("different parameters", params=twin)
         # Checked first: a wrong position with the wrong params names the params.
         self.assertRefused("different parameters", params=twin, position=0)
+
+    def test_a_cache_that_is_not_a_kv_cache(self):
+        for cache in (None, [], {"keys": [], "values": []}):
+            with self.subTest(cache=cache):
+                with self.assertRaisesRegex(ValueError, f"cache must be a KVCache, got "
+                                                        f"{type(cache).__name__}"):
+                    forward_step(PARAMS, cache, 5, 0)
+                if cache is not None:   # generate_cached's cache=None means "a new cache"
+                    with self.assertRaisesRegex(ValueError, "cache must be a KVCache"):
+                        generate_cached(PARAMS, TOK, "mia", cache=cache)
 
     def test_position_beyond_the_table(self):
         full = KVCache(PARAMS)
@@ -423,25 +506,25 @@ class Reuse(unittest.TestCase):
         self.ids = TOK.encode(self.prompt)
 
     def test_a_fork_never_changes_its_parent_or_sibling(self):
-        parent = prefill(PARAMS, self.ids)
+        parent = prefill(self.ids)
         before = snapshot(parent)
         left, right = parent.copy(), parent.copy()
         for fork, more in ((left, TOK.encode(" she")), (right, TOK.encode(" tom ran"))):
             for token_id in more:
                 forward_step(PARAMS, fork, token_id, len(fork))
-            self.assertEqual(snapshot(fork), snapshot(prefill(PARAMS, self.ids + more)))
+            self.assertEqual(snapshot(fork), snapshot(prefill(self.ids + more)))
         self.assertEqual(snapshot(parent), before)
 
     def test_crop_rewinds_the_sequence(self):
-        cache = prefill(PARAMS, self.ids)
+        cache = prefill(self.ids)
         cache.crop(3)
-        self.assertEqual(snapshot(cache), snapshot(prefill(PARAMS, self.ids[:3])))
+        self.assertEqual(snapshot(cache), snapshot(prefill(self.ids[:3])))
         # Feeding the rest again gives the very rows of an uncropped run.
         rows = [forward_step(PARAMS, cache, t, 3 + i) for i, t in enumerate(self.ids[3:])]
         self.assertEqual(rows, cached_rows(PARAMS, self.ids)[3:])
 
     def test_crop_refuses_a_bad_length(self):
-        cache = prefill(PARAMS, self.ids)
+        cache = prefill(self.ids)
         before = snapshot(cache)
         for length in (-1, len(self.ids) + 1, 2.0, True, None, "2"):
             with self.subTest(length=length):
@@ -452,7 +535,7 @@ class Reuse(unittest.TestCase):
     def test_generation_from_a_cache_equals_a_fresh_run(self):
         """An empty cache, one holding part of the prompt, and one holding all of it."""
         for held in (0, 1, len(self.ids) - 1, len(self.ids)):
-            cache = prefill(PARAMS, self.ids[:held])
+            cache = prefill(self.ids[:held])
             before = snapshot(cache)
             for settings in ({}, {"temperature": 1.0, "seed": 3},
                              {"temperature": 1.0, "top_k": 3, "seed": 4}):
@@ -464,7 +547,7 @@ class Reuse(unittest.TestCase):
 
     def test_a_cache_feeds_only_the_prompt_tokens_it_lacks(self):
         for held, fed in ((0, len(self.ids)), (3, len(self.ids) - 3), (len(self.ids), 1)):
-            cache = prefill(PARAMS, self.ids[:held])
+            cache = prefill(self.ids[:held])
             calls = []
             real = kv_cache.forward_step
 
@@ -476,8 +559,8 @@ class Reuse(unittest.TestCase):
             self.assertEqual(calls, list(range(len(self.ids) - fed, len(self.ids))))
 
     def test_generation_refuses_a_cache_it_cannot_continue(self):
-        other = prefill(PARAMS, TOK.encode(OPENINGS[1]))
-        longer = prefill(PARAMS, self.ids + TOK.encode(" she"))
+        other = prefill(TOK.encode(OPENINGS[1]))
+        longer = prefill(self.ids + TOK.encode(" she"))
         foreign = KVCache(copy.deepcopy(PARAMS))
         position = next(i for i, (a, b) in enumerate(zip(other.tokens, self.ids)) if a != b)
         for cache, fragment in ((other, f"not a prefix of the prompt: at position {position}"),
@@ -496,7 +579,7 @@ class Reuse(unittest.TestCase):
         running = []
         for prompt in prompts:
             ids = TOK.encode(prompt)
-            cache = prefill(PARAMS, ids[:-1])
+            cache = prefill(ids[:-1])
             logits = forward_step(PARAMS, cache, ids[-1], len(ids) - 1)
             running.append({"ids": ids, "cache": cache, "logits": logits})
         for _ in range(12):

@@ -135,7 +135,7 @@ class ForwardTest(unittest.TestCase):
     def test_logits_have_one_row_of_96_per_position(self):
         logits, saved = model.forward(self.params, self.ids)
         self.assertEqual(len(logits), len(self.ids))
-        self.assertEqual(len(saved), len(self.ids))
+        self.assertEqual([len(values) for values in saved], [len(self.ids)] * len(saved))
         self.assertTrue(all(len(scores) == model.VOCAB_SIZE for scores in logits))
 
     def test_changing_a_later_token_never_changes_an_earlier_row(self):
@@ -150,8 +150,7 @@ class ForwardTest(unittest.TestCase):
 
     def test_position_i_computes_exactly_i_plus_1_attention_scores(self):
         _, saved = model.forward(self.params, self.ids)
-        for i, entry in enumerate(saved):
-            weights = entry[5]       # saved: x0, h1, q, k, v, weights, mixed, ...
+        for i, weights in enumerate(saved.weights):
             with self.subTest(position=i):
                 self.assertEqual(len(weights), i + 1)
                 self.assertTrue(all(w > 0.0 for w in weights), "no masked entries")

@@ -16,35 +16,17 @@ import os
 import platform
 import sys
 import time
-from math import fsum
-from operator import add, mul
+from operator import add
 
+import kv_cache
 import model
 from checkpoint import write_atomically
 from generate import generate, load_trained
-from kv_cache import KVCache, forward_step, generate_cached
+from kv_cache import KVCache, feed, generate_cached, work
 from train import split_stories
 
 TRACE, TIMES = "kv-trace.json", "kv-time.json"
 LENGTHS = (8, 16, 32, 64)
-
-
-def work(prompt_tokens, generated_tokens):
-    """Rows and attention scores each generator computes for a prompt of prompt_tokens
-    tokens and generated_tokens chosen tokens (one model call per chosen token)."""
-    for name, value in (("prompt_tokens", prompt_tokens), ("generated_tokens", generated_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-    # Without the cache, call s runs the model on all n = prompt_tokens + s tokens in hand.
-    calls = range(prompt_tokens, prompt_tokens + generated_tokens)
-    # With it, every position is fed once, except the last chosen token (never fed back).
-    fed = prompt_tokens + generated_tokens - 1 if generated_tokens else 0
-    return {
-        "uncached_rows": sum(calls),
-        "cached_rows": fed,
-        "uncached_scores": sum(n * (n + 1) // 2 for n in calls),   # row i has i + 1 scores
-        "cached_scores": fed * (fed + 1) // 2,
-    }
 
 
 def openings(stories):
@@ -52,83 +34,62 @@ def openings(stories):
     return [story.split(". ")[0] + "." for story in stories]
 
 
-def prefill(params, ids):
-    """A new cache holding the keys and values of ids."""
-    cache = KVCache(params)
-    for position, token_id in enumerate(ids):
-        forward_step(params, cache, token_id, position)
-    return cache
-
-
-def cached_rows(params, ids, step=forward_step):
-    """The logits of every position of ids, fed one at a time through a new cache."""
-    cache = KVCache(params)
-    return [step(params, cache, t, i) for i, t in enumerate(ids)]
-
-
 def largest_gap(rows, other_rows):
-    """The largest difference between any two corresponding logits."""
+    """The largest difference between corresponding logits of two lists of rows, which
+    must be equally long."""
+    if len(rows) != len(other_rows):
+        raise ValueError(f"{len(rows)} rows cannot be compared with {len(other_rows)}")
     return max(abs(a - b) for row, other in zip(rows, other_rows) for a, b in zip(row, other))
 
 
-def _bare_sum_pairs(params, ids):
-    """The operand pairs of every fsum a cached pass over ids does: each matrix column,
-    each attention score, the softmax's sum, each mixing sum, and the two sums of each
-    layer norm (the softmax and layer-norm sums stood for by sums of products as long)."""
-    _, saved = model.forward(params, ids)
-    cols = KVCache(params).columns
-    pairs, keys, values = [], [], []
-    for x0, h1, q, k, v, weights, mixed, x1, h2, a, x2, hf in saved:
-        keys.append(k)
-        values.append(v)
-        for x, matrices in ((h1, ("Wq", "Wk", "Wv")), (mixed, ("Wo",)), (h2, ("W1",)),
-                            (a, ("W2",)), (hf, ("W_out",))):
-            pairs += [(x, col) for name in matrices for col in cols[name]]
-        pairs += [(q, key) for key in keys] + [(weights, weights)]
-        pairs += [(weights, list(column)) for column in zip(*values)]
-        pairs += [(x, x) for x in (x0, x0, x1, x1, x2, x2)]
-    return pairs
+@contextlib.contextmanager
+def recording(module, name):
+    """Inside this block, every value module.name returns is also appended to the list it
+    yields: what the code really computed, seen without running it again."""
+    real, results = getattr(module, name), []
 
-
-def speed_of_a_row(params, ids, repeats=20):
-    """Seconds for forward_step over ids, and for only the fsum calls those rows need,
-    measured in turns so that both see the same machine."""
-    pairs = _bare_sum_pairs(params, ids)
-    steps = bare = 0.0
-    for cache in [KVCache(params) for _ in range(repeats)]:
-        start = time.perf_counter()
-        for position, token_id in enumerate(ids):
-            forward_step(params, cache, token_id, position)
-        middle = time.perf_counter()
-        for a, b in pairs:
-            fsum(map(mul, a, b))
-        steps += middle - start
-        bare += time.perf_counter() - middle
-    return steps, bare
+    def wrapper(*args):
+        results.append(real(*args))
+        return results[-1]
+    setattr(module, name, wrapper)
+    try:
+        yield results
+    finally:
+        setattr(module, name, real)
 
 
 def compare_on_openings(params, tok, prompts):
     """Both generators on every prompt, greedy and sampled (temperature 1.0, seed = the
-    prompt's index): the uncached results, how many cached ones are identical, the work
-    and the greedy seconds of each path."""
-    greedy, sampled, identical = [], [], {"greedy": 0, "sampled": 0}
+    prompt's index): the uncached results, how many cached ones are identical, how every
+    row the cached path computed compares with the uncached path's last full pass over
+    the same tokens, the work, and the greedy seconds of each path."""
+    results = {"greedy": [], "sampled": []}
+    identical = dict.fromkeys(results, 0)
+    every_row = {"stories": 0, "positions": 0, "largest_logit_gap": 0.0}
     seconds = {"uncached": 0.0, "cached": 0.0}
     total = dict.fromkeys(work(1, 1), 0)
     for index, prompt in enumerate(prompts):
-        start = time.perf_counter()
-        uncached = generate(params, tok, prompt)
-        middle = time.perf_counter()
-        cached = generate_cached(params, tok, prompt)
-        seconds["uncached"] += middle - start
-        seconds["cached"] += time.perf_counter() - middle
-        greedy.append(uncached)
-        identical["greedy"] += cached == uncached
-        for key, count in work(len(tok.encode(prompt)), len(uncached["steps"])).items():
-            total[key] += count
-        sampled.append(generate(params, tok, prompt, temperature=1.0, seed=index))
-        identical["sampled"] += sampled[-1] == generate_cached(params, tok, prompt,
-                                                               temperature=1.0, seed=index)
-    return greedy, sampled, identical, total, seconds
+        for kind, settings in (("greedy", {}), ("sampled", {"temperature": 1.0, "seed": index})):
+            start = time.perf_counter()
+            with recording(model, "forward") as full_passes:
+                uncached = generate(params, tok, prompt, **settings)
+            middle = time.perf_counter()
+            with recording(kv_cache, "forward_step") as cached_rows:
+                cached = generate_cached(params, tok, prompt, **settings)
+            end = time.perf_counter()
+            results[kind].append(uncached)
+            identical[kind] += cached == uncached
+            # The last full pass ran on every token the cache was fed.
+            gap = largest_gap(cached_rows, full_passes[-1][0])
+            every_row["stories"] += 1
+            every_row["positions"] += len(cached_rows)
+            every_row["largest_logit_gap"] = max(every_row["largest_logit_gap"], gap)
+            if kind == "greedy":
+                seconds["uncached"] += middle - start
+                seconds["cached"] += end - middle
+                for key, count in work(len(tok.encode(prompt)), len(uncached["steps"])).items():
+                    total[key] += count
+    return results, identical, every_row, total, seconds
 
 
 @contextlib.contextmanager
@@ -149,7 +110,8 @@ def share_prefixes(params, tok, prompts, greedy, sampled):
     identical, without, shared = 0, 0, 0
     for index, prompt in enumerate(prompts):
         ids = tok.encode(prompt)
-        cache = prefill(params, ids)
+        cache = KVCache(params)
+        feed(params, cache, ids)
         top_k = {"temperature": 1.0, "top_k": 3, "seed": index}
         identical += generate_cached(params, tok, prompt, cache=cache) == greedy[index]
         identical += generate_cached(params, tok, prompt, temperature=1.0, seed=index,
@@ -169,34 +131,63 @@ def never_ending(params, tok):
     return changed
 
 
-def cost_by_length(params, tok):
-    """Rows, scores and seconds of both generators from a one-token prompt ("mia") to
-    8, 16, 32 and 64 positions, with a copy of the model that never ends a story."""
+def seconds_by_length(params, tok):
+    """Seconds of both generators from a one-token prompt ("mia") to 8, 16, 32 and 64
+    positions, with a copy of the model that never ends a story."""
     never_ends = never_ending(params, tok)
-    counts, seconds = [], []
+    seconds = []
     for length in LENGTHS:
         start = time.perf_counter()
         generate(never_ends, tok, "mia", max_new_tokens=length - 1)
         middle = time.perf_counter()
         generate_cached(never_ends, tok, "mia", max_new_tokens=length - 1)
         end = time.perf_counter()
-        counts.append({"positions": length, **work(1, length - 1)})
         seconds.append({"positions": length, "uncached_seconds": round(middle - start, 4),
                         "cached_seconds": round(end - middle, 4),
                         "speedup": round((middle - start) / (end - middle), 1)})
-    return counts, seconds
+    return seconds
+
+
+def fsum_share(params, stories):
+    """Seconds for forward_step over every position of the stories (lists of token IDs),
+    and for only the math.fsum calls those steps make, on the same terms: each story is
+    first run once to record its calls' terms, then both are timed, story by story."""
+    step_seconds = sum_seconds = 0.0
+    exact = model.fsum
+    for ids in stories:
+        calls = []
+
+        def keeping(terms):
+            calls.append(list(terms))
+            return exact(calls[-1])
+        model.fsum = keeping
+        try:
+            feed(params, KVCache(params), ids)
+        finally:
+            model.fsum = exact
+        cache = KVCache(params)
+        start = time.perf_counter()
+        feed(params, cache, ids)
+        middle = time.perf_counter()
+        for terms in calls:
+            exact(terms)
+        step_seconds += middle - start
+        sum_seconds += time.perf_counter() - middle
+    return step_seconds, sum_seconds
 
 
 def cache_bytes(params, ids):
     """Bytes CPython uses for a cache holding ids: the lists and every float object."""
-    cache = prefill(params, ids)
+    cache = KVCache(params)
+    feed(params, cache, ids)
     rows = cache.keys + cache.values
     return (sys.getsizeof(cache.keys) + sys.getsizeof(cache.values)
             + sum(sys.getsizeof(r) + sum(sys.getsizeof(x) for x in r) for r in rows))
 
 
-def run():
-    """Both generators on the 60 test openings: (record, timing)."""
+def run(timing=True):
+    """Both generators on the 60 test openings: (record, timing). With timing=False,
+    only the record (timing is None), skipping the runs that only measure time."""
     params, tok = load_trained()
     with open("corpus.txt", encoding="utf-8") as f:
         _, _, test = split_stories(f.read())
@@ -204,17 +195,19 @@ def run():
     first_story = tok.encode(test[0])
     full_context = [t for story in test for t in tok.encode(story)][:model.CONTEXT]
 
-    greedy, sampled, identical, total, seconds = compare_on_openings(params, tok, prompts)
+    results, identical, every_row, total, seconds = compare_on_openings(params, tok, prompts)
+    greedy = results["greedy"]
     full, _ = model.forward(params, first_story)
     with sums_in_another_order():
-        reordered = cached_rows(params, first_story)
+        reordered = feed(params, KVCache(params), first_story)
         reordered_identical = sum(generate_cached(params, tok, prompt) == result
                                   for prompt, result in zip(prompts, greedy))
-    by_length, seconds_by_length = cost_by_length(params, tok)
     record = {
         "stories": len(prompts),
-        "largest_logit_gap_first_story": largest_gap(full, cached_rows(params, first_story)),
+        "largest_logit_gap_first_story": largest_gap(full, feed(params, KVCache(params),
+                                                                first_story)),
         "positions_checked": len(first_story),
+        "every_row_of_every_story": every_row,
         "greedy_identical": identical["greedy"],
         "sampled_identical": identical["sampled"],
         "greedy_ended_with_newline": sum(r["stopped"] == "end of story" for r in greedy),
@@ -225,12 +218,16 @@ def run():
         "cache_floats_per_position": 2 * model.WIDTH,
         "cache_floats_full_context": 2 * model.WIDTH * model.CONTEXT,
         "greedy_examples": [r["text"] for r in greedy[:3]],
-        "prefix_sharing": share_prefixes(params, tok, prompts, greedy, sampled),
-        "cost_by_length": by_length,
+        "prefix_sharing": share_prefixes(params, tok, prompts, greedy, results["sampled"]),
+        "cost_by_length": [{"positions": length, **work(1, length - 1)} for length in LENGTHS],
         "sums_in_another_order": {"largest_logit_gap_first_story": largest_gap(full, reordered),
                                   "greedy_identical": reordered_identical},
     }
-    step_seconds, bare_seconds = speed_of_a_row(params, first_story)
+    if not timing:
+        return record, None
+    fed = [(tok.encode(prompt) + [tok.ids[step["token"]] for step in r["steps"]])[:-1]
+           for prompt, r in zip(prompts, greedy)]         # the last chosen token is never fed
+    step_seconds, sum_seconds = fsum_share(params, fed)
     memory = cache_bytes(params, full_context)
     timing = {
         "uncached_seconds": round(seconds["uncached"], 3),
@@ -239,10 +236,10 @@ def run():
         "uncached_microseconds_per_row":
             round(seconds["uncached"] / total["uncached_rows"] * 1e6, 1),
         "cached_microseconds_per_row": round(seconds["cached"] / total["cached_rows"] * 1e6, 1),
-        "forward_step_over_bare_fsum": round(step_seconds / bare_seconds, 2),
-        "cost_by_length": seconds_by_length,
+        "forward_step_over_its_fsum_calls": round(step_seconds / sum_seconds, 2),
+        "cost_by_length": seconds_by_length(params, tok),
         "cache_bytes_full_context": memory,
-        "cache_bytes_per_position": memory // model.CONTEXT,
+        "cache_bytes_per_position": round(memory / model.CONTEXT, 2),
         "cache_bytes_as_8_byte_floats": 8 * 2 * model.WIDTH * model.CONTEXT,
         "machine": f"{platform.platform()}, {os.cpu_count()} cores",
         "python": platform.python_version(),
@@ -295,7 +292,7 @@ def main(argv=None):
     print(_dumps(record), end="")
     print(f"time: uncached {timing['uncached_seconds']} s, cached {timing['cached_seconds']} s "
           f"(speed-up {timing['speedup']}x; rows ratio {record['rows_ratio']}x); "
-          f"forward_step takes {timing['forward_step_over_bare_fsum']}x its bare fsum calls; "
+          f"forward_step takes {timing['forward_step_over_its_fsum_calls']}x its fsum calls; "
           f"{timing['machine']}, Python {timing['python']}")
     if args.write:
         save_records(record, timing)
