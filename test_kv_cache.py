@@ -6,6 +6,7 @@ import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -629,7 +630,11 @@ class RecordedFigures(unittest.TestCase):
         with open("README.md", encoding="utf-8") as f:
             readme = f.read()
         r, sharing = self.record, self.record["prefix_sharing"]
+        every_row = r["every_row_of_every_story"]
         quoted = [f"{count:,}" for count in r["work"].values()] + [
+            f"every position of the {every_row['stories']} stories (60 greedy, 60 sampled): "
+            f"{every_row['positions']:,} rows of 96 scores | **{every_row['largest_logit_gap']}**",
+            f"bit for bit ({every_row['positions']:,} positions)",
             f"{r['rows_ratio']}x", f"{r['scores_ratio']}x",
             f"**{r['largest_logit_gap_first_story']}**",
             f"**{r['greedy_identical']} of {r['stories']}**",
@@ -643,6 +648,16 @@ class RecordedFigures(unittest.TestCase):
         for figure in quoted:
             with self.subTest(figure=figure):
                 self.assertIn(figure, readme)
+
+    def test_the_readme_shows_the_real_code(self):
+        with open("README.md", encoding="utf-8") as f:
+            readme = f.read()
+        excerpts = re.findall(r"<!-- excerpt: (\w+)\.(\w+) -->\n```python\n(.*?)```", readme,
+                              re.DOTALL)
+        self.assertGreaterEqual(len(excerpts), 4)
+        for module, function, code in excerpts:
+            with self.subTest(excerpt=f"{module}.{function}"):
+                self.assertIn(code, inspect.getsource(getattr(sys.modules[module], function)))
 
     def test_prefix_sharing_saves_the_recorded_rows(self):
         sharing = self.record["prefix_sharing"]
