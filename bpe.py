@@ -11,9 +11,10 @@ merges in the order they were learned (by rank), so it reproduces training exact
 import argparse
 import itertools
 import json
+import os
 import sys
 
-from checkpoint import read_json, write_atomically
+from checkpoint import add_folder_flag, read_json, run_command, write_atomically
 from model import VOCAB_SIZE
 
 FORMAT = "kv-lab-bpe-1"
@@ -98,8 +99,11 @@ class Tokenizer:
         unknown = set(text) - self._alphabet
         if unknown:
             index = next(i for i, ch in enumerate(text) if ch in unknown)
-            raise ValueError(f"unknown character {text[index]!r} at index {index}: "
-                             f"the tokenizer's alphabet is {''.join(sorted(self._alphabet))!r}")
+            char = text[index]
+            hint = f"; use lowercase: {char.lower()!r}" if char.lower() in self._alphabet else ""
+            raise ValueError(f"unknown character {char!r} at index {index}: "
+                             f"the tokenizer's alphabet is {''.join(sorted(self._alphabet))!r}"
+                             f"{hint}")
         ids = []
         for piece in _pieces(text):
             if piece not in self._word_ids:
@@ -172,15 +176,18 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="Retrain tokenizer.json from corpus.txt.")
     parser.add_argument("--check", action="store_true",
                         help="exit non-zero if retraining would change tokenizer.json")
+    add_folder_flag(parser)
     args = parser.parse_args(argv)
+    corpus, tokenizer = (os.path.join(args.folder, name) for name in ("corpus.txt",
+                                                                      "tokenizer.json"))
     try:
-        with open("corpus.txt", encoding="utf-8") as f:
+        with open(corpus, encoding="utf-8") as f:
             tok = Tokenizer.train(f.read(), VOCAB_SIZE)
     except (OSError, ValueError) as e:
         sys.exit(f"bpe.py: error: {e}")
     if args.check:
         try:
-            with open("tokenizer.json", encoding="utf-8") as f:
+            with open(tokenizer, encoding="utf-8", newline="") as f:
                 same = f.read() == tok.to_json()
         except OSError as e:
             sys.exit(f"bpe.py: error: tokenizer.json cannot be read: {e}")
@@ -189,9 +196,9 @@ def main(argv=None):
                      "corpus.txt; run python3 bpe.py to rewrite it")
         print(f"tokenizer.json matches corpus.txt ({len(tok.vocab)} tokens)")
         return
-    tok.save("tokenizer.json")
-    print(f"wrote tokenizer.json: {len(tok.vocab)} tokens, {len(tok.merges)} merges")
+    tok.save(tokenizer)
+    print(f"wrote {tokenizer}: {len(tok.vocab)} tokens, {len(tok.merges)} merges")
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -2,17 +2,50 @@
 signature of the data (tokenizer and corpus), so weights are never paired with the
 wrong tokenizer. Python writes floats with repr, so they read back exactly.
 
-Every file this lab writes goes through write_atomically: a temporary file beside the
-target, then a rename, so a crash leaves either the old file or the new one.
+Also what every command of the lab shares about files: each file this lab writes goes
+through write_atomically (a temporary file beside the target, then a rename, so a crash
+leaves either the old file or the new one); the lab's files are found in its own folder,
+wherever the command runs from; and Ctrl-C or a closed pipe end a command quietly.
 """
 import hashlib
 import json
 import os
+import sys
 import tempfile
 
 import model
 
 FORMAT = "kv-lab-checkpoint-1"
+LAB = os.path.dirname(os.path.abspath(__file__))   # corpus.txt, tokenizer.json, best.json...
+RESTORE = ("restore the shipped best.json (git checkout -- best.json, or download it again), "
+           "or retrain with python3 train.py")
+
+
+def add_folder_flag(parser):
+    """The --folder flag every command has: where the lab's files are."""
+    parser.add_argument("--folder", default=LAB,
+                        help="the folder holding corpus.txt, tokenizer.json, best.json and "
+                             "the records (default: the lab's own folder, wherever you run "
+                             "the command from)")
+
+
+def run_command(main):
+    """Run a command's main(): Ctrl-C ends it with one line and exit code 130, and a
+    closed pipe (as in python3 trace_kv.py | head) ends it silently with 141, the codes a
+    shell gives a program stopped by those signals."""
+    name = os.path.basename(sys.argv[0])
+    try:
+        try:
+            main()
+        finally:
+            sys.stdout.flush()   # here, not at exit, so that a closed pipe shows up below
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except BrokenPipeError:
+        # Python flushes stdout again on the way out; send that to nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)
 
 
 def write_atomically(path, text):
@@ -68,11 +101,11 @@ def load(path, config, signature):
         saved = saved if isinstance(saved, dict) else {}
         keys = sorted(k for k in set(saved) | set(config) if saved.get(k) != config.get(k))
         raise ValueError(f"{path}: trained with another config (differs in {', '.join(keys)}); "
-                         f"retrain with python3 train.py")
+                         f"{RESTORE}")
     if record.get("signature") != signature:
         raise ValueError(f"{path}: trained on other data or another tokenizer "
                          f"(signature {record.get('signature')!r}, expected {signature!r}); "
-                         f"retrain with python3 train.py")
+                         f"{RESTORE}")
     try:
         model.check_params(record.get("params"))
     except ValueError as e:

@@ -4,9 +4,12 @@ opening at every step. kv_cache.py keeps that work instead.
 
     python3 generate.py "mia found a shell at the beach." [--temperature T] [--top-k K]
                         [--seed S] [--max-new-tokens N]
+
+A prompt is lowercase letters, spaces, commas and periods: the stories' alphabet.
 """
 import argparse
 import math
+import os
 import random
 import sys
 
@@ -15,14 +18,20 @@ import model
 from bpe import Tokenizer
 from train import CONFIG
 
+PROMPT_HELP = ("the opening to continue, in lowercase letters, spaces, commas and periods "
+               '(the stories\' alphabet), e.g. "mia found a shell at the beach."')
 
-def load_trained(tokenizer_path="tokenizer.json", checkpoint_path="best.json",
-                 corpus_path="corpus.txt"):
-    """The shipped model: (params, tokenizer), refusing a checkpoint of other data."""
-    tok = Tokenizer.load(tokenizer_path)
-    with open(corpus_path, encoding="utf-8") as f:
+
+def load_trained(folder=checkpoint.LAB):
+    """The shipped model from folder's tokenizer.json, corpus.txt and best.json:
+    (params, tokenizer), refusing a checkpoint of other data."""
+    tok = Tokenizer.load(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "corpus.txt"), encoding="utf-8") as f:
         signature = checkpoint.input_signature(tok, f.read())
-    return checkpoint.load(checkpoint_path, CONFIG, signature)["params"], tok
+    path = os.path.join(folder, "best.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} is missing: {checkpoint.RESTORE}")
+    return checkpoint.load(path, CONFIG, signature)["params"], tok
 
 
 def check_settings(temperature, top_k, vocab_size):
@@ -61,6 +70,9 @@ def check_request(tok, prompt, max_new_tokens, temperature, top_k, seed):
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     if not isinstance(prompt, str) or not prompt:
         raise ValueError(f"prompt must be a non-empty string, got {prompt!r}")
+    if not any(char.isalpha() for char in prompt):
+        raise ValueError(f"prompt has no letters, got {prompt!r}: start the story with a "
+                         f"few words, e.g. 'mia found a shell.'")
     ids = tok.encode(prompt)
     if len(ids) > model.CONTEXT:
         raise ValueError(f"prompt is {len(ids)} tokens, longer than the model's "
@@ -107,15 +119,16 @@ def generate(params, tok, prompt, max_new_tokens=60, temperature=0.0, top_k=None
 
 def add_generation_flags(parser):
     """The prompt and sampling flags shared by generate.py and kv_cache.py."""
-    parser.add_argument("prompt",
-                        help='the opening to continue, e.g. "mia found a shell at the beach."')
+    parser.add_argument("prompt", help=PROMPT_HELP)
     parser.add_argument("--temperature", type=float, default=0.0,
-                        help="0 (default) is greedy; higher samples more freely")
+                        help="0 (default) is greedy: the highest score wins, so each chosen "
+                             "token shows probability 1.0000; higher samples more freely")
     parser.add_argument("--top-k", type=int, default=None,
                         help="sample only among the K highest-scoring tokens")
     parser.add_argument("--seed", type=int, default=0, help="seed for sampling (default 0)")
     parser.add_argument("--max-new-tokens", type=int, default=60,
                         help="stop after this many new tokens (default 60)")
+    checkpoint.add_folder_flag(parser)
 
 
 def main(argv=None):
@@ -124,7 +137,7 @@ def main(argv=None):
     add_generation_flags(parser)
     args = parser.parse_args(argv)
     try:
-        params, tok = load_trained()
+        params, tok = load_trained(args.folder)
         result = generate(params, tok, args.prompt, args.max_new_tokens, args.temperature,
                           args.top_k, args.seed)
     except (OSError, ValueError) as e:
@@ -141,4 +154,4 @@ def print_result(result):
 
 
 if __name__ == "__main__":
-    main()
+    checkpoint.run_command(main)

@@ -12,6 +12,7 @@ import copy
 import sys
 import time
 
+import checkpoint
 import generate
 import model
 from model import SCALE, add, dot, layernorm, relu, row, softmax_row
@@ -161,7 +162,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     settings = (args.max_new_tokens, args.temperature, args.top_k, args.seed)
     try:
-        params, tok = generate.load_trained()
+        params, tok = generate.load_trained(args.folder)
         start = time.perf_counter()
         uncached = generate.generate(params, tok, args.prompt, *settings)
         middle = time.perf_counter()
@@ -178,4 +179,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    checkpoint.run_command(main)

@@ -30,10 +30,11 @@ TINY_ALPHABET = ["\n", " ", ",", ".", "a", "b", "c", "e", "h", "t"]
 TINY_MERGES = [("a", "t"), ("h", "e"), ("t", "he"), ("b", "at"), ("c", "at"), ("h", "at")]
 
 
-def run_bpe(args, cwd):
-    """Run bpe.py as a learner would, in the folder cwd."""
+def run_bpe(args, folder):
+    """Run bpe.py as a learner would, from the folder, on the lab files in it (--folder)."""
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
-    return subprocess.run([sys.executable, os.path.join(HERE, "bpe.py"), *args], cwd=cwd,
+    return subprocess.run([sys.executable, os.path.join(HERE, "bpe.py"), *args,
+                           "--folder", folder], cwd=folder,
                           capture_output=True, text=True, timeout=60, env=env)
 
 
@@ -213,6 +214,7 @@ class TestBadInput(unittest.TestCase):
             message = str(caught.exception)
             self.assertIn(repr(character), message)
             self.assertIn(f"index {index}", message)
+            self.assertEqual("use lowercase: 'm'" in message, character == "M")
 
     def test_decode_refuses_ids_outside_the_vocabulary(self):
         good = TOK.ids["mia"]

@@ -1,9 +1,13 @@
 """Tests of the checkpoint format (checkpoint.py): exact floats, the data signature,
 every refusal, and writes that never leave a half-written or temporary file."""
+import io
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import unittest
+from contextlib import redirect_stderr
 from unittest import mock
 
 import checkpoint
@@ -296,6 +300,36 @@ class TestWriteAtomically(CheckpointTestCase):
             with self.assertRaises(OSError):
                 checkpoint.write_atomically(self.path, "the new checkpoint\n")
         self.assert_only_files()
+
+
+class QuietExits(unittest.TestCase):
+    """Ctrl-C and a closed pipe end every command of the lab without a traceback."""
+
+    def test_ctrl_c_ends_a_command_in_one_line_with_exit_code_130(self):
+        def interrupted():
+            raise KeyboardInterrupt
+        err = io.StringIO()
+        with mock.patch("sys.argv", ["generate.py"]), redirect_stderr(err), \
+                self.assertRaises(SystemExit) as done:
+            checkpoint.run_command(interrupted)
+        self.assertEqual(done.exception.code, 130)
+        self.assertEqual(err.getvalue(), "generate.py: interrupted\n")
+
+    def test_a_closed_pipe_ends_every_command_quietly_with_exit_code_141(self):
+        # trace_kv.py and train.py take minutes to print; they end through the same
+        # checkpoint.run_command as these three.
+        commands = [["generate.py", "mia found a shell."], ["kv_cache.py", "mia found a shell."],
+                    ["bpe.py", "--check"]]
+        for script, *args in commands:
+            with self.subTest(script=script):
+                running = subprocess.Popen([sys.executable, os.path.join(HERE, script), *args],
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                running.stdout.close()   # the reader is gone before anything is printed
+                stderr = running.stderr.read().decode("utf-8")
+                running.stderr.close()
+                running.wait(timeout=60)
+                self.assertEqual(running.returncode, 141, stderr)
+                self.assertEqual(stderr, "")
 
 
 if __name__ == "__main__":

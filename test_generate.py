@@ -3,6 +3,7 @@ by seed, the three stop reasons, how generate calls the model, every refusal, an
 command line."""
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -274,6 +275,15 @@ class GenerateTest(unittest.TestCase):
         self.assert_refused(prompt="")
         self.assert_refused(prompt=None)
 
+    def test_a_prompt_without_letters_is_refused(self):
+        for prompt in (" ", "   ", ". ,", "\n"):
+            with self.subTest(prompt=prompt):
+                self.assert_refused(prompt=prompt)
+                with self.assertRaisesRegex(ValueError, "prompt has no letters, got "):
+                    generate.generate(self.params(), self.tok, prompt)
+        self.assertEqual(generate.generate(self.params(), self.tok, " mia", max_new_tokens=0)
+                         ["text"], " mia")
+
     def test_prompt_longer_than_64_tokens_is_refused(self):
         self.assert_refused(prompt=self.long_prompt(65))
         self.assert_refused(prompt=self.long_prompt(100))
@@ -286,9 +296,11 @@ class GenerateTest(unittest.TestCase):
 
 class CommandLineTest(unittest.TestCase):
 
-    def run_cli(self, *args):
-        return subprocess.run([sys.executable, "generate.py", *args], cwd=HERE,
-                              capture_output=True, text=True, timeout=60)
+    def run_cli(self, *args, cwd=None):
+        """generate.py run from another folder (a new empty one unless cwd is given)."""
+        with tempfile.TemporaryDirectory() as folder:
+            return subprocess.run([sys.executable, os.path.join(HERE, "generate.py"), *args],
+                                  cwd=cwd or folder, capture_output=True, text=True, timeout=60)
 
     def assert_one_line_error(self, done, about):
         """A non-zero exit with one line on stderr, naming `about`."""
@@ -322,9 +334,24 @@ class CommandLineTest(unittest.TestCase):
 
     def test_command_line_without_the_model_files_says_so_in_one_line(self):
         with tempfile.TemporaryDirectory() as folder:
-            done = subprocess.run([sys.executable, os.path.join(HERE, "generate.py"), "mia"],
-                                  cwd=folder, capture_output=True, text=True, timeout=60)
-        self.assert_one_line_error(done, "tokenizer.json")
+            self.assert_one_line_error(self.run_cli("mia", "--folder", folder), "tokenizer.json")
+            for name in ("tokenizer.json", "corpus.txt"):
+                shutil.copy(os.path.join(HERE, name), folder)
+            done = self.run_cli("mia", "--folder", folder, cwd=folder)
+        self.assert_one_line_error(done, "best.json is missing: restore the shipped best.json "
+                                         "(git checkout -- best.json")
+
+    def test_help_gives_the_prompt_alphabet_and_an_example(self):
+        done = self.run_cli("--help")
+        self.assertEqual(done.returncode, 0)
+        help_text = " ".join(done.stdout.split())
+        self.assertIn("in lowercase letters, spaces, commas and periods", help_text)
+        self.assertIn('e.g. "mia found a shell at the beach."', help_text)
+
+    def test_a_capital_letter_is_refused_with_the_fix(self):
+        self.assert_one_line_error(self.run_cli("Mia found a shell."),
+                                   "unknown character 'M' at index 0")
+        self.assertIn("use lowercase: 'm'", self.run_cli("Mia found a shell.").stderr)
 
     def test_command_line_unknown_flag_is_a_usage_error(self):
         done = self.run_cli("mia found a shell.", "--topk", "3")

@@ -2,6 +2,7 @@
 formulas say, and every misuse is refused before anything is computed."""
 import copy
 import inspect
+import io
 import json
 import math
 import os
@@ -12,6 +13,7 @@ import sys
 import tempfile
 import textwrap
 import unittest
+from contextlib import redirect_stderr, redirect_stdout
 from unittest import mock
 
 import generate
@@ -27,12 +29,24 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def setUpModule():
-    global PARAMS, TOK, STORIES, OPENINGS
-    os.chdir(HERE)
+    """Every test here runs from another folder than the lab's, as a learner might."""
+    global PARAMS, TOK, STORIES, OPENINGS, ELSEWHERE
+    ELSEWHERE = tempfile.TemporaryDirectory()
+    os.chdir(ELSEWHERE.name)
     PARAMS, TOK = load_trained()
-    with open("corpus.txt", encoding="utf-8") as f:
+    with open(os.path.join(HERE, "corpus.txt"), encoding="utf-8") as f:
         _, _, STORIES = split_stories(f.read())
     OPENINGS = trace_kv.openings(STORIES)
+
+
+def tearDownModule():
+    os.chdir(HERE)
+    ELSEWHERE.cleanup()
+
+
+def lab_file(name):
+    with open(os.path.join(HERE, name), encoding="utf-8") as f:
+        return f.read()
 
 
 NEXT = object()   # stands for "the cache's next position" in Misuse.assertRefused
@@ -75,8 +89,7 @@ class Exactness(unittest.TestCase):
     def test_recorded_trace(self):
         record, timing = trace_kv.run(timing=False)
         self.assertIsNone(timing)
-        with open(trace_kv.TRACE, encoding="utf-8") as f:
-            self.assertEqual(record, json.load(f))
+        self.assertEqual(record, json.loads(lab_file(trace_kv.TRACE)))
         self.assertEqual(record["largest_logit_gap_first_story"], 0.0)
         every_row = record["every_row_of_every_story"]
         self.assertEqual(every_row["largest_logit_gap"], 0.0)
@@ -164,11 +177,12 @@ class RandomModels(unittest.TestCase):
     @staticmethod
     def random_prompt(rng, fewest, most):
         """The text of random token IDs, re-drawn until it encodes to fewest..most tokens
-        (encoding the decoded text may merge the pieces differently: only its text counts)."""
+        (encoding the decoded text may merge the pieces differently: only its text counts)
+        and holds a letter (generate refuses a prompt without one)."""
         while True:
             ids = [rng.randrange(model.VOCAB_SIZE) for _ in range(rng.randint(fewest, most))]
             prompt = TOK.decode(ids)
-            if fewest <= len(TOK.encode(prompt)) <= most:
+            if fewest <= len(TOK.encode(prompt)) <= most and any(map(str.isalpha, prompt)):
                 return prompt
 
     @classmethod
@@ -599,8 +613,7 @@ class RecordedFigures(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        with open(trace_kv.TRACE, encoding="utf-8") as f:
-            cls.record = json.load(f)
+        cls.record = json.loads(lab_file(trace_kv.TRACE))
 
     def test_cost_by_length_matches_instrumented_runs(self):
         never_ends = never_ending(PARAMS, TOK)
@@ -627,8 +640,7 @@ class RecordedFigures(unittest.TestCase):
             self.assertEqual(entry, {"positions": length, **trace_kv.work(1, length - 1)})
 
     def test_the_readme_quotes_the_recorded_figures(self):
-        with open("README.md", encoding="utf-8") as f:
-            readme = f.read()
+        readme = lab_file("README.md")
         r, sharing = self.record, self.record["prefix_sharing"]
         every_row = r["every_row_of_every_story"]
         quoted = [f"{count:,}" for count in r["work"].values()] + [
@@ -650,8 +662,7 @@ class RecordedFigures(unittest.TestCase):
                 self.assertIn(figure, readme)
 
     def test_the_readme_shows_the_real_code(self):
-        with open("README.md", encoding="utf-8") as f:
-            readme = f.read()
+        readme = lab_file("README.md")
         excerpts = re.findall(r"<!-- excerpt: (\w+)\.(\w+) -->\n```python\n(.*?)```", readme,
                               re.DOTALL)
         self.assertGreaterEqual(len(excerpts), 4)
@@ -682,26 +693,21 @@ class RecordFiles(unittest.TestCase):
     def test_a_failed_write_keeps_the_previous_records_and_leaves_no_temporary_file(self):
         previous = {trace_kv.TRACE: "the previous trace\n", trace_kv.TIMES: "the previous times\n"}
         with tempfile.TemporaryDirectory() as folder:
-            os.chdir(folder)
-            try:
-                for name, text in previous.items():
-                    with open(name, "w", encoding="utf-8") as f:
-                        f.write(text)
-                for target in ("checkpoint.os.replace", "checkpoint.os.fsync"):
-                    with self.subTest(failing=target):
-                        with mock.patch(target, side_effect=OSError("disk full")):
-                            with self.assertRaises(OSError):
-                                trace_kv.save_records({"stories": 60}, {"python": "3"})
-                        self.assertEqual(sorted(os.listdir(folder)), sorted(previous))
-                        for name, text in previous.items():
-                            with open(name, encoding="utf-8") as f:
-                                self.assertEqual(f.read(), text)
-                trace_kv.save_records({"stories": 60}, {"python": "3"})
-                with open(trace_kv.TRACE, encoding="utf-8") as f:
-                    self.assertEqual(json.load(f), {"stories": 60})
-            finally:
-                os.chdir(HERE)
-
+            for name, text in previous.items():
+                with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+                    f.write(text)
+            for target in ("checkpoint.os.replace", "checkpoint.os.fsync"):
+                with self.subTest(failing=target):
+                    with mock.patch(target, side_effect=OSError("disk full")):
+                        with self.assertRaises(OSError):
+                            trace_kv.save_records({"stories": 60}, {"python": "3"}, folder)
+                    self.assertEqual(sorted(os.listdir(folder)), sorted(previous))
+                    for name, text in previous.items():
+                        with open(os.path.join(folder, name), encoding="utf-8") as f:
+                            self.assertEqual(f.read(), text)
+            trace_kv.save_records({"stories": 60}, {"python": "3"}, folder)
+            with open(os.path.join(folder, trace_kv.TRACE), encoding="utf-8") as f:
+                self.assertEqual(json.load(f), {"stories": 60})
 
     def test_check_names_a_missing_or_unreadable_record_and_the_keys_that_differ(self):
         with tempfile.TemporaryDirectory() as folder:
@@ -721,27 +727,78 @@ class RecordFiles(unittest.TestCase):
 
     def test_check_fails_fast_in_one_line_when_the_record_is_missing(self):
         with tempfile.TemporaryDirectory() as folder:
-            done = subprocess.run([sys.executable, os.path.join(HERE, "trace_kv.py"), "--check"],
-                                  cwd=folder, capture_output=True, text=True, timeout=60)
+            done = subprocess.run([sys.executable, os.path.join(HERE, "trace_kv.py"), "--check",
+                                   "--folder", folder], capture_output=True, text=True,
+                                  timeout=60)
         self.assertEqual(done.returncode, 1)
         self.assertEqual(len(done.stderr.strip().splitlines()), 1, done.stderr)
-        self.assertIn("cannot read kv-trace.json", done.stderr)
+        self.assertIn(f"cannot read {os.path.join(folder, 'kv-trace.json')}", done.stderr)
 
     def test_unknown_flags_are_usage_errors(self):
         for script, flag in (("trace_kv.py", "--chek"), ("trace_kv.py", "--check --write"),
                              ("train.py", "--epochs")):
             with self.subTest(script=script, flag=flag):
-                done = subprocess.run([sys.executable, script, *flag.split()], cwd=HERE,
-                                      capture_output=True, text=True, timeout=60)
+                done = subprocess.run([sys.executable, os.path.join(HERE, script),
+                                       *flag.split()], capture_output=True, text=True,
+                                      timeout=60)
                 self.assertEqual(done.returncode, 2)
                 self.assertNotIn("Traceback", done.stderr)
                 self.assertIn("usage:", done.stderr)
 
 
+class Summary(unittest.TestCase):
+    """What python3 trace_kv.py prints for a person, from the recorded run."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.record = json.loads(lab_file(trace_kv.TRACE))
+        cls.timing = json.loads(lab_file(trace_kv.TIMES))
+
+    def test_the_summary_gives_the_verdicts_the_work_and_the_speed_up(self):
+        r, every = self.record, self.record["every_row_of_every_story"]
+        lines = trace_kv.summary(r, self.timing).splitlines()
+        self.assertIn(f"  every row of scores equal, bit for bit: yes (largest gap 0.0 over "
+                      f"{every['positions']:,} positions of 120 stories)", lines)
+        self.assertIn("  greedy stories identical:  yes (60 of 60)", lines)
+        self.assertIn("  sampled stories identical: yes (60 of 60, temperature 1.0)", lines)
+        self.assertIn(f"  rows{r['work']['uncached_rows']:>32,}{r['work']['cached_rows']:>10,}"
+                      f"{r['rows_ratio']:>8}x", lines)
+        self.assertIn(f"{self.timing['speedup']}x faster (rows ratio {r['rows_ratio']}x)",
+                      lines[-1])
+
+    def test_a_difference_is_a_no(self):
+        broken = dict(self.record, greedy_identical=59, every_row_of_every_story=dict(
+            self.record["every_row_of_every_story"], largest_logit_gap=2.0 ** -52))
+        text = trace_kv.summary(broken, None)
+        self.assertIn("bit for bit: NO (largest gap 2.220446049250313e-16 over", text)
+        self.assertIn("greedy stories identical:  NO (59 of 60)", text)
+        self.assertIn("sampled stories identical: yes", text)
+        self.assertNotIn("Time", text)
+
+    def run_main(self, *args):
+        """trace_kv.main with run() replaced by the recorded run: (stdout, stderr)."""
+        out, err = io.StringIO(), io.StringIO()
+        with mock.patch.object(trace_kv, "run", return_value=(self.record, self.timing)), \
+                redirect_stdout(out), redirect_stderr(err):
+            trace_kv.main(list(args))
+        return out.getvalue(), err.getvalue()
+
+    def test_the_command_prints_the_summary_and_the_record_only_when_asked(self):
+        out, err = self.run_main()
+        self.assertTrue(out.startswith("Exactness\n"), out)
+        self.assertIn("The full record: ", out)
+        self.assertIn("about 25 s", err)
+        out, _ = self.run_main("--json")
+        self.assertEqual(json.loads(out), self.record)
+        out, _ = self.run_main("--check")
+        self.assertTrue(out.endswith(f"{os.path.join(HERE, 'kv-trace.json')} matches this run\n"))
+
+
 class Playground(unittest.TestCase):
 
     def run_cli(self, *args):
-        return subprocess.run([sys.executable, "kv_cache.py", *args], cwd=HERE,
+        """The playground, run from another folder."""
+        return subprocess.run([sys.executable, os.path.join(HERE, "kv_cache.py"), *args],
                               capture_output=True, text=True, timeout=120)
 
     def test_playground_compares_the_two_paths(self):

@@ -1,11 +1,16 @@
 """Tests of train.py: the split of corpus.txt, Adam lowering the loss, reproducibility by
 seed, the unigram baseline, and a whole (tiny) training run."""
+import io
+import json
 import math
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import unittest
+from contextlib import redirect_stdout
 from unittest import mock
 
 import checkpoint
@@ -200,11 +205,87 @@ class TrainingRunTest(unittest.TestCase):
 
 
 
+class InterruptedTraining(unittest.TestCase):
+
+    def test_an_interrupted_training_leaves_the_checkpoint_byte_identical(self):
+        tok = Tokenizer.load(os.path.join(HERE, "tokenizer.json"))
+        calls = {"n": 0}
+        real = model.loss_and_grads
+
+        def interrupted_in_epoch_2(params, ids, targets):
+            calls["n"] += 1
+            if calls["n"] == 5:   # epoch 1 is two batches of two stories: four calls
+                raise KeyboardInterrupt
+            return real(params, ids, targets)
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "best.json")
+            with open(path, "wb") as f:
+                f.write(b"the shipped model\n")
+            with mock.patch.dict(train.CONFIG, TINY_CONFIG), \
+                    mock.patch.object(model, "loss_and_grads", interrupted_in_epoch_2), \
+                    self.assertRaises(KeyboardInterrupt) as caught:
+                train.train(tok, "".join(TINY_STORIES), path, log=lambda line: None)
+            with open(path, "rb") as f:
+                self.assertEqual(f.read(), b"the shipped model\n")
+            self.assertEqual(os.listdir(folder), ["best.json"])
+        self.assertEqual(calls["n"], 5)
+        self.assertIn(f"during epoch 2/2: {path} is unchanged; this run's best (epoch 1, ",
+                      str(caught.exception))
+
+    @unittest.skipIf(os.name == "nt", "Ctrl-C is a console event on Windows, not a signal")
+    def test_ctrl_c_from_another_folder_stops_in_one_line_and_keeps_best_json(self):
+        with open(os.path.join(HERE, "best.json"), "rb") as f:
+            shipped = f.read()
+        with tempfile.TemporaryDirectory() as folder:
+            running = subprocess.Popen([sys.executable, "-u", os.path.join(HERE, "train.py")],
+                                       cwd=folder, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True)
+            first_line = running.stdout.readline()   # the lab's data were found from here
+            running.send_signal(signal.SIGINT)
+            _, stderr = running.communicate(timeout=60)
+            self.assertEqual(os.listdir(folder), [])
+        self.assertIn("training and 100 validation stories", first_line)
+        self.assertEqual(running.returncode, 130)
+        self.assertEqual(stderr.splitlines(), [
+            f"train.py: interrupted during epoch 1/{train.CONFIG['epochs']}: "
+            f"{os.path.join(HERE, 'best.json')} is unchanged"])
+        with open(os.path.join(HERE, "best.json"), "rb") as f:
+            self.assertEqual(f.read(), shipped)
+
+
 class CommandLineTest(unittest.TestCase):
+
+    def test_a_short_run_with_epochs_and_out(self):
+        with tempfile.TemporaryDirectory() as folder:
+            shutil.copy(os.path.join(HERE, "tokenizer.json"), folder)
+            with open(os.path.join(folder, "corpus.txt"), "w", encoding="utf-8") as f:
+                f.write("".join(TINY_STORIES))
+            out = os.path.join(folder, "quick.json")
+            printed = io.StringIO()
+            with mock.patch.dict(train.CONFIG, TINY_CONFIG), redirect_stdout(printed):
+                train.main(["--folder", folder, "--epochs", "1", "--out", out])
+            with open(out, encoding="utf-8") as f:
+                saved = json.load(f)
+            self.assertEqual(sorted(os.listdir(folder)), ["corpus.txt", "quick.json", "tokenizer.json"])
+        self.assertEqual(saved["config"]["epochs"], 1)
+        self.assertEqual(saved["meta"]["epoch"], 1)
+        self.assertIn("epoch  1/1", printed.getvalue())
+        self.assertIn(f"wrote {out}", printed.getvalue())
+
+    def test_epochs_must_be_a_positive_int(self):
+        for bad in ("0", "-1", "2.5", "two"):
+            with self.subTest(epochs=bad):
+                done = subprocess.run([sys.executable, os.path.join(HERE, "train.py"),
+                                       "--epochs", bad], capture_output=True, text=True,
+                                      timeout=60)
+                self.assertEqual(done.returncode, 2)
+                self.assertIn("--epochs: invalid positive_int value", done.stderr)
+                self.assertNotIn("Traceback", done.stderr)
 
     def test_without_the_data_files_it_says_so_in_one_line(self):
         with tempfile.TemporaryDirectory() as folder:
-            done = subprocess.run([sys.executable, os.path.join(HERE, "train.py")], cwd=folder,
+            done = subprocess.run([sys.executable, os.path.join(HERE, "train.py"),
+                                   "--folder", folder], cwd=folder,
                                   capture_output=True, text=True, timeout=60)
             self.assertEqual(os.listdir(folder), [])   # nothing written
         self.assertEqual(done.returncode, 1)

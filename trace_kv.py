@@ -1,12 +1,14 @@
 """The lab's experiment: run the uncached and the cached generator on the openings of
 the 60 test stories, prove they agree bit for bit, and count the work each one does.
 
-    python3 trace_kv.py            runs it and prints the record
+    python3 trace_kv.py            runs it (about 25 s) and prints a summary
+    python3 trace_kv.py --json     prints the whole record instead, as JSON
     python3 trace_kv.py --check    also fails if the record differs from kv-trace.json
     python3 trace_kv.py --write    rewrites kv-trace.json and kv-time.json
 
 kv-trace.json holds only what any machine reproduces exactly (results and counts);
-kv-time.json holds wall-clock times, which vary, and is never compared.
+kv-time.json holds wall-clock times, which vary, and is never compared. Progress goes to
+stderr, so the output stays clean when redirected.
 """
 import argparse
 import contextlib
@@ -20,7 +22,7 @@ from operator import add
 
 import kv_cache
 import model
-from checkpoint import write_atomically
+from checkpoint import LAB, add_folder_flag, run_command, write_atomically
 from generate import generate, load_trained
 from kv_cache import KVCache, feed, generate_cached, work
 from train import split_stories
@@ -58,11 +60,12 @@ def recording(module, name):
         setattr(module, name, real)
 
 
-def compare_on_openings(params, tok, prompts):
+def compare_on_openings(params, tok, prompts, progress):
     """Both generators on every prompt, greedy and sampled (temperature 1.0, seed = the
     prompt's index): the uncached results, how many cached ones are identical, how every
     row the cached path computed compares with the uncached path's last full pass over
-    the same tokens, the work, and the greedy seconds of each path."""
+    the same tokens, the work, and the greedy seconds of each path. progress(done, total)
+    is called after each prompt."""
     results = {"greedy": [], "sampled": []}
     identical = dict.fromkeys(results, 0)
     every_row = {"stories": 0, "positions": 0, "largest_logit_gap": 0.0}
@@ -89,6 +92,7 @@ def compare_on_openings(params, tok, prompts):
                 seconds["cached"] += end - middle
                 for key, count in work(len(tok.encode(prompt)), len(uncached["steps"])).items():
                     total[key] += count
+        progress(index + 1, len(prompts))
     return results, identical, every_row, total, seconds
 
 
@@ -185,17 +189,21 @@ def cache_bytes(params, ids):
             + sum(sys.getsizeof(r) + sum(sys.getsizeof(x) for x in r) for r in rows))
 
 
-def run(timing=True):
+def run(timing=True, folder=LAB, progress=None):
     """Both generators on the 60 test openings: (record, timing). With timing=False,
-    only the record (timing is None), skipping the runs that only measure time."""
-    params, tok = load_trained()
-    with open("corpus.txt", encoding="utf-8") as f:
+    only the record (timing is None), skipping the runs that only measure time.
+    progress(stage, done, total), if given, is told how far the run is."""
+    progress = progress or (lambda stage, done, total: None)
+    params, tok = load_trained(folder)
+    with open(os.path.join(folder, "corpus.txt"), encoding="utf-8") as f:
         _, _, test = split_stories(f.read())
     prompts = openings(test)
     first_story = tok.encode(test[0])
     full_context = [t for story in test for t in tok.encode(story)][:model.CONTEXT]
 
-    results, identical, every_row, total, seconds = compare_on_openings(params, tok, prompts)
+    results, identical, every_row, total, seconds = compare_on_openings(
+        params, tok, prompts, lambda done, total: progress("both generators", done, total))
+    progress("sums in another order, and shared prefixes", 0, 1)
     greedy = results["greedy"]
     full, _ = model.forward(params, first_story)
     with sums_in_another_order():
@@ -223,8 +231,10 @@ def run(timing=True):
         "sums_in_another_order": {"largest_logit_gap_first_story": largest_gap(full, reordered),
                                   "greedy_identical": reordered_identical},
     }
+    progress("sums in another order, and shared prefixes", 1, 1)
     if not timing:
         return record, None
+    progress("timing rows and lengths (--write records them)", 0, 1)
     fed = [(tok.encode(prompt) + [tok.ids[step["token"]] for step in r["steps"]])[:-1]
            for prompt, r in zip(prompts, greedy)]         # the last chosen token is never fed
     step_seconds, sum_seconds = fsum_share(params, fed)
@@ -244,6 +254,7 @@ def run(timing=True):
         "machine": f"{platform.platform()}, {os.cpu_count()} cores",
         "python": platform.python_version(),
     }
+    progress("timing rows and lengths (--write records them)", 1, 1)
     return record, timing
 
 
@@ -251,13 +262,47 @@ def _dumps(data):
     return json.dumps(data, indent=2) + "\n"
 
 
-def save_records(record, timing):
-    """Write kv-trace.json and kv-time.json in the current folder, each atomically."""
-    write_atomically(TRACE, _dumps(record))
-    write_atomically(TIMES, _dumps(timing))
+def summary(record, timing):
+    """The run for a person: the exactness verdicts, the work saved, the speed-up."""
+    every, work_done = record["every_row_of_every_story"], record["work"]
+    stories = record["stories"]
+
+    def verdict(ok):
+        return "yes" if ok else "NO"
+    lines = [
+        "Exactness",
+        f"  every row of scores equal, bit for bit: "
+        f"{verdict(every['largest_logit_gap'] == 0.0)} (largest gap "
+        f"{every['largest_logit_gap']!r} over {every['positions']:,} positions of "
+        f"{every['stories']} stories)",
+        f"  greedy stories identical:  {verdict(record['greedy_identical'] == stories)} "
+        f"({record['greedy_identical']} of {stories})",
+        f"  sampled stories identical: {verdict(record['sampled_identical'] == stories)} "
+        f"({record['sampled_identical']} of {stories}, temperature 1.0)",
+        f"Work, over the {stories} greedy stories ({record['generated_tokens']} tokens "
+        f"generated)",
+        f"  {'':18}{'without the cache':>18}{'with it':>10}{'ratio':>9}",
+        f"  {'rows':18}{work_done['uncached_rows']:>18,}{work_done['cached_rows']:>10,}"
+        f"{record['rows_ratio']:>8}x",
+        f"  {'attention scores':18}{work_done['uncached_scores']:>18,}"
+        f"{work_done['cached_scores']:>10,}{record['scores_ratio']:>8}x",
+    ]
+    if timing:
+        lines += [
+            "Time, this run (it varies; the ratio measured side by side is what to compare)",
+            f"  {'60 greedy stories':18}{timing['uncached_seconds']:>16} s"
+            f"{timing['cached_seconds']:>8} s{timing['speedup']:>8}x faster "
+            f"(rows ratio {record['rows_ratio']}x)"]
+    return "\n".join(lines) + "\n"
 
 
-def read_record(path=TRACE):
+def save_records(record, timing, folder=LAB):
+    """Write kv-trace.json and kv-time.json in folder, each atomically."""
+    write_atomically(os.path.join(folder, TRACE), _dumps(record))
+    write_atomically(os.path.join(folder, TIMES), _dumps(timing))
+
+
+def read_record(path):
     """The recorded trace in path, or a ValueError that says how to make one."""
     try:
         with open(path, encoding="utf-8") as f:
@@ -276,33 +321,51 @@ def differing_keys(record, recorded):
     return sorted(k for k in set(record) | set(recorded) if record.get(k) != recorded.get(k))
 
 
+def show_progress(stage, done, total):
+    """Progress on stderr: on a terminal, one line per stage rewritten as it goes;
+    elsewhere (a log file), one line when a stage is done."""
+    finished = done == total
+    if sys.stderr.isatty():
+        status = "done" if finished else f"{done} of {total}" if total > 1 else "..."
+        print(f"\r  {stage}: {status:<12}", end="\n" if finished else "", file=sys.stderr,
+              flush=True)
+    elif finished:
+        print(f"  {stage}: done", file=sys.stderr, flush=True)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
-        description="Run the uncached and cached generators on the 60 test openings.")
+        description="Run the uncached and the cached generator on the openings of the 60 "
+                    "test stories (about 25 s): prove they agree bit for bit, count the work "
+                    "each does, and print a summary.")
+    parser.add_argument("--json", action="store_true",
+                        help="print the whole record as JSON instead of the summary")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--check", action="store_true",
                       help=f"exit non-zero if the record differs from {TRACE}")
     mode.add_argument("--write", action="store_true", help=f"rewrite {TRACE} and {TIMES}")
+    add_folder_flag(parser)
     args = parser.parse_args(argv)
+    trace = os.path.join(args.folder, TRACE)
     try:
-        recorded = read_record() if args.check else None   # fail before the long run
-        record, timing = run()
+        recorded = read_record(trace) if args.check else None   # fail before the long run
+        print("Running both generators on the openings of the 60 test stories, greedy and "
+              "sampled, and comparing every row of scores (about 25 s):", file=sys.stderr)
+        record, timing = run(folder=args.folder, progress=show_progress)
     except (OSError, ValueError) as e:
         sys.exit(f"trace_kv.py: error: {e}")
-    print(_dumps(record), end="")
-    print(f"time: uncached {timing['uncached_seconds']} s, cached {timing['cached_seconds']} s "
-          f"(speed-up {timing['speedup']}x; rows ratio {record['rows_ratio']}x); "
-          f"forward_step takes {timing['forward_step_over_its_fsum_calls']}x its fsum calls; "
-          f"{timing['machine']}, Python {timing['python']}")
+    print(_dumps(record) if args.json else summary(record, timing), end="")
     if args.write:
-        save_records(record, timing)
-        print(f"wrote {TRACE} and {TIMES}")
+        save_records(record, timing, args.folder)
+        print(f"wrote {trace} and {os.path.join(args.folder, TIMES)}")
     elif args.check:
         differ = differing_keys(record, recorded)
         if differ:
-            sys.exit(f"trace_kv.py: {TRACE} differs from this run in: {', '.join(differ)}")
-        print(f"{TRACE} matches this run")
+            sys.exit(f"trace_kv.py: {trace} differs from this run in: {', '.join(differ)}")
+        print(f"{trace} matches this run")
+    elif not args.json:
+        print(f"The full record: {trace} (or python3 trace_kv.py --json)")
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)
