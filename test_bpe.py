@@ -30,12 +30,15 @@ TINY_ALPHABET = ["\n", " ", ",", ".", "a", "b", "c", "e", "h", "t"]
 TINY_MERGES = [("a", "t"), ("h", "e"), ("t", "he"), ("b", "at"), ("c", "at"), ("h", "at")]
 
 
-def run_bpe(args, folder):
-    """Run bpe.py as a learner would, from the folder, on the lab files in it (--folder)."""
+def run_bpe(args, folder=None):
+    """Run bpe.py as a learner would, from the folder, on the lab files in it (--folder);
+    without a folder, from a new empty one, on the lab's own files."""
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
-    return subprocess.run([sys.executable, os.path.join(HERE, "bpe.py"), *args,
-                           "--folder", folder], cwd=folder,
-                          capture_output=True, text=True, timeout=60, env=env)
+    with tempfile.TemporaryDirectory() as elsewhere:
+        flags = ["--folder", folder] if folder else []
+        return subprocess.run([sys.executable, os.path.join(HERE, "bpe.py"), *args, *flags],
+                              cwd=folder or elsewhere, capture_output=True, text=True,
+                              timeout=60, env=env)
 
 
 def setUpModule():
@@ -234,8 +237,8 @@ class TestCommandLine(unittest.TestCase):
         self.assertNotIn("Traceback", result.stderr)
         self.assertEqual(len(result.stderr.strip().splitlines()), 1, result.stderr)
 
-    def test_check_passes_on_the_repo(self):
-        result = run_bpe(["--check"], HERE)
+    def test_check_passes_on_the_repo_from_another_folder(self):
+        result = run_bpe(["--check"])
         self.assertEqual(result.returncode, 0, result.stderr)
 
     def test_check_fails_with_one_line_when_tokenizer_json_differs(self):

@@ -657,6 +657,9 @@ class RecordedFigures(unittest.TestCase):
         ] + [text.rstrip("\n") for text in r["greedy_examples"]] + [
             f"| {e['positions']} | {e['uncached_rows']:,} | {e['cached_rows']:,} | "
             f"{e['uncached_scores']:,} | {e['cached_scores']:,} |" for e in r["cost_by_length"]]
+        quoted += [f"    {kind} [{', '.join(str(e[key]) for e in r['cost_by_length'])}]"
+                   for kind, key in (("bar", "uncached_rows"), ("line", "cached_rows"))]
+        quoted += trace_kv.summary(r, None).splitlines()   # all but the times of one run
         for figure in quoted:
             with self.subTest(figure=figure):
                 self.assertIn(figure, readme)
@@ -791,7 +794,8 @@ class Summary(unittest.TestCase):
         out, _ = self.run_main("--json")
         self.assertEqual(json.loads(out), self.record)
         out, _ = self.run_main("--check")
-        self.assertTrue(out.endswith(f"{os.path.join(HERE, 'kv-trace.json')} matches this run\n"))
+        shown = os.path.relpath(os.path.join(HERE, "kv-trace.json"))
+        self.assertTrue(out.endswith(f"{shown} matches this run\n"), out)
 
 
 class Playground(unittest.TestCase):

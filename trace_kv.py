@@ -321,6 +321,14 @@ def differing_keys(record, recorded):
     return sorted(k for k in set(record) | set(recorded) if record.get(k) != recorded.get(k))
 
 
+def _shown(path):
+    """path as a person would type it from here: relative, unless it is on another drive."""
+    try:
+        return os.path.relpath(path)
+    except ValueError:
+        return path
+
+
 def show_progress(stage, done, total):
     """Progress on stderr: on a terminal, one line per stage rewritten as it goes;
     elsewhere (a log file), one line when a stage is done."""
@@ -346,9 +354,10 @@ def main(argv=None):
     mode.add_argument("--write", action="store_true", help=f"rewrite {TRACE} and {TIMES}")
     add_folder_flag(parser)
     args = parser.parse_args(argv)
-    trace = os.path.join(args.folder, TRACE)
+    trace, times = (_shown(os.path.join(args.folder, name)) for name in (TRACE, TIMES))
     try:
-        recorded = read_record(trace) if args.check else None   # fail before the long run
+        # Read the record first, so that a missing one fails before the long run.
+        recorded = read_record(os.path.join(args.folder, TRACE)) if args.check else None
         print("Running both generators on the openings of the 60 test stories, greedy and "
               "sampled, and comparing every row of scores (about 25 s):", file=sys.stderr)
         record, timing = run(folder=args.folder, progress=show_progress)
@@ -357,7 +366,7 @@ def main(argv=None):
     print(_dumps(record) if args.json else summary(record, timing), end="")
     if args.write:
         save_records(record, timing, args.folder)
-        print(f"wrote {trace} and {os.path.join(args.folder, TIMES)}")
+        print(f"wrote {trace} and {times}")
     elif args.check:
         differ = differing_keys(record, recorded)
         if differ:
