@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-from checkpoint import add_folder_flag, read_json, run_command, write_atomically
+from checkpoint import add_folder_flag, lab_file, read_json, run_command, write_atomically
 from model import VOCAB_SIZE
 
 FORMAT = "kv-lab-bpe-1"
@@ -178,10 +178,9 @@ def main(argv=None):
                         help="exit non-zero if retraining would change tokenizer.json")
     add_folder_flag(parser)
     args = parser.parse_args(argv)
-    corpus, tokenizer = (os.path.join(args.folder, name) for name in ("corpus.txt",
-                                                                      "tokenizer.json"))
+    tokenizer = os.path.join(args.folder, "tokenizer.json")
     try:
-        with open(corpus, encoding="utf-8") as f:
+        with open(lab_file(args.folder, "corpus.txt"), encoding="utf-8") as f:
             tok = Tokenizer.train(f.read(), VOCAB_SIZE)
     except (OSError, ValueError) as e:
         sys.exit(f"bpe.py: error: {e}")

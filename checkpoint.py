@@ -21,6 +21,17 @@ RESTORE = ("restore the shipped best.json (git checkout -- best.json, or downloa
            "or retrain with python3 train.py")
 
 
+def lab_file(folder, name):
+    """The path of the lab's file name in folder, or a FileNotFoundError that says how to
+    get it back (a lost best.json can be restored or retrained)."""
+    path = os.path.join(folder, name)
+    if not os.path.exists(path):
+        where = "" if folder == LAB else " (or leave out --folder to use the lab's own folder)"
+        fix = RESTORE if name == "best.json" else f"restore it with git checkout -- {name}"
+        raise FileNotFoundError(f"{path} is missing: {fix}{where}")
+    return path
+
+
 def add_folder_flag(parser):
     """The --folder flag every command has: where the lab's files are."""
     parser.add_argument("--folder", default=LAB,

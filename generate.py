@@ -25,13 +25,12 @@ PROMPT_HELP = ("the opening to continue, in lowercase letters, spaces, commas an
 def load_trained(folder=checkpoint.LAB):
     """The shipped model from folder's tokenizer.json, corpus.txt and best.json:
     (params, tokenizer), refusing a checkpoint of other data."""
-    tok = Tokenizer.load(os.path.join(folder, "tokenizer.json"))
-    with open(os.path.join(folder, "corpus.txt"), encoding="utf-8") as f:
+    tokenizer, corpus, best = (checkpoint.lab_file(folder, name)
+                               for name in ("tokenizer.json", "corpus.txt", "best.json"))
+    tok = Tokenizer.load(tokenizer)
+    with open(corpus, encoding="utf-8") as f:
         signature = checkpoint.input_signature(tok, f.read())
-    path = os.path.join(folder, "best.json")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} is missing: {checkpoint.RESTORE}")
-    return checkpoint.load(path, CONFIG, signature)["params"], tok
+    return checkpoint.load(best, CONFIG, signature)["params"], tok
 
 
 def check_settings(temperature, top_k, vocab_size):

@@ -232,14 +232,28 @@ class InterruptedTraining(unittest.TestCase):
         self.assertIn(f"during epoch 2/2: {path} is unchanged; this run's best (epoch 1, ",
                       str(caught.exception))
 
+    def test_an_interrupted_training_into_a_new_file_writes_nothing(self):
+        tok = Tokenizer.load(os.path.join(HERE, "tokenizer.json"))
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "quick.json")
+            with mock.patch.dict(train.CONFIG, TINY_CONFIG), \
+                    mock.patch.object(model, "loss_and_grads", side_effect=KeyboardInterrupt), \
+                    self.assertRaises(KeyboardInterrupt) as caught:
+                train.train(tok, "".join(TINY_STORIES), path, log=lambda line: None)
+            self.assertEqual(os.listdir(folder), [])
+        self.assertEqual(str(caught.exception), f"during epoch 1/2: nothing written to {path}")
+
     @unittest.skipIf(os.name == "nt", "Ctrl-C is a console event on Windows, not a signal")
     def test_ctrl_c_from_another_folder_stops_in_one_line_and_keeps_best_json(self):
         with open(os.path.join(HERE, "best.json"), "rb") as f:
             shipped = f.read()
         with tempfile.TemporaryDirectory() as folder:
+            # A shell may start a background job with Ctrl-C ignored; the learner's is not.
             running = subprocess.Popen([sys.executable, "-u", os.path.join(HERE, "train.py")],
                                        cwd=folder, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, text=True)
+                                       stderr=subprocess.PIPE, text=True,
+                                       preexec_fn=lambda: signal.signal(signal.SIGINT,
+                                                                        signal.SIG_DFL))
             first_line = running.stdout.readline()   # the lab's data were found from here
             running.send_signal(signal.SIGINT)
             _, stderr = running.communicate(timeout=60)

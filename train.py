@@ -150,13 +150,18 @@ def train(tok, text, out_path, log=print, epochs=None):
     except KeyboardInterrupt:
         kept = "" if best is None else (f"; this run's best (epoch {best['epoch']}, validation "
                                         f"loss {best['val_loss']:.4f}) was not saved")
-        raise KeyboardInterrupt(f"during epoch {epoch}/{epochs}: {out_path} is unchanged"
+        raise KeyboardInterrupt(f"during epoch {epoch}/{epochs}: {_untouched(out_path)}"
                                 f"{kept}") from None
     checkpoint.save(out_path, best["params"], config, checkpoint.input_signature(tok, text),
                     epoch=best["epoch"], val_loss=best["val_loss"], unigram_baseline=baseline)
     log(f"best validation loss {best['val_loss']:.4f} = {best['val_loss'] / baseline:.1%} "
         f"of the unigram baseline (epoch {best['epoch']}); wrote {out_path}")
     return best["val_loss"], baseline
+
+
+def _untouched(path):
+    """What an interrupted run says of the checkpoint it did not write."""
+    return f"{path} is unchanged" if os.path.exists(path) else f"nothing written to {path}"
 
 
 def positive_int(text):
@@ -182,14 +187,14 @@ def main(argv=None):
     args = parser.parse_args(argv)
     out = args.out or os.path.join(args.folder, "best.json")
     try:
-        tok = Tokenizer.load(os.path.join(args.folder, "tokenizer.json"))
-        with open(os.path.join(args.folder, "corpus.txt"), encoding="utf-8") as f:
+        tok = Tokenizer.load(checkpoint.lab_file(args.folder, "tokenizer.json"))
+        with open(checkpoint.lab_file(args.folder, "corpus.txt"), encoding="utf-8") as f:
             text = f.read()
         train(tok, text, out, epochs=args.epochs)
     except (OSError, ValueError) as e:
         sys.exit(f"train.py: error: {e}")
     except KeyboardInterrupt as e:   # train() says where; before it starts, nothing to say
-        print(f"train.py: interrupted {e or f'before training: {out} is unchanged'}",
+        print(f"train.py: interrupted {e or f'before training: {_untouched(out)}'}",
               file=sys.stderr)
         sys.exit(130)
 
