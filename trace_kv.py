@@ -294,8 +294,8 @@ def summary(record, timing):
     if timing:
         lines += [
             "Time, this run (it varies; the ratio measured side by side is what to compare)",
-            f"  {'60 greedy stories':18}{timing['uncached_seconds']:>16} s"
-            f"{timing['cached_seconds']:>8} s{timing['speedup']:>8}x faster "
+            f"  {'60 greedy stories':18}{timing['uncached_seconds']:>16.3f} s"
+            f"{timing['cached_seconds']:>8.3f} s{timing['speedup']:>8}x faster "
             f"(rows ratio {record['rows_ratio']}x)"]
     return "\n".join(lines) + "\n"
 
