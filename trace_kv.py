@@ -45,19 +45,29 @@ def largest_gap(rows, other_rows):
 
 
 @contextlib.contextmanager
+def replaced(module, name, stand_in):
+    """Inside this block, module.name is stand_in(real), where real is the original."""
+    real = getattr(module, name)
+    setattr(module, name, stand_in(real))
+    try:
+        yield
+    finally:
+        setattr(module, name, real)
+
+
+@contextlib.contextmanager
 def recording(module, name):
     """Inside this block, every value module.name returns is also appended to the list it
     yields: what the code really computed, seen without running it again."""
-    real, results = getattr(module, name), []
+    results = []
 
-    def wrapper(*args):
-        results.append(real(*args))
-        return results[-1]
-    setattr(module, name, wrapper)
-    try:
+    def keeping_results(real):
+        def wrapper(*args):
+            results.append(real(*args))
+            return results[-1]
+        return wrapper
+    with replaced(module, name, keeping_results):
         yield results
-    finally:
-        setattr(module, name, real)
 
 
 def compare_on_openings(params, tok, prompts, progress):
@@ -96,16 +106,12 @@ def compare_on_openings(params, tok, prompts, progress):
     return results, identical, every_row, total, seconds
 
 
-@contextlib.contextmanager
 def sums_in_another_order():
-    """Inside this block the model adds its terms one by one, last term first, instead of
-    with one correctly rounded fsum: the same numbers, summed in another order."""
-    exact = model.fsum
-    model.fsum = lambda terms: functools.reduce(add, reversed(list(terms)), 0.0)
-    try:
-        yield
-    finally:
-        model.fsum = exact
+    """Inside this block (a context manager) the model adds its terms one by one, last
+    term first, instead of with one correctly rounded fsum: the same numbers, summed in
+    another order."""
+    return replaced(model, "fsum", lambda exact: lambda terms: functools.reduce(
+        add, reversed(list(terms)), 0.0))
 
 
 def share_prefixes(params, tok, prompts, greedy, sampled):
@@ -161,24 +167,22 @@ def fsum_share(params, stories):
     and for only the math.fsum calls those steps make, on the same terms: each story is
     first run once to record its calls' terms, then both are timed, story by story."""
     step_seconds = sum_seconds = 0.0
-    exact = model.fsum
     for ids in stories:
         calls = []
 
-        def keeping(terms):
-            calls.append(list(terms))
-            return exact(calls[-1])
-        model.fsum = keeping
-        try:
+        def keeping_terms(exact):
+            def wrapper(terms):
+                calls.append(list(terms))
+                return exact(calls[-1])
+            return wrapper
+        with replaced(model, "fsum", keeping_terms):
             feed(params, KVCache(params), ids)
-        finally:
-            model.fsum = exact
         cache = KVCache(params)
         start = time.perf_counter()
         feed(params, cache, ids)
         middle = time.perf_counter()
         for terms in calls:
-            exact(terms)
+            model.fsum(terms)
         step_seconds += middle - start
         sum_seconds += time.perf_counter() - middle
     return step_seconds, sum_seconds
