@@ -32,6 +32,20 @@ class KVCache:
     def __len__(self):
         return len(self.keys)
 
+    def append(self, token_id, k, v):
+        """Keep one more position: its token, key and value."""
+        self.extend([token_id], [k], [v])
+
+    def extend(self, token_ids, keys, values):
+        """Keep several more positions, in order."""
+        self.tokens += token_ids
+        self.keys += keys
+        self.values += values
+
+    def free(self):
+        """End the sequence: forget every position (a paged sequence returns its blocks)."""
+        self.crop(0)
+
     def copy(self):
         """An independent cache holding the same positions: a fork of this sequence."""
         fork = copy.copy(self)   # the same params and columns; rows are never changed in place
@@ -45,6 +59,177 @@ class KVCache:
             raise ValueError(f"crop length must be an int from 0 to {len(self)} "
                              f"(the positions held), got {length!r}")
         del self.tokens[length:], self.keys[length:], self.values[length:]
+
+
+class BlockPool:
+    """Room for the keys and values of a fixed number of blocks of block_size positions
+    each, shared by the sequences made from it, as vLLM's PagedAttention keeps its cache.
+    Each sequence has a block table (the blocks holding its positions, in order); a full
+    block can be in several tables at once, counted in refs, and is found again by its
+    tokens and the block before it (the prefix index)."""
+
+    def __init__(self, params, blocks, block_size):
+        model.check_shapes(params)
+        for name, value in (("blocks", blocks), ("block_size", block_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        self.params = params
+        self.columns = model.columns(params)
+        self.block_size = block_size
+        self.blocks = [None] * blocks   # a block: ([tokens], [keys], [values]); None if free
+        self.refs = [0] * blocks        # how many block tables hold each block
+        self.index = {}                 # (previous block, its tokens) -> a full block
+        self.indexed_as = {}            # a full block -> its key in index
+
+    def free_blocks(self):
+        return self.refs.count(0)
+
+    def sequence(self, ids=()):
+        """A new sequence starting with the longest run of full blocks in the pool whose
+        tokens begin ids (prefix reuse): feed it the rest of ids."""
+        seq = PagedSequence(self)
+        previous = None
+        for first in range(0, len(ids) - len(ids) % self.block_size, self.block_size):
+            block = self.index.get((previous, tuple(ids[first:first + self.block_size])))
+            if block is None:
+                break
+            self.refs[block] += 1
+            seq.table.append(block)
+            previous = block
+        return seq
+
+    def _check_room(self, blocks):
+        if blocks > self.free_blocks():
+            raise ValueError(f"the pool is out of blocks: it has {len(self.blocks)} blocks of "
+                             f"{self.block_size} positions, {self.free_blocks()} free, and "
+                             f"{blocks} more are needed; free a sequence or make a larger pool")
+
+    def _take(self, tokens=(), keys=(), values=()):
+        """A free block, holding copies of the given positions."""
+        block = self.refs.index(0)
+        self.blocks[block] = (list(tokens), list(keys), list(values))
+        self.refs[block] = 1
+        return block
+
+    def _release(self, block):
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            self.blocks[block] = None
+            key = self.indexed_as.pop(block, None)
+            if key is not None:
+                del self.index[key]
+
+
+class PagedSequence(KVCache):
+    """One sequence whose positions live in a BlockPool's blocks. To forward_step and
+    prefill it is a cache like any other: tokens, keys and values read as lists over its
+    positions, and new positions go into its last block or into new ones."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.params = pool.params
+        self.columns = pool.columns
+        self.table = []        # block ids, in position order
+        self.freed = False
+
+    def _check_live(self):
+        if self.freed:
+            raise ValueError("this sequence was freed and its blocks returned to the pool; "
+                             "start a new one with pool.sequence()")
+
+    def _blocks(self):
+        self._check_live()
+        return [self.pool.blocks[block] for block in self.table]
+
+    @property
+    def tokens(self):
+        return [t for block in self._blocks() for t in block[0]]
+
+    @property
+    def keys(self):
+        return [k for block in self._blocks() for k in block[1]]
+
+    @property
+    def values(self):
+        return [v for block in self._blocks() for v in block[2]]
+
+    def __len__(self):
+        return sum(len(block[0]) for block in self._blocks())
+
+    def _room_in_last_block(self):
+        """Free slots of the last block, which only this sequence may write to."""
+        if not self.table:
+            return 0
+        return self.pool.block_size - len(self.pool.blocks[self.table[-1]][0])
+
+    def extend(self, token_ids, keys, values):
+        """Keep several more positions: the last block first, then new blocks; a block
+        that fills up joins the prefix index. Refused, with nothing changed, when the pool
+        lacks the blocks."""
+        self._check_live()
+        size = self.pool.block_size
+        room = self._room_in_last_block()
+        self.pool._check_room(-(-max(0, len(token_ids) - room) // size))
+        for token_id, k, v in zip(token_ids, keys, values):
+            if self._room_in_last_block() == 0:
+                self.table.append(self.pool._take())
+            block = self.pool.blocks[self.table[-1]]
+            block[0].append(token_id)
+            block[1].append(k)
+            block[2].append(v)
+            if len(block[0]) == size:
+                previous = self.table[-2] if len(self.table) > 1 else None
+                key = (previous, tuple(block[0]))
+                if key not in self.pool.index:
+                    self.pool.index[key] = self.table[-1]
+                    self.pool.indexed_as[self.table[-1]] = key
+
+    def copy(self):
+        """A fork: a new sequence sharing this one's full blocks, with its own copy of a
+        partly filled last block (copy on write)."""
+        self._check_live()
+        partial = 0 < self._room_in_last_block() < self.pool.block_size
+        self.pool._check_room(1 if partial else 0)
+        fork = PagedSequence(self.pool)
+        fork.table = list(self.table)
+        for block in fork.table[:-1] if partial else fork.table:
+            self.pool.refs[block] += 1
+        if partial:
+            fork.table[-1] = self.pool._take(*self.pool.blocks[self.table[-1]])
+        return fork
+
+    def crop(self, length):
+        """Forget every position from length on, returning the blocks past it; a shared
+        block that the new length cuts in two is copied first (copy on write)."""
+        held = len(self)
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= held:
+            raise ValueError(f"crop length must be an int from 0 to {held} "
+                             f"(the positions held), got {length!r}")
+        size = self.pool.block_size
+        keep, cut = divmod(length, size)
+        last = self.table[keep] if cut else None
+        shared = last is not None and self.pool.refs[last] > 1
+        self.pool._check_room(1 if shared else 0)
+        for block in self.table[keep + (1 if cut else 0):]:
+            self.pool._release(block)
+        self.table = self.table[:keep + (1 if cut else 0)]
+        if cut:
+            tokens, keys, values = (part[:cut] for part in self.pool.blocks[last])
+            if shared:
+                self.pool._release(last)
+                self.table[-1] = self.pool._take(tokens, keys, values)
+            else:
+                self.pool.blocks[last] = (tokens, keys, values)
+                key = self.pool.indexed_as.pop(last, None)
+                if key is not None:
+                    del self.pool.index[key]
+
+    def free(self):
+        """End the sequence: its blocks go back to the pool unless another table holds them."""
+        for block in self.table:
+            self.pool._release(block)
+        self.table = []
+        self.freed = True
 
 
 def _check_owner(cache, params):
@@ -76,9 +261,7 @@ def forward_step(params, cache, token_id, position):
     x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])
     h1 = layernorm(x0, params["ln1_g"], params["ln1_b"])
     q, k, v = row(h1, cols["Wq"]), row(h1, cols["Wk"]), row(h1, cols["Wv"])
-    cache.tokens.append(token_id)
-    cache.keys.append(k)        # before attention: a position attends to itself too
-    cache.values.append(v)
+    cache.append(token_id, k, v)        # before attention: a position attends to itself too
     keys, values = cache.keys, cache.values      # positions 0..position, from the cache
     scores = [dot(q, k_j) * SCALE for k_j in keys]
     weights = softmax_row(scores)
@@ -91,11 +274,62 @@ def forward_step(params, cache, token_id, position):
     return add(row(hf, cols["W_out"]), params["b_out"])
 
 
+def prefill(params, cache, token_ids, start):
+    """Next-token logits for each of token_ids, at positions start, start + 1, ..., in one
+    pass, as servers prefill a prompt: every new position's key and value join the cache
+    first, then new position i attends to positions 0..i (the causal mask, offset by the
+    start). start must be the number of positions the cache holds."""
+    _check_owner(cache, params)
+    if isinstance(start, bool) or not isinstance(start, int) or start != len(cache):
+        raise ValueError(f"expected start {len(cache)}, got {start!r}: the cache holds "
+                         f"{len(cache)} positions, so new tokens start at position "
+                         f"{len(cache)} (an int)")
+    if not isinstance(token_ids, (list, tuple)) or not token_ids:
+        raise ValueError(f"token_ids must be a non-empty list of token IDs, got {token_ids!r}")
+    if start + len(token_ids) > model.CONTEXT:
+        raise ValueError(f"positions {start} to {start + len(token_ids) - 1} go beyond the "
+                         f"{model.CONTEXT} positions of the model's table")
+    for index, token_id in enumerate(token_ids):
+        model.check_token_id(token_id, f"token_ids[{index}] =")
+    cols = cache.columns
+    x0_and_q, new_keys, new_values = [], [], []
+    for i, t in enumerate(token_ids, start):
+        x0 = add(params["tok_emb"][t], params["pos_emb"][i])
+        h1 = layernorm(x0, params["ln1_g"], params["ln1_b"])
+        q, k, v = row(h1, cols["Wq"]), row(h1, cols["Wk"]), row(h1, cols["Wv"])
+        x0_and_q.append((x0, q))
+        new_keys.append(k)
+        new_values.append(v)
+    cache.extend(list(token_ids), new_keys, new_values)   # all of them, before attention
+    held_keys, held_values = cache.keys, cache.values
+    logits = []
+    for i, (x0, q) in enumerate(x0_and_q, start):
+        keys, values = held_keys[:i + 1], held_values[:i + 1]   # positions 0..i only
+        scores = [dot(q, k_j) * SCALE for k_j in keys]
+        weights = softmax_row(scores)
+        mixed = [dot(weights, column) for column in zip(*values)]
+        x1 = add(x0, row(mixed, cols["Wo"]))
+        h2 = layernorm(x1, params["ln2_g"], params["ln2_b"])
+        a = relu(add(row(h2, cols["W1"]), params["b1"]))
+        x2 = add(x1, add(row(a, cols["W2"]), params["b2"]))   # the MLP output plus its bias first
+        hf = layernorm(x2, params["lnf_g"], params["lnf_b"])
+        logits.append(add(row(hf, cols["W_out"]), params["b_out"]))
+    return logits
+
+
 def feed(params, cache, ids):
     """Feed the tokens of ids that the cache does not hold yet, one forward_step each
     (positions len(cache) to len(ids) - 1); their rows of logits, in order."""
     return [forward_step(params, cache, ids[position], position)
             for position in range(len(cache), len(ids))]
+
+
+def prefill_in_chunks(params, cache, ids, size):
+    """Feed the tokens of ids that the cache does not hold yet, size at a time, one
+    prefill call per chunk (servers call it chunked prefill); their rows of logits."""
+    start = len(cache)
+    return [logits for first in range(start, len(ids), size)
+            for logits in prefill(params, cache, ids[first:first + size], first)]
 
 
 def work(prompt_tokens, generated_tokens):
@@ -117,9 +351,10 @@ def work(prompt_tokens, generated_tokens):
 
 
 def generate_cached(params, tok, prompt, max_new_tokens=60, temperature=0.0, top_k=None,
-                    seed=0, cache=None):
+                    seed=0, cache=None, one_pass=False):
     """Same arguments and result as generate.generate, computing one new row per step.
-    Given a cache that holds the start of the prompt, starts from a copy of it."""
+    Given a cache that holds the start of the prompt, starts from a copy of it. With
+    one_pass, the prompt is prefilled in one call of prefill instead of token by token."""
     if cache is None:
         cache = KVCache(params)
     ids = generate.check_request(tok, prompt, max_new_tokens, temperature, top_k, seed)
@@ -128,9 +363,14 @@ def generate_cached(params, tok, prompt, max_new_tokens=60, temperature=0.0, top
     def next_logits(ids):
         # The whole prompt on the first call (prefill), then only the token chosen last
         # (decode).
+        if one_pass:
+            return prefill_in_chunks(params, cache, ids, model.CONTEXT)[-1]
         return feed(params, cache, ids)[-1]
-    return generate.generate_with(next_logits, tok, ids, max_new_tokens, temperature,
-                                  top_k, seed)
+    try:
+        return generate.generate_with(next_logits, tok, ids, max_new_tokens, temperature,
+                                      top_k, seed)
+    finally:
+        cache.free()   # the copy is this call's own
 
 
 def _fork_for_prompt(params, cache, ids, tok):

@@ -272,8 +272,7 @@ class Teeth(unittest.TestCase):
     and pos_emb[i] + tok_emb[t] agree. It is regrouping three or more terms that changes
     last bits."""
 
-    APPEND = """    cache.keys.append(k)        # before attention: a position attends to itself too
-    cache.values.append(v)
+    APPEND = """    cache.append(token_id, k, v)        # before attention: a position attends to itself too
 """
     ATTEND = """    mixed = [dot(weights, column) for column in zip(*values)]
 """
@@ -364,6 +363,216 @@ class Teeth(unittest.TestCase):
         for old in ("no such text", "row("):
             with self.subTest(old=old), self.assertRaisesRegex(AssertionError, "not once"):
                 plant(kv_cache, "forward_step", old, "x")
+
+
+def chunked_rows(params, ids, size, cache=None):
+    """The logits of every position of ids, prefilled size tokens at a time, through a
+    new cache unless one is given."""
+    return kv_cache.prefill_in_chunks(params, KVCache(params) if cache is None else cache,
+                                      ids, size)
+
+
+def pool_snapshot(pool):
+    return (copy.deepcopy(pool.blocks), list(pool.refs), dict(pool.index))
+
+
+class OnePassPrefill(unittest.TestCase):
+    """Several new tokens in one call, the causal mask offset by what the cache holds."""
+
+    CHUNKS = (1, 2, 4, 8, model.CONTEXT)   # the last: the whole input in one pass
+
+    def test_every_chunk_size_gives_the_rows_of_the_full_pass(self):
+        longest = [t for story in STORIES for t in TOK.encode(story)][:model.CONTEXT]
+        for ids in [TOK.encode(story) for story in STORIES[:3]] + [longest]:
+            full, _ = model.forward(PARAMS, ids)
+            for size in self.CHUNKS:
+                with self.subTest(tokens=len(ids), chunk=size):
+                    assert_same_rows(self, chunked_rows(PARAMS, ids, size), full)
+
+    def test_a_mix_of_chunks_and_single_steps(self):
+        ids = TOK.encode(STORIES[1])
+        cache = KVCache(PARAMS)
+        rows = kv_cache.prefill(PARAMS, cache, ids[:5], 0)
+        rows += [forward_step(PARAMS, cache, ids[i], i) for i in range(5, 8)]
+        rows += kv_cache.prefill(PARAMS, cache, ids[8:15], 8)
+        rows += feed(PARAMS, cache, ids[:17])
+        rows += chunked_rows(PARAMS, ids, 3, cache)
+        assert_same_rows(self, rows, cached_rows(PARAMS, ids))
+
+    def test_every_chunk_size_on_random_models(self):
+        for index in range(0, 200, 10):
+            params, prompt, _, label = RandomModels.case(index)
+            ids = TOK.encode(prompt)
+            full, _ = model.forward(params, ids)
+            for size in self.CHUNKS:
+                with self.subTest(chunk=size, **label):
+                    assert_same_rows(self, chunked_rows(params, ids, size), full)
+
+    def test_one_pass_generation_matches_uncached(self):
+        for prompt in OPENINGS[:3]:
+            for settings in ({}, {"temperature": 1.0, "seed": 4},
+                             {"temperature": 1.0, "top_k": 3, "seed": 5}):
+                with self.subTest(prompt=prompt, **settings):
+                    self.assertEqual(generate_cached(PARAMS, TOK, prompt, one_pass=True,
+                                                     **settings),
+                                     generate.generate(PARAMS, TOK, prompt, **settings))
+
+    def test_one_pass_generation_makes_one_call_for_the_prompt(self):
+        calls = []
+        real = kv_cache.prefill
+
+        def counting(params, cache, token_ids, start):
+            calls.append(len(token_ids))
+            return real(params, cache, token_ids, start)
+        with mock.patch.object(kv_cache, "prefill", counting):
+            result = generate_cached(PARAMS, TOK, OPENINGS[0], one_pass=True)
+        self.assertEqual(calls, [len(TOK.encode(OPENINGS[0]))] + [1] * (len(result["steps"]) - 1))
+
+    def test_refusals_leave_the_cache_unchanged(self):
+        ids = TOK.encode(OPENINGS[0])
+        cache = prefill(ids)
+        n = len(ids)
+        cases = [((copy.deepcopy(PARAMS), [5], n), "different parameters"),
+                 ((PARAMS, [5], n - 1), f"expected start {n}, got {n - 1}"),
+                 ((PARAMS, [5], 0), f"expected start {n}, got 0"),
+                 ((PARAMS, [5], float(n)), f"expected start {n}, got {float(n)!r}"),
+                 ((PARAMS, [], n), "token_ids must be a non-empty list"),
+                 ((PARAMS, 5, n), "token_ids must be a non-empty list"),
+                 ((PARAMS, [5] * (model.CONTEXT - n + 1), n),
+                  f"beyond the {model.CONTEXT} positions"),
+                 ((PARAMS, [5, model.VOCAB_SIZE], n), "token_ids[1] = 96 is outside the vocabulary"),
+                 ((PARAMS, [5, True], n), "token_ids[1] = True is outside the vocabulary")]
+        for (params, token_ids, start), fragment in cases:
+            before = snapshot(cache)
+            with self.subTest(fragment=fragment):
+                with self.assertRaises(ValueError) as caught:
+                    kv_cache.prefill(params, cache, token_ids, start)
+                self.assertIn(fragment, str(caught.exception))
+                self.assertEqual(snapshot(cache), before)
+
+    def test_a_wrong_mask_is_caught(self):
+        """The square mask (new position start + i sees 0..i) and no mask (every new
+        position sees the whole chunk), planted in the real source of prefill."""
+        ids = TOK.encode(STORIES[0])
+        full, _ = model.forward(PARAMS, ids)
+        masks = {"square": ("held_keys[:i + 1], held_values[:i + 1]",
+                            "held_keys[:i - start + 1], held_values[:i - start + 1]"),
+                 "none": ("held_keys[:i + 1], held_values[:i + 1]", "held_keys, held_values"),
+                 "offset (the real one, recompiled)": ("def prefill(", "def prefill(")}
+        for name, (old, new) in masks.items():
+            with self.subTest(mask=name), \
+                    mock.patch.object(kv_cache, "prefill", plant(kv_cache, "prefill", old, new)):
+                rows = chunked_rows(PARAMS, ids, 4)
+                if name.startswith("offset"):
+                    assert_same_rows(self, rows, full)
+                else:
+                    self.assertNotEqual(rows, full)
+
+
+class Paged(unittest.TestCase):
+    """A pool of blocks shared by sequences: forks, prefix reuse, free, refusals."""
+
+    def setUp(self):
+        self.ids = TOK.encode(STORIES[0])
+
+    def test_a_paged_sequence_gives_the_rows_of_a_kv_cache(self):
+        expected = cached_rows(PARAMS, self.ids)
+        for size in (1, 3, 4, 16, model.CONTEXT):
+            with self.subTest(block_size=size):
+                pool = kv_cache.BlockPool(PARAMS, model.CONTEXT, size)
+                self.assertEqual(feed(PARAMS, pool.sequence(), self.ids), expected)
+                self.assertEqual(chunked_rows(PARAMS, self.ids, 5, pool.sequence()), expected)
+
+    def test_generation_from_a_paged_sequence_equals_a_fresh_run_and_frees_its_copy(self):
+        pool = kv_cache.BlockPool(PARAMS, 40, 4)
+        prompt = OPENINGS[0]
+        seq = pool.sequence()
+        feed(PARAMS, seq, TOK.encode(prompt))
+        free = pool.free_blocks()
+        for settings in ({}, {"temperature": 1.0, "seed": 2}):
+            with self.subTest(**settings):
+                self.assertEqual(generate_cached(PARAMS, TOK, prompt, cache=seq, **settings),
+                                 generate.generate(PARAMS, TOK, prompt, **settings))
+                self.assertEqual(pool.free_blocks(), free)
+
+    def test_a_fork_shares_full_blocks_and_copies_the_last_one(self):
+        pool = kv_cache.BlockPool(PARAMS, 40, 4)
+        parent = pool.sequence()
+        feed(PARAMS, parent, self.ids[:10])        # blocks of 4, 4 and 2 positions
+        fork = parent.copy()
+        self.assertEqual(fork.table[:2], parent.table[:2])
+        self.assertNotEqual(fork.table[2], parent.table[2])
+        self.assertEqual([pool.refs[b] for b in parent.table], [2, 2, 1])
+        before = parent.tokens, parent.keys, parent.values
+        feed(PARAMS, fork, self.ids[:10] + TOK.encode(" tom ran"))
+        self.assertEqual((parent.tokens, parent.keys, parent.values), before)
+        rows = feed(PARAMS, parent, self.ids)
+        self.assertEqual(rows, cached_rows(PARAMS, self.ids)[10:])
+        self.assertEqual(fork.keys, prefill(self.ids[:10] + TOK.encode(" tom ran")).keys)
+
+    def test_crop_copies_a_shared_block_it_cuts(self):
+        pool = kv_cache.BlockPool(PARAMS, 40, 4)
+        parent = pool.sequence()
+        feed(PARAMS, parent, self.ids[:8])
+        fork = parent.copy()
+        fork.crop(6)
+        self.assertEqual(fork.tokens, self.ids[:6])
+        self.assertNotEqual(fork.table[1], parent.table[1])
+        self.assertEqual(parent.tokens, self.ids[:8])
+        self.assertEqual(feed(PARAMS, fork, self.ids), cached_rows(PARAMS, self.ids)[6:])
+
+    def test_prefix_reuse_takes_full_blocks_and_equals_a_fresh_run(self):
+        pool = kv_cache.BlockPool(PARAMS, 60, 4)
+        first, second = TOK.encode("mia was sad. tom gave her a hug."), TOK.encode("mia was tired.")
+        feed(PARAMS, pool.sequence(first), first)
+        seq = pool.sequence(second)
+        shared = len(seq)
+        self.assertEqual(shared, 4 * (len(os.path.commonprefix([first, second])) // 4))
+        self.assertGreater(shared, 0)
+        self.assertEqual(feed(PARAMS, seq, second), cached_rows(PARAMS, second)[shared:])
+        self.assertEqual(seq.keys, prefill(second).keys)
+        self.assertEqual(len(pool.sequence(first)), 4 * (len(first) // 4))   # only full blocks
+
+    def test_free_returns_the_blocks_nobody_else_holds(self):
+        pool = kv_cache.BlockPool(PARAMS, 20, 4)
+        parent = pool.sequence()
+        feed(PARAMS, parent, self.ids[:10])
+        fork = parent.copy()
+        self.assertEqual(pool.free_blocks(), 20 - 4)
+        parent.free()
+        self.assertEqual(pool.free_blocks(), 20 - 3)   # the fork still holds the full two
+        fork.free()
+        self.assertEqual(pool.free_blocks(), 20)
+        self.assertEqual(pool.index, {})
+
+    def assert_refused(self, pool, attempt, fragment):
+        """attempt raises a ValueError naming fragment, and the pool is as it was."""
+        before = pool_snapshot(pool)
+        with self.assertRaises(ValueError) as caught:
+            attempt()
+        self.assertIn(fragment, str(caught.exception))
+        self.assertEqual(pool_snapshot(pool), before)
+
+    def test_refusals_leave_the_pool_unchanged(self):
+        pool = kv_cache.BlockPool(PARAMS, 3, 4)
+        seq = pool.sequence()
+        feed(PARAMS, seq, self.ids[:10])   # blocks of 4, 4 and 2: two free slots, no free block
+        self.assert_refused(pool, lambda: kv_cache.prefill(PARAMS, seq, self.ids[10:13], 10),
+                            "the pool is out of blocks: it has 3 blocks of 4 positions, 0 free, "
+                            "and 1 more are needed")
+        self.assert_refused(pool, seq.copy, "out of blocks")   # it needs its own last block
+        feed(PARAMS, seq, self.ids[:12])   # now every block is full
+        self.assert_refused(pool, lambda: forward_step(PARAMS, seq, self.ids[12], 12),
+                            "out of blocks")
+        self.assertEqual(seq.tokens, self.ids[:12])
+        seq.free()
+        for attempt in (lambda: forward_step(PARAMS, seq, 5, 0), lambda: feed(PARAMS, seq, [5]),
+                        seq.copy, lambda: seq.crop(0), lambda: seq.extend([5], [[0.0]], [[0.0]])):
+            self.assert_refused(pool, attempt, "this sequence was freed")
+        for blocks, size in ((0, 4), (3, 0), (3, 2.0), (True, 4), (3, None)):
+            with self.subTest(blocks=blocks, block_size=size):
+                with self.assertRaisesRegex(ValueError, "must be an int >= 1"):
+                    kv_cache.BlockPool(PARAMS, blocks, size)
 
 
 class Work(unittest.TestCase):
@@ -660,6 +869,24 @@ class RecordedFigures(unittest.TestCase):
         quoted += [f"    {kind} [{', '.join(str(e[key]) for e in r['cost_by_length'])}]"
                    for kind, key in (("bar", "uncached_rows"), ("line", "cached_rows"))]
         quoted += trace_kv.summary(r, None).splitlines()   # all but the times of one run
+        one_pass, paged = r["one_pass_prefill"], r["paged"]
+        chunks = one_pass["positions_compared_by_chunk"]
+        sharing = paged["prefix_sharing_blocks_of_4"]
+        quoted += [
+            f"**{one_pass['largest_logit_gap']}** largest gap, {chunks['1']:,} positions for "
+            f"each chunk size",
+            f"{chunks['whole prompt']:,} positions; **{one_pass['greedy_identical']} of 60** "
+            f"stories identical",
+            f"{one_pass['prompt_calls_one_token_at_a_time']:,} one token at a time; "
+            f"{one_pass['prompt_calls_one_pass']} in one pass",
+            f"which hold {paged['positions_held']:,}\npositions at their end",
+            f"share {sharing['blocks_shared']} blocks, so their prompts cost "
+            f"{sharing['prompt_rows_with_sharing']:,} rows instead of "
+            f"{sharing['prompt_rows_without_sharing']:,}",
+            f"**{sharing['greedy_identical']} of 60** greedy stories continued from the pool"]
+        quoted += [f" | {slots:,} | {paged['wasted_share'][way]:.1%} |"
+                   for way, slots in paged["slots_reserved"].items()]
+        self.assertEqual(len(set(chunks.values()) - {chunks["whole prompt"]}), 1)
         for figure in quoted:
             with self.subTest(figure=figure):
                 self.assertTrue(figure in readme, "not in README.md")   # not the whole text
@@ -672,6 +899,21 @@ class RecordedFigures(unittest.TestCase):
         for module, function, code in excerpts:
             with self.subTest(excerpt=f"{module}.{function}"):
                 self.assertIn(code, inspect.getsource(getattr(sys.modules[module], function)))
+
+    def test_slots_reserved_are_what_a_real_pool_takes(self):
+        """The record's slots per block size, by formula, against a pool that holds the
+        first five greedy stories."""
+        stories = []
+        for prompt in OPENINGS[:5]:
+            result = generate_cached(PARAMS, TOK, prompt)
+            stories.append((TOK.encode(prompt) + [TOK.ids[s["token"]] for s in result["steps"]])[:-1])
+        for size in trace_kv.BLOCK_SIZES:
+            pool = kv_cache.BlockPool(PARAMS, 5 * model.CONTEXT, size)
+            for ids in stories:
+                feed(PARAMS, pool.sequence(), ids)
+            with self.subTest(block_size=size):
+                self.assertEqual((5 * model.CONTEXT - pool.free_blocks()) * size,
+                                 sum(-(-len(ids) // size) * size for ids in stories))
 
     def test_prefix_sharing_saves_the_recorded_rows(self):
         sharing = self.record["prefix_sharing"]

@@ -24,11 +24,13 @@ import kv_cache
 import model
 from checkpoint import LAB, add_folder_flag, run_command, write_atomically
 from generate import generate, load_trained
-from kv_cache import KVCache, feed, generate_cached, work
+from kv_cache import BlockPool, KVCache, feed, generate_cached, prefill_in_chunks, work
 from train import split_stories
 
 TRACE, TIMES = "kv-trace.json", "kv-time.json"
 LENGTHS = (8, 16, 32, 64)
+CHUNKS = (1, 2, 4, 8)             # one-pass prefill, tokens per call
+BLOCK_SIZES = (4, 8, 16)          # paged cache, positions per block
 
 
 def openings(stories):
@@ -74,10 +76,10 @@ def compare_on_openings(params, tok, prompts, progress):
     """Both generators on every prompt, greedy and sampled (temperature 1.0, seed = the
     prompt's index): the uncached results, how many cached ones are identical, how every
     row the cached path computed compares with the uncached path's last full pass over
-    the same tokens, the work, and the greedy seconds of each path. progress(done, total)
-    is called after each prompt."""
-    results = {"greedy": [], "sampled": []}
-    identical = dict.fromkeys(results, 0)
+    the same tokens, the work, and the greedy seconds of each path; also the rows of each
+    greedy story's last full pass. progress(done, total) is called after each prompt."""
+    results = {"greedy": [], "sampled": [], "greedy_full_rows": []}
+    identical = {"greedy": 0, "sampled": 0}
     every_row = {"stories": 0, "positions": 0, "largest_logit_gap": 0.0}
     seconds = {"uncached": 0.0, "cached": 0.0}
     total = dict.fromkeys(work(1, 1), 0)
@@ -98,6 +100,7 @@ def compare_on_openings(params, tok, prompts, progress):
             every_row["positions"] += len(cached_rows)
             every_row["largest_logit_gap"] = max(every_row["largest_logit_gap"], gap)
             if kind == "greedy":
+                results["greedy_full_rows"].append(full_passes[-1][0])
                 seconds["uncached"] += middle - start
                 seconds["cached"] += end - middle
                 for key, count in work(len(tok.encode(prompt)), len(uncached["steps"])).items():
@@ -132,6 +135,57 @@ def share_prefixes(params, tok, prompts, greedy, sampled):
         shared += len(ids) + 3        # one prefill, then each run feeds the last token again
     return {"runs": 3 * len(prompts), "identical": identical,
             "prompt_rows_without_sharing": without, "prompt_rows_with_sharing": shared}
+
+
+def one_pass_prefill(params, tok, prompts, greedy, full_rows):
+    """The openings prefilled in chunks of 1, 2, 4 and 8 tokens, one pass per chunk, and
+    the greedy stories generated with the whole prompt in one pass: every row against the
+    uncached full pass, every result against the uncached one."""
+    positions, gap = {}, 0.0
+    for size in CHUNKS:
+        positions[str(size)] = 0
+        for prompt, rows in zip(prompts, full_rows):
+            ids = tok.encode(prompt)
+            chunked = prefill_in_chunks(params, KVCache(params), ids, size)
+            gap = max(gap, largest_gap(chunked, rows[:len(ids)]))
+            positions[str(size)] += len(ids)
+    identical, positions["whole prompt"] = 0, 0
+    for prompt, result, rows in zip(prompts, greedy, full_rows):
+        with recording(kv_cache, "prefill") as calls:
+            identical += generate_cached(params, tok, prompt, one_pass=True) == result
+        fed = [logits for call in calls for logits in call]   # the prompt, then one per step
+        gap = max(gap, largest_gap(fed, rows))
+        positions["whole prompt"] += len(fed)
+    return {"positions_compared_by_chunk": positions, "largest_logit_gap": gap,
+            "greedy_identical": identical,
+            "prompt_calls_one_token_at_a_time": sum(len(tok.encode(p)) for p in prompts),
+            "prompt_calls_one_pass": len(prompts)}
+
+
+def paged(params, tok, prompts, greedy):
+    """Slots a cache reserves for the 60 greedy stories: one per position held, a whole
+    context per story (a static cache), or whole blocks; then the openings prefilled into
+    one pool of blocks of 4, sharing the full blocks of common prefixes, each continued
+    greedily from its sequence."""
+    held = [len(tok.encode(p)) + len(r["steps"]) - 1 for p, r in zip(prompts, greedy)]
+    reserved = {"static, 64 per story": model.CONTEXT * len(held)}
+    reserved.update({f"blocks of {size}": sum(-(-n // size) * size for n in held)
+                     for size in BLOCK_SIZES})
+    pool = BlockPool(params, model.CONTEXT * len(prompts) // 4, 4)
+    rows_without = rows_with = shared = identical = 0
+    for prompt, result in zip(prompts, greedy):
+        ids = tok.encode(prompt)
+        seq = pool.sequence(ids)
+        shared += len(seq.table)
+        rows_without += len(ids)
+        rows_with += len(feed(params, seq, ids))
+        identical += generate_cached(params, tok, prompt, cache=seq) == result
+    return {"positions_held": sum(held), "slots_reserved": reserved,
+            "wasted_share": {way: round(1 - sum(held) / slots, 3)
+                             for way, slots in reserved.items()},
+            "prefix_sharing_blocks_of_4": {
+                "blocks_shared": shared, "prompt_rows_without_sharing": rows_without,
+                "prompt_rows_with_sharing": rows_with, "greedy_identical": identical}}
 
 
 def never_ending(params, tok):
@@ -211,7 +265,7 @@ def run(timing=True, folder=LAB, progress=None):
 
     results, identical, every_row, total, seconds = compare_on_openings(
         params, tok, prompts, lambda done, total: progress("both generators", done, total))
-    progress("sums in another order, and shared prefixes", 0, 1)
+    progress("sums in another order, shared prefixes, one-pass prefill, blocks", 0, 1)
     greedy = results["greedy"]
     full, _ = model.forward(params, first_story)
     with sums_in_another_order():
@@ -238,8 +292,11 @@ def run(timing=True, folder=LAB, progress=None):
         "cost_by_length": [{"positions": length, **work(1, length - 1)} for length in LENGTHS],
         "sums_in_another_order": {"largest_logit_gap_first_story": largest_gap(full, reordered),
                                   "greedy_identical": reordered_identical},
+        "one_pass_prefill": one_pass_prefill(params, tok, prompts, greedy,
+                                             results["greedy_full_rows"]),
+        "paged": paged(params, tok, prompts, greedy),
     }
-    progress("sums in another order, and shared prefixes", 1, 1)
+    progress("sums in another order, shared prefixes, one-pass prefill, blocks", 1, 1)
     if not timing:
         return record, None
     progress("timing rows and lengths (--write records them)", 0, 1)
