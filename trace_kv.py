@@ -4,7 +4,7 @@ the 60 test stories, prove they agree bit for bit, and count the work each one d
     python3 trace_kv.py            runs it (about 25 s) and prints a summary
     python3 trace_kv.py --json     prints the whole record instead, as JSON
     python3 trace_kv.py --check    also fails if the record differs from kv-trace.json
-    python3 trace_kv.py --write    rewrites kv-trace.json and kv-time.json
+    python3 trace_kv.py --write    rewrites kv-trace.json and kv-time.json (timing more)
 
 kv-trace.json holds only what any machine reproduces exactly (results and counts);
 kv-time.json holds wall-clock times, which vary, and is never compared. Progress goes to
@@ -251,10 +251,11 @@ def cache_bytes(params, ids):
             + sum(sys.getsizeof(r) + sum(sys.getsizeof(x) for x in r) for r in rows))
 
 
-def run(timing=True, folder=LAB, progress=None):
-    """Both generators on the 60 test openings: (record, timing). With timing=False,
-    only the record (timing is None), skipping the runs that only measure time.
-    progress(stage, done, total), if given, is told how far the run is."""
+def run(full_timing=False, folder=LAB, progress=None):
+    """Both generators on the 60 test openings: (record, timing). The timing holds the
+    seconds of both generators; with full_timing (what --write records) also a row's
+    share of fsum, each length's seconds and the cache's bytes, which take runs of their
+    own. progress(stage, done, total), if given, is told how far the run is."""
     progress = progress or (lambda stage, done, total: None)
     params, tok = load_trained(folder)
     with open(os.path.join(folder, "corpus.txt"), encoding="utf-8") as f:
@@ -297,13 +298,6 @@ def run(timing=True, folder=LAB, progress=None):
         "paged": paged(params, tok, prompts, greedy),
     }
     progress("sums in another order, shared prefixes, one-pass prefill, blocks", 1, 1)
-    if not timing:
-        return record, None
-    progress("timing rows and lengths (--write records them)", 0, 1)
-    fed = [(tok.encode(prompt) + [tok.ids[step["token"]] for step in r["steps"]])[:-1]
-           for prompt, r in zip(prompts, greedy)]         # the last chosen token is never fed
-    step_seconds, sum_seconds = fsum_share(params, fed)
-    memory = cache_bytes(params, full_context)
     timing = {
         "uncached_seconds": round(seconds["uncached"], 3),
         "cached_seconds": round(seconds["cached"], 3),
@@ -311,15 +305,23 @@ def run(timing=True, folder=LAB, progress=None):
         "uncached_microseconds_per_row":
             round(seconds["uncached"] / total["uncached_rows"] * 1e6, 1),
         "cached_microseconds_per_row": round(seconds["cached"] / total["cached_rows"] * 1e6, 1),
-        "forward_step_over_its_fsum_calls": round(step_seconds / sum_seconds, 2),
-        "cost_by_length": seconds_by_length(params, tok),
-        "cache_bytes_full_context": memory,
-        "cache_bytes_per_position": round(memory / model.CONTEXT, 2),
-        "cache_bytes_as_8_byte_floats": 8 * 2 * model.WIDTH * model.CONTEXT,
         "machine": f"{platform.platform()}, {os.cpu_count()} cores",
         "python": platform.python_version(),
     }
-    progress("timing rows and lengths (--write records them)", 1, 1)
+    if full_timing:
+        progress("timing a row's sums and each length", 0, 1)
+        fed = [(tok.encode(prompt) + [tok.ids[step["token"]] for step in r["steps"]])[:-1]
+               for prompt, r in zip(prompts, greedy)]     # the last chosen token is never fed
+        step_seconds, sum_seconds = fsum_share(params, fed)
+        memory = cache_bytes(params, full_context)
+        timing.update({
+            "forward_step_over_its_fsum_calls": round(step_seconds / sum_seconds, 2),
+            "cost_by_length": seconds_by_length(params, tok),
+            "cache_bytes_full_context": memory,
+            "cache_bytes_per_position": round(memory / model.CONTEXT, 2),
+            "cache_bytes_as_8_byte_floats": 8 * 2 * model.WIDTH * model.CONTEXT,
+        })
+        progress("timing a row's sums and each length", 1, 1)
     return record, timing
 
 
@@ -426,7 +428,7 @@ def main(argv=None):
         recorded = read_record(os.path.join(args.folder, TRACE)) if args.check else None
         print("Running both generators on the openings of the 60 test stories, greedy and "
               "sampled, and comparing every row of scores (about 25 s):", file=sys.stderr)
-        record, timing = run(folder=args.folder, progress=show_progress)
+        record, timing = run(args.write, args.folder, show_progress)
     except (OSError, ValueError) as e:
         sys.exit(f"trace_kv.py: error: {e}")
     print(_dumps(record) if args.json else summary(record, timing), end="")
