@@ -54,10 +54,13 @@ class KVCache:
 
     def crop(self, length):
         """Forget every position from length on (rewind the sequence to length tokens)."""
-        if isinstance(length, bool) or not isinstance(length, int) \
-                or not 0 <= length <= len(self):
-            raise ValueError(f"crop length must be an int from 0 to {len(self)} "
+        held = len(self)
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= held:
+            raise ValueError(f"crop length must be an int from 0 to {held} "
                              f"(the positions held), got {length!r}")
+        self._forget_from(length)
+
+    def _forget_from(self, length):
         del self.tokens[length:], self.keys[length:], self.values[length:]
 
 
@@ -198,13 +201,9 @@ class PagedSequence(KVCache):
             fork.table[-1] = self.pool._take(*self.pool.blocks[self.table[-1]])
         return fork
 
-    def crop(self, length):
-        """Forget every position from length on, returning the blocks past it; a shared
-        block that the new length cuts in two is copied first (copy on write)."""
-        held = len(self)
-        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= held:
-            raise ValueError(f"crop length must be an int from 0 to {held} "
-                             f"(the positions held), got {length!r}")
+    def _forget_from(self, length):
+        """Return the blocks past length; a shared block that length cuts in two is
+        copied first (copy on write)."""
         size = self.pool.block_size
         keep, cut = divmod(length, size)
         last = self.table[keep] if cut else None
