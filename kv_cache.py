@@ -9,8 +9,10 @@ new row, appends its key and value to the cache, and attends over the cache.
 """
 import argparse
 import copy
+import struct
 import sys
 import time
+from array import array
 
 import checkpoint
 import generate
@@ -62,6 +64,160 @@ class KVCache:
 
     def _forget_from(self, length):
         del self.tokens[length:], self.keys[length:], self.values[length:]
+
+
+FORMATS = ("float64", "float32", "float16", "int8", "int4")
+
+
+def _pack(fmt, vector):
+    """One key or value as fmt stores it: a tuple of arrays or bytes (for int8 and int4,
+    the levels and their scale)."""
+    if fmt in ("float64", "float32"):
+        return (array("d" if fmt == "float64" else "f", vector),)
+    if fmt == "float16":
+        return (struct.pack(f"<{len(vector)}e", *vector),)
+    top = 127 if fmt == "int8" else 7
+    scale = array("f", [max(map(abs, vector)) / top])   # kept as a 32-bit float
+    levels = [max(-top, min(top, round(x / scale[0]))) if scale[0] else 0 for x in vector]
+    if fmt == "int8":
+        return (array("b", levels), scale)
+    return (bytes((low + 8) | (high + 8) << 4 for low, high in zip(levels[::2], levels[1::2])),
+            scale)
+
+
+def _unpack(fmt, stored):
+    """The floats a stored key or value stands for."""
+    if fmt in ("float64", "float32"):
+        return list(stored[0])
+    if fmt == "float16":
+        return list(struct.unpack(f"<{len(stored[0]) // 2}e", stored[0]))
+    data, scale = stored
+    if fmt == "int8":
+        return [level * scale[0] for level in data]
+    return [((byte >> shift & 15) - 8) * scale[0] for byte in data for shift in (0, 4)]
+
+
+def _stored_bytes(stored):
+    return sum(len(part) * getattr(part, "itemsize", 1) for part in stored)
+
+
+class QuantizedCache(KVCache):
+    """A cache that stores each key and value compactly, in one of FORMATS, and turns
+    them back into floats when attention reads them: float64 and float32 in arrays,
+    float16 as IEEE half floats (struct's "e"), int8 and int4 as integer levels with one
+    32-bit scale per key or value. The scale maps the largest magnitude to the top level
+    (127 or 7); every number goes to the nearest level, ties to the even one, as Python's
+    round does on every machine."""
+
+    def __init__(self, params, fmt):
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown cache format {fmt!r}; the formats are "
+                             f"{', '.join(FORMATS)}")
+        model.check_shapes(params)
+        self.params = params
+        self.columns = model.columns(params)
+        self.format = fmt
+        self.tokens, self.stored_keys, self.stored_values = [], [], []
+
+    @property
+    def keys(self):
+        return [_unpack(self.format, stored) for stored in self.stored_keys]
+
+    @property
+    def values(self):
+        return [_unpack(self.format, stored) for stored in self.stored_values]
+
+    def __len__(self):
+        return len(self.stored_keys)
+
+    def extend(self, token_ids, keys, values):
+        stored_keys = [_pack(self.format, k) for k in keys]   # all packed before any is kept
+        stored_values = [_pack(self.format, v) for v in values]
+        self.tokens += token_ids
+        self.stored_keys += stored_keys
+        self.stored_values += stored_values
+
+    def copy(self):
+        fork = copy.copy(self)
+        fork.tokens, fork.stored_keys, fork.stored_values = (
+            self.tokens[:], self.stored_keys[:], self.stored_values[:])
+        return fork
+
+    def _forget_from(self, length):
+        del self.tokens[length:], self.stored_keys[length:], self.stored_values[length:]
+
+    def bytes_per_position(self):
+        """The bytes its keys and values take per position: numbers and scales, measured."""
+        stored = self.stored_keys + self.stored_values
+        return sum(map(_stored_bytes, stored)) / len(self)
+
+
+class WindowCache(KVCache):
+    """A cache of fixed size that keeps the first sinks positions and the last window
+    ones, as Mistral's rotating cache and StreamingLLM's attention sinks do; position i
+    then attends to those only (model.band is the same mask on the full pass)."""
+
+    def __init__(self, params, window, sinks=0):
+        model.band(window, sinks)   # refuses a bad window or sinks
+        model.check_shapes(params)
+        self.params = params
+        self.columns = model.columns(params)
+        self.window, self.sinks = window, sinks
+        self.tokens = []                         # every token fed, one per position
+        self.sink_keys, self.sink_values = [], []
+        self.ring_keys, self.ring_values = [None] * window, [None] * window
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def _kept(self):
+        """The positions it holds: the sinks, then the last window positions."""
+        return model.band(self.window, self.sinks)(len(self) - 1) if len(self) else []
+
+    def _slot(self, position):
+        return (position - self.sinks) % self.window
+
+    @property
+    def keys(self):
+        return [self.sink_keys[p] if p < self.sinks else self.ring_keys[self._slot(p)]
+                for p in self._kept()]
+
+    @property
+    def values(self):
+        return [self.sink_values[p] if p < self.sinks else self.ring_values[self._slot(p)]
+                for p in self._kept()]
+
+    def extend(self, token_ids, keys, values):
+        for token_id, k, v in zip(token_ids, keys, values):
+            position = len(self)
+            if position < self.sinks:
+                self.sink_keys.append(k)
+                self.sink_values.append(v)
+            else:
+                self.ring_keys[self._slot(position)] = k
+                self.ring_values[self._slot(position)] = v
+            self.tokens.append(token_id)
+
+    def copy(self):
+        fork = copy.copy(self)
+        for name in ("tokens", "sink_keys", "sink_values", "ring_keys", "ring_values"):
+            setattr(fork, name, getattr(self, name)[:])
+        return fork
+
+    def crop(self, length):
+        """Forget every position from length on; refused where the window has already
+        dropped a position that length would need."""
+        held = len(self)
+        if isinstance(length, int) and not isinstance(length, bool) and length < held \
+                and held > self.sinks + self.window and length > self.sinks:
+            raise ValueError(f"crop length must be {held}, or at most {self.sinks} (the "
+                             f"sinks): the window has dropped positions {self.sinks} to "
+                             f"{held - self.window - 1} that a shorter sequence would attend "
+                             f"to, got {length!r}")
+        super().crop(length)
+
+    def _forget_from(self, length):
+        del self.tokens[length:], self.sink_keys[length:], self.sink_values[length:]
 
 
 class BlockPool:

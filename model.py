@@ -153,12 +153,32 @@ Saved.__doc__ = """What forward keeps for the backward pass: for each of the row
 values, a list with one entry per position."""
 
 
-def forward(params, ids):
+def causal(i):
+    """The positions position i attends to: 0..i, never a later one."""
+    return range(i + 1)
+
+
+def band(window, sinks=0):
+    """A mask of another shape: position i attends to the first sinks positions and to
+    the last window ones, i-window+1..i (what kv_cache.WindowCache keeps)."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be an int >= 1, got {window!r}")
+    if isinstance(sinks, bool) or not isinstance(sinks, int) or not 0 <= sinks < window:
+        raise ValueError(f"sinks must be an int from 0 to window - 1 = {window - 1}, "
+                         f"got {sinks!r}")
+
+    def mask(i):
+        return [j for j in range(i + 1) if j < sinks or j > i - window]
+    return mask
+
+
+def forward(params, ids, mask=causal):
     """Next-token logits for every position of ids, and what the backward pass needs.
 
     First every position's query, key and value; then each position i attends to the
-    keys and values of positions 0..i only (causal), and goes on through the MLP.
-    kv_cache.forward_step does the same row for one position, line for line.
+    keys and values of the positions mask(i), 0..i (causal) unless told otherwise, and
+    goes on through the MLP. kv_cache.forward_step does the same row for one position,
+    line for line. Training (the backward pass) uses the causal mask.
     """
     check_ids(ids)
     cols = columns(params)
@@ -171,7 +191,7 @@ def forward(params, ids):
     logits = []
     for i in range(len(ids)):
         x0, q = saved.x0[i], saved.q[i]
-        keys, values = saved.k[:i + 1], saved.v[:i + 1]      # positions 0..i only (causal)
+        keys, values = [saved.k[j] for j in mask(i)], [saved.v[j] for j in mask(i)]
         scores = [dot(q, k_j) * SCALE for k_j in keys]
         weights = softmax_row(scores)
         mixed = [dot(weights, column) for column in zip(*values)]

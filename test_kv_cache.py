@@ -8,6 +8,7 @@ import math
 import os
 import random
 import re
+import struct
 import subprocess
 import sys
 import tempfile
@@ -282,7 +283,8 @@ class Teeth(unittest.TestCase):
         ("no attention scale", model, "forward",
          "dot(q, k_j) * SCALE", "dot(q, k_j)", "rows differ"),
         ("one position too few (position 0 dropped once there are two)", model, "forward",
-         "saved.k[:i + 1], saved.v[:i + 1]", "saved.k[min(1, i):i + 1], saved.v[min(1, i):i + 1]",
+         "[saved.k[j] for j in mask(i)], [saved.v[j] for j in mask(i)]",
+         "[saved.k[j] for j in mask(i)][min(1, i):], [saved.v[j] for j in mask(i)][min(1, i):]",
          "rows differ"),
         ("the position embedding of the previous position", kv_cache, "forward_step",
          'params["pos_emb"][position]', 'params["pos_emb"][position - 1]', "rows differ"),
@@ -574,6 +576,107 @@ class Paged(unittest.TestCase):
             with self.subTest(blocks=blocks, block_size=size):
                 with self.assertRaisesRegex(ValueError, "must be an int >= 1"):
                     kv_cache.BlockPool(PARAMS, blocks, size)
+
+
+class Lossy(unittest.TestCase):
+    """Where a cache gives exactness up on purpose: compact formats and a sliding window."""
+
+    VECTOR = [0.75, -1.5, 0.1, 3.0, -0.2, 1e-3, 2.5, -3.0, 0.0, 1.2, -0.7, 0.33, 2.0, -2.9,
+              0.05, 1.0]
+
+    def test_each_format_round_trips_as_its_numbers_allow(self):
+        unpack = kv_cache._unpack
+        stored = {fmt: kv_cache._pack(fmt, self.VECTOR) for fmt in kv_cache.FORMATS}
+        self.assertEqual(unpack("float64", stored["float64"]), self.VECTOR)
+        self.assertEqual(unpack("float32", stored["float32"]),
+                         [struct.unpack("f", struct.pack("f", x))[0] for x in self.VECTOR])
+        self.assertEqual(unpack("float16", stored["float16"]),
+                         [struct.unpack("e", struct.pack("e", x))[0] for x in self.VECTOR])
+        for fmt, top in (("int8", 127), ("int4", 7)):
+            scale = stored[fmt][1][0]
+            self.assertEqual(scale, struct.unpack("f", struct.pack("f", 3.0 / top))[0])
+            back = unpack(fmt, stored[fmt])
+            with self.subTest(fmt=fmt):
+                self.assertEqual([round(y / scale) * scale for y in back], back)   # on levels
+                self.assertLessEqual(max(abs(x - y) for x, y in zip(self.VECTOR, back)),
+                                     scale / 2 * 1.0001)
+        # Ties go to the even level: 0.5 and 1.5 of a scale of 1.0 become 0 and 2.
+        self.assertEqual(unpack("int4", kv_cache._pack("int4", [7.0, 0.5, 1.5, -0.5])),
+                         [7.0, 0.0, 2.0, 0.0])
+
+    def test_each_format_measures_its_bytes(self):
+        ids = TOK.encode(OPENINGS[0])
+        expected = {"float64": 2 * 16 * 8, "float32": 2 * 16 * 4, "float16": 2 * 16 * 2,
+                    "int8": 2 * (16 + 4), "int4": 2 * (8 + 4)}
+        for fmt in kv_cache.FORMATS:
+            cache = kv_cache.QuantizedCache(PARAMS, fmt)
+            feed(PARAMS, cache, ids)
+            with self.subTest(fmt=fmt):
+                self.assertEqual(cache.bytes_per_position(), expected[fmt])
+
+    def test_a_float64_array_cache_is_exact(self):
+        longest = [t for story in STORIES for t in TOK.encode(story)][:model.CONTEXT]
+        for ids in (TOK.encode(STORIES[0]), longest):
+            assert_same_rows(self, feed(PARAMS, kv_cache.QuantizedCache(PARAMS, "float64"), ids),
+                             cached_rows(PARAMS, ids))
+        self.assertEqual(generate_cached(PARAMS, TOK, OPENINGS[0],
+                                         cache=kv_cache.QuantizedCache(PARAMS, "float64")),
+                         generate.generate(PARAMS, TOK, OPENINGS[0]))
+
+    def test_lower_precision_changes_the_scores(self):
+        ids = TOK.encode(STORIES[0])
+        exact = cached_rows(PARAMS, ids)
+        for fmt in kv_cache.FORMATS[1:]:
+            with self.subTest(fmt=fmt):
+                self.assertNotEqual(feed(PARAMS, kv_cache.QuantizedCache(PARAMS, fmt), ids),
+                                    exact)
+
+    def test_the_window_cache_equals_the_band_masked_full_pass(self):
+        longest = [t for story in STORIES for t in TOK.encode(story)][:model.CONTEXT]
+        self.assertEqual(len(longest), model.CONTEXT)
+        for window in (8, 16, 32):
+            for sinks in (0, 4):
+                reference, _ = model.forward(PARAMS, longest, model.band(window, sinks))
+                cache = kv_cache.WindowCache(PARAMS, window, sinks)
+                with self.subTest(window=window, sinks=sinks):
+                    assert_same_rows(self, feed(PARAMS, cache, longest), reference)
+                    self.assertEqual(len(cache.keys), window + sinks)
+                    self.assertNotEqual(reference, cached_rows(PARAMS, longest))
+
+    def test_copy_and_crop_on_the_new_caches(self):
+        ids = TOK.encode(STORIES[0])
+        for make in (lambda: kv_cache.QuantizedCache(PARAMS, "int8"),
+                     lambda: kv_cache.WindowCache(PARAMS, 16, 4)):
+            with self.subTest(cache=type(make()).__name__):
+                alone = feed(PARAMS, make(), ids)
+                cache = make()
+                feed(PARAMS, cache, ids[:10])
+                fork = cache.copy()
+                assert_same_rows(self, feed(PARAMS, fork, ids), alone[10:])
+                self.assertEqual(len(cache), 10)
+                cache.crop(6)
+                assert_same_rows(self, feed(PARAMS, cache, ids), alone[6:])
+        window = kv_cache.WindowCache(PARAMS, 8, 2)
+        feed(PARAMS, window, ids[:12])
+        with self.assertRaisesRegex(ValueError, "the window has dropped positions 2 to 3"):
+            window.crop(5)
+        window.crop(2)
+        assert_same_rows(self, feed(PARAMS, window, ids), feed(PARAMS, kv_cache.WindowCache(
+            PARAMS, 8, 2), ids)[2:])
+
+    def test_bad_formats_and_windows_are_refused(self):
+        with self.assertRaisesRegex(ValueError, "unknown cache format 'int2'; the formats are "
+                                                "float64, float32, float16, int8, int4"):
+            kv_cache.QuantizedCache(PARAMS, "int2")
+        for window, sinks, fragment in ((0, 0, "window must be an int >= 1"),
+                                        (8.0, 0, "window must be an int >= 1"),
+                                        (True, 0, "window must be an int >= 1"),
+                                        (8, -1, "sinks must be an int from 0 to window - 1"),
+                                        (8, 8, "sinks must be an int from 0 to window - 1"),
+                                        (8, 2.0, "sinks must be an int from 0 to window - 1")):
+            with self.subTest(window=window, sinks=sinks):
+                with self.assertRaisesRegex(ValueError, fragment):
+                    kv_cache.WindowCache(PARAMS, window, sinks)
 
 
 class Work(unittest.TestCase):
