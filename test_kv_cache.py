@@ -991,6 +991,14 @@ class RecordedFigures(unittest.TestCase):
         quoted += [f" | {slots:,} | {paged['wasted_share'][way]:.1%} |"
                    for way, slots in paged["slots_reserved"].items()]
         self.assertEqual(len(set(chunks.values()) - {chunks["whole prompt"]}), 1)
+        for rung in r["ladder"]["rungs"]:
+            size, kept = rung["bytes_per_position"], rung["positions_kept"]
+            quoted.append(f"| {rung['cache']} | {'—' if size is None else f'{size:g}'} | "
+                          f"{'all' if kept is None else kept} | {rung['largest_logit_gap']!r} | "
+                          f"{rung['greedy_stories_changed']} | {rung['sampled_stories_changed']} |")
+        attention = r["attention_to_position_0"]
+        quoted += [f"(of {r['ladder']['stories']})", f"**{attention['mean_weight']}**",
+                   f"even share ({attention['even_share']})"]
         for figure in quoted:
             with self.subTest(figure=figure):
                 self.assertTrue(figure in readme, "not in README.md")   # not the whole text

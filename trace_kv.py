@@ -18,19 +18,23 @@ import os
 import platform
 import sys
 import time
+from math import fsum
 from operator import add
 
 import kv_cache
 import model
 from checkpoint import LAB, add_folder_flag, run_command, write_atomically
 from generate import generate, load_trained
-from kv_cache import BlockPool, KVCache, feed, generate_cached, prefill_in_chunks, work
+from kv_cache import (FORMATS, BlockPool, KVCache, QuantizedCache, WindowCache, feed,
+                      generate_cached, prefill_in_chunks, work)
 from train import split_stories
 
 TRACE, TIMES = "kv-trace.json", "kv-time.json"
 LENGTHS = (8, 16, 32, 64)
 CHUNKS = (1, 2, 4, 8)             # one-pass prefill, tokens per call
 BLOCK_SIZES = (4, 8, 16)          # paged cache, positions per block
+WINDOWS = ((8, 0), (8, 4), (16, 0), (16, 4), (32, 0), (32, 4))   # (window, sinks)
+LADDER_STORIES = 15               # the ladder's share of the openings, to stay inside 30 s
 
 
 def openings(stories):
@@ -78,7 +82,7 @@ def compare_on_openings(params, tok, prompts, progress):
     row the cached path computed compares with the uncached path's last full pass over
     the same tokens, the work, and the greedy seconds of each path; also the rows of each
     greedy story's last full pass. progress(done, total) is called after each prompt."""
-    results = {"greedy": [], "sampled": [], "greedy_full_rows": []}
+    results = {"greedy": [], "sampled": [], "greedy_full_rows": [], "greedy_weights": []}
     identical = {"greedy": 0, "sampled": 0}
     every_row = {"stories": 0, "positions": 0, "largest_logit_gap": 0.0}
     seconds = {"uncached": 0.0, "cached": 0.0}
@@ -101,6 +105,7 @@ def compare_on_openings(params, tok, prompts, progress):
             every_row["largest_logit_gap"] = max(every_row["largest_logit_gap"], gap)
             if kind == "greedy":
                 results["greedy_full_rows"].append(full_passes[-1][0])
+                results["greedy_weights"].append(full_passes[-1][1].weights)
                 seconds["uncached"] += middle - start
                 seconds["cached"] += end - middle
                 for key, count in work(len(tok.encode(prompt)), len(uncached["steps"])).items():
@@ -186,6 +191,56 @@ def paged(params, tok, prompts, greedy):
             "prefix_sharing_blocks_of_4": {
                 "blocks_shared": shared, "prompt_rows_without_sharing": rows_without,
                 "prompt_rows_with_sharing": rows_with, "greedy_identical": identical}}
+
+
+def ladder(params, tok, prompts, greedy, sampled, full_rows):
+    """From exact to lossy, on the first LADDER_STORIES openings: for each way of keeping
+    the cache, its bytes per position (measured, for the compact formats) or the positions
+    it keeps (for a window), the largest logit gap against the exact rows over every
+    position of the greedy stories (their tokens fed through that cache), and how many
+    greedy and sampled stories change their text (a greedy story changes where a fed row's
+    best token is not the next one; a sampled one is generated again through that cache)."""
+    prompts, greedy, sampled = (items[:LADDER_STORIES] for items in (prompts, greedy, sampled))
+    stories = [tok.encode(p) + [tok.ids[s["token"]] for s in r["steps"]]
+               for p, r in zip(prompts, greedy)]
+    rungs = [("float64 array", lambda: QuantizedCache(params, "float64"), None)]
+    rungs.append(("exact lists, sums in another order", lambda: KVCache(params),
+                  sums_in_another_order))
+    rungs += [(fmt, lambda fmt=fmt: QuantizedCache(params, fmt), None) for fmt in FORMATS[1:]]
+    rungs += [(f"window {w}, sinks {s}", lambda w=w, s=s: WindowCache(params, w, s), None)
+              for w, s in WINDOWS]
+    table = []
+    for name, make, context in rungs:
+        gap = 0.0
+        greedy_changed = sampled_changed = 0
+        with context() if context else contextlib.nullcontext():
+            for index, (prompt, ids, rows) in enumerate(zip(prompts, stories, full_rows)):
+                cache = make()
+                fed = feed(params, cache, ids[:-1])
+                gap = max(gap, largest_gap(fed, rows))
+                chosen = range(len(tok.encode(prompt)) - 1, len(fed))   # rows that chose
+                greedy_changed += any(fed[p].index(max(fed[p])) != ids[p + 1] for p in chosen)
+                again = generate_cached(params, tok, prompt, temperature=1.0, seed=index,
+                                        cache=make())
+                sampled_changed += again["text"] != sampled[index]["text"]
+        table.append({
+            "cache": name,
+            "bytes_per_position": cache.bytes_per_position()
+            if isinstance(cache, QuantizedCache) else None,
+            "positions_kept": cache.window + cache.sinks if isinstance(cache, WindowCache)
+            else None,
+            "largest_logit_gap": gap, "greedy_stories_changed": greedy_changed,
+            "sampled_stories_changed": sampled_changed})
+    return {"stories": len(prompts), "rungs": table}
+
+
+def attention_to_position_0(weights):
+    """The mean attention weight position 0 gets from every later position of the 60
+    greedy stories (weights: each story's rows of attention weights), against what an
+    even share, 1 / (i + 1) at position i, would give it."""
+    later = [row for story in weights for row in story[1:]]
+    return {"mean_weight": round(fsum(row[0] for row in later) / len(later), 4),
+            "even_share": round(fsum(1 / len(row) for row in later) / len(later), 4)}
 
 
 def never_ending(params, tok):
@@ -296,6 +351,9 @@ def run(full_timing=False, folder=LAB, progress=None):
         "one_pass_prefill": one_pass_prefill(params, tok, prompts, greedy,
                                              results["greedy_full_rows"]),
         "paged": paged(params, tok, prompts, greedy),
+        "ladder": ladder(params, tok, prompts, greedy, results["sampled"],
+                         results["greedy_full_rows"]),
+        "attention_to_position_0": attention_to_position_0(results["greedy_weights"]),
     }
     progress("sums in another order, shared prefixes, one-pass prefill, blocks", 1, 1)
     timing = {
