@@ -23,6 +23,8 @@ from model import SCALE, add, dot, layernorm, relu, row, softmax_row
 class KVCache:
     """The keys and values of one sequence so far, for the params it was made for."""
 
+    keeps_every_position = True   # what prefill's mask needs (a WindowCache drops some)
+
     def __init__(self, params):
         model.check_shapes(params)
         self.params = params
@@ -155,7 +157,10 @@ class QuantizedCache(KVCache):
 class WindowCache(KVCache):
     """A cache of fixed size that keeps the first sinks positions and the last window
     ones, as Mistral's rotating cache and StreamingLLM's attention sinks do; position i
-    then attends to those only (model.band is the same mask on the full pass)."""
+    then attends to those only (model.band is the same mask on the full pass). Feed it
+    one token at a time: each new position has a window of its own."""
+
+    keeps_every_position = False
 
     def __init__(self, params, window, sinks=0):
         model.band(window, sinks)   # refuses a bad window or sinks
@@ -446,6 +451,9 @@ def prefill(params, cache, token_ids, start):
                          f"{model.CONTEXT} positions of the model's table")
     for index, token_id in enumerate(token_ids):
         model.check_token_id(token_id, f"token_ids[{index}] =")
+    if not cache.keeps_every_position:
+        raise ValueError(f"prefill needs a cache that keeps every position, and a "
+                         f"{type(cache).__name__} drops some; feed it one token at a time")
     cols = cache.columns
     x0_and_q, new_keys, new_values = [], [], []
     for i, t in enumerate(token_ids, start):

@@ -664,6 +664,18 @@ class Lossy(unittest.TestCase):
         assert_same_rows(self, feed(PARAMS, window, ids), feed(PARAMS, kv_cache.WindowCache(
             PARAMS, 8, 2), ids)[2:])
 
+    def test_a_window_cache_is_fed_one_token_at_a_time(self):
+        cache = kv_cache.WindowCache(PARAMS, 8, 2)
+        feed(PARAMS, cache, TOK.encode(OPENINGS[0]))
+        before = (list(cache.tokens), cache.keys)
+        with self.assertRaisesRegex(ValueError, "prefill needs a cache that keeps every "
+                                                "position, and a WindowCache drops some"):
+            kv_cache.prefill(PARAMS, cache, [5, 6], len(cache))
+        self.assertEqual((list(cache.tokens), cache.keys), before)
+        with self.assertRaisesRegex(ValueError, "keeps every position"):
+            generate_cached(PARAMS, TOK, OPENINGS[0], one_pass=True,
+                            cache=kv_cache.WindowCache(PARAMS, 8, 2))
+
     def test_bad_formats_and_windows_are_refused(self):
         with self.assertRaisesRegex(ValueError, "unknown cache format 'int2'; the formats are "
                                                 "float64, float32, float16, int8, int4"):
