@@ -68,161 +68,173 @@ class KVCache:
         del self.tokens[length:], self.keys[length:], self.values[length:]
 
 
-FORMATS = ("float64", "float32", "float16", "int8", "int4")
+def _check_owner(cache, params):
+    """A cache belongs to the very params object it was made for (a copy is another model)."""
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache must be a KVCache, got {type(cache).__name__}; "
+                         f"start one with KVCache(params)")
+    if cache.params is not params:
+        raise ValueError("this cache was made for different parameters; "
+                         "start a new cache with KVCache(params)")
 
 
-def _pack(fmt, vector):
-    """One key or value as fmt stores it: a tuple of arrays or bytes (for int8 and int4,
-    the levels and their scale)."""
-    if fmt in ("float64", "float32"):
-        return (array("d" if fmt == "float64" else "f", vector),)
-    if fmt == "float16":
-        return (struct.pack(f"<{len(vector)}e", *vector),)
-    top = 127 if fmt == "int8" else 7
-    scale = array("f", [max(map(abs, vector)) / top])   # kept as a 32-bit float
-    levels = [max(-top, min(top, round(x / scale[0]))) if scale[0] else 0 for x in vector]
-    if fmt == "int8":
-        return (array("b", levels), scale)
-    return (bytes((low + 8) | (high + 8) << 4 for low, high in zip(levels[::2], levels[1::2])),
-            scale)
+def forward_step(params, cache, token_id, position):
+    """Next-token logits for token_id at position, the next one after the cache's;
+    appends this position's key and value to the cache.
+
+    The row is model.forward's, line for line; only the keys and values differ in where
+    they come from: here, the cache."""
+    _check_owner(cache, params)
+    if isinstance(position, bool) or not isinstance(position, int) or position != len(cache):
+        raise ValueError(f"expected position {len(cache)}, got {position!r}: the cache holds "
+                         f"{len(cache)} positions, so the next token goes at position "
+                         f"{len(cache)} (an int); for a new sequence, start a new cache")
+    if position >= model.CONTEXT:
+        raise ValueError(f"position {position} is beyond the {model.CONTEXT} positions "
+                         f"of the model's table")
+    model.check_token_id(token_id)
+    cols = cache.columns
+    x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])
+    h1 = layernorm(x0, params["ln1_g"], params["ln1_b"])
+    q, k, v = row(h1, cols["Wq"]), row(h1, cols["Wk"]), row(h1, cols["Wv"])
+    cache.append(token_id, k, v)        # before attention: a position attends to itself too
+    keys, values = cache.keys, cache.values      # positions 0..position, from the cache
+    scores = [dot(q, k_j) * SCALE for k_j in keys]
+    weights = softmax_row(scores)
+    mixed = [dot(weights, column) for column in zip(*values)]
+    x1 = add(x0, row(mixed, cols["Wo"]))
+    h2 = layernorm(x1, params["ln2_g"], params["ln2_b"])
+    a = relu(add(row(h2, cols["W1"]), params["b1"]))
+    x2 = add(x1, add(row(a, cols["W2"]), params["b2"]))   # the MLP output plus its bias first
+    hf = layernorm(x2, params["lnf_g"], params["lnf_b"])
+    return add(row(hf, cols["W_out"]), params["b_out"])
 
 
-def _unpack(fmt, stored):
-    """The floats a stored key or value stands for."""
-    if fmt in ("float64", "float32"):
-        return list(stored[0])
-    if fmt == "float16":
-        return list(struct.unpack(f"<{len(stored[0]) // 2}e", stored[0]))
-    data, scale = stored
-    if fmt == "int8":
-        return [level * scale[0] for level in data]
-    return [((byte >> shift & 15) - 8) * scale[0] for byte in data for shift in (0, 4)]
+def feed(params, cache, ids):
+    """Feed the tokens of ids that the cache does not hold yet, one forward_step each
+    (positions len(cache) to len(ids) - 1); their rows of logits, in order."""
+    return [forward_step(params, cache, ids[position], position)
+            for position in range(len(cache), len(ids))]
 
 
-def _stored_bytes(stored):
-    return sum(len(part) * getattr(part, "itemsize", 1) for part in stored)
+def work(prompt_tokens, generated_tokens):
+    """Rows and attention scores each generator computes for a prompt of prompt_tokens
+    tokens and generated_tokens chosen tokens (one model call per chosen token)."""
+    for name, value in (("prompt_tokens", prompt_tokens), ("generated_tokens", generated_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    # Without the cache, call s runs the model on all n = prompt_tokens + s tokens in hand.
+    calls = range(prompt_tokens, prompt_tokens + generated_tokens)
+    # With it, every position is fed once, except the last chosen token (never fed back).
+    fed = prompt_tokens + generated_tokens - 1 if generated_tokens else 0
+    return {
+        "uncached_rows": sum(calls),
+        "cached_rows": fed,
+        "uncached_scores": sum(n * (n + 1) // 2 for n in calls),   # row i has i + 1 scores
+        "cached_scores": fed * (fed + 1) // 2,
+    }
 
 
-class QuantizedCache(KVCache):
-    """A cache that stores each key and value compactly, in one of FORMATS, and turns
-    them back into floats when attention reads them: float64 and float32 in arrays,
-    float16 as IEEE half floats (struct's "e"), int8 and int4 as integer levels with one
-    32-bit scale per key or value. The scale maps the largest magnitude to the top level
-    (127 or 7); every number goes to the nearest level, ties to the even one, as Python's
-    round does on every machine."""
+def generate_cached(params, tok, prompt, max_new_tokens=60, temperature=0.0, top_k=None,
+                    seed=0, cache=None, one_pass=False):
+    """Same arguments and result as generate.generate, computing one new row per step.
+    Given a cache that holds the start of the prompt, starts from a copy of it. With
+    one_pass, the prompt is prefilled in one call of prefill instead of token by token."""
+    if cache is None:
+        cache = KVCache(params)
+    ids = generate.check_request(tok, prompt, max_new_tokens, temperature, top_k, seed)
+    cache = _fork_for_prompt(params, cache, ids, tok)
 
-    def __init__(self, params, fmt):
-        if fmt not in FORMATS:
-            raise ValueError(f"unknown cache format {fmt!r}; the formats are "
-                             f"{', '.join(FORMATS)}")
-        model.check_shapes(params)
-        self.params = params
-        self.columns = model.columns(params)
-        self.format = fmt
-        self.tokens, self.stored_keys, self.stored_values = [], [], []
-
-    @property
-    def keys(self):
-        return [_unpack(self.format, stored) for stored in self.stored_keys]
-
-    @property
-    def values(self):
-        return [_unpack(self.format, stored) for stored in self.stored_values]
-
-    def __len__(self):
-        return len(self.stored_keys)
-
-    def extend(self, token_ids, keys, values):
-        stored_keys = [_pack(self.format, k) for k in keys]   # all packed before any is kept
-        stored_values = [_pack(self.format, v) for v in values]
-        self.tokens += token_ids
-        self.stored_keys += stored_keys
-        self.stored_values += stored_values
-
-    def copy(self):
-        fork = copy.copy(self)
-        fork.tokens, fork.stored_keys, fork.stored_values = (
-            self.tokens[:], self.stored_keys[:], self.stored_values[:])
-        return fork
-
-    def _forget_from(self, length):
-        del self.tokens[length:], self.stored_keys[length:], self.stored_values[length:]
-
-    def bytes_per_position(self):
-        """The bytes its keys and values take per position: numbers and scales, measured."""
-        stored = self.stored_keys + self.stored_values
-        return sum(map(_stored_bytes, stored)) / len(self)
+    def next_logits(ids):
+        # The whole prompt on the first call (prefill), then only the token chosen last
+        # (decode).
+        if one_pass:
+            return prefill_in_chunks(params, cache, ids, model.CONTEXT)[-1]
+        return feed(params, cache, ids)[-1]
+    try:
+        return generate.generate_with(next_logits, tok, ids, max_new_tokens, temperature,
+                                      top_k, seed)
+    finally:
+        cache.free()   # the copy is this call's own
 
 
-class WindowCache(KVCache):
-    """A cache of fixed size that keeps the first sinks positions and the last window
-    ones, as Mistral's rotating cache and StreamingLLM's attention sinks do; position i
-    then attends to those only (model.band is the same mask on the full pass). Feed it
-    one token at a time: each new position has a window of its own."""
+def _fork_for_prompt(params, cache, ids, tok):
+    """A copy of cache to continue the prompt ids from, after checking that the cache
+    belongs to params and holds a prefix of ids."""
+    _check_owner(cache, params)
+    if len(cache.tokens) != len(cache):
+        raise ValueError(f"the cache holds {len(cache)} keys but {len(cache.tokens)} tokens: "
+                         f"its lists were changed by hand; start a new cache")
+    for position, (held, wanted) in enumerate(zip(cache.tokens, ids)):
+        if held != wanted:
+            raise ValueError(f"the cache is not a prefix of the prompt: at position {position} "
+                             f"it holds {tok.vocab[held]!r}, the prompt has {tok.vocab[wanted]!r}")
+    if len(cache) > len(ids):
+        raise ValueError(f"the cache holds {len(cache)} tokens, more than the prompt's "
+                         f"{len(ids)}; crop it to a prefix of the prompt first")
+    fork = cache.copy()
+    if len(fork) == len(ids):
+        # The scores for the first new token come from the last prompt position's row,
+        # which the cache does not keep: forget that position and feed it again.
+        fork.crop(len(ids) - 1)
+    return fork
 
-    keeps_every_position = False
 
-    def __init__(self, params, window, sinks=0):
-        model.band(window, sinks)   # refuses a bad window or sinks
-        model.check_shapes(params)
-        self.params = params
-        self.columns = model.columns(params)
-        self.window, self.sinks = window, sinks
-        self.tokens = []                         # every token fed, one per position
-        self.sink_keys, self.sink_values = [], []
-        self.ring_keys, self.ring_values = [None] * window, [None] * window
+# ---- Part 2 of the lesson: what servers do with the cache ----------------------
 
-    def __len__(self):
-        return len(self.tokens)
 
-    def _kept(self):
-        """The positions it holds: the sinks, then the last window positions."""
-        return model.band(self.window, self.sinks)(len(self) - 1) if len(self) else []
+def prefill(params, cache, token_ids, start):
+    """Next-token logits for each of token_ids, at positions start, start + 1, ..., in one
+    pass, as servers prefill a prompt: every new position's key and value join the cache
+    first, then new position i attends to positions 0..i (the causal mask, offset by the
+    start). start must be the number of positions the cache holds."""
+    _check_owner(cache, params)
+    if isinstance(start, bool) or not isinstance(start, int) or start != len(cache):
+        raise ValueError(f"expected start {len(cache)}, got {start!r}: the cache holds "
+                         f"{len(cache)} positions, so new tokens start at position "
+                         f"{len(cache)} (an int)")
+    if not isinstance(token_ids, (list, tuple)) or not token_ids:
+        raise ValueError(f"token_ids must be a non-empty list of token IDs, got {token_ids!r}")
+    if start + len(token_ids) > model.CONTEXT:
+        raise ValueError(f"positions {start} to {start + len(token_ids) - 1} go beyond the "
+                         f"{model.CONTEXT} positions of the model's table")
+    for index, token_id in enumerate(token_ids):
+        model.check_token_id(token_id, f"token_ids[{index}] =")
+    if not cache.keeps_every_position:
+        raise ValueError(f"prefill needs a cache that keeps every position, and a "
+                         f"{type(cache).__name__} drops some; feed it one token at a time")
+    cols = cache.columns
+    x0_and_q, new_keys, new_values = [], [], []
+    for i, t in enumerate(token_ids, start):
+        x0 = add(params["tok_emb"][t], params["pos_emb"][i])
+        h1 = layernorm(x0, params["ln1_g"], params["ln1_b"])
+        q, k, v = row(h1, cols["Wq"]), row(h1, cols["Wk"]), row(h1, cols["Wv"])
+        x0_and_q.append((x0, q))
+        new_keys.append(k)
+        new_values.append(v)
+    cache.extend(list(token_ids), new_keys, new_values)   # all of them, before attention
+    held_keys, held_values = cache.keys, cache.values
+    logits = []
+    for i, (x0, q) in enumerate(x0_and_q, start):
+        keys, values = held_keys[:i + 1], held_values[:i + 1]   # positions 0..i only
+        scores = [dot(q, k_j) * SCALE for k_j in keys]
+        weights = softmax_row(scores)
+        mixed = [dot(weights, column) for column in zip(*values)]
+        x1 = add(x0, row(mixed, cols["Wo"]))
+        h2 = layernorm(x1, params["ln2_g"], params["ln2_b"])
+        a = relu(add(row(h2, cols["W1"]), params["b1"]))
+        x2 = add(x1, add(row(a, cols["W2"]), params["b2"]))   # the MLP output plus its bias first
+        hf = layernorm(x2, params["lnf_g"], params["lnf_b"])
+        logits.append(add(row(hf, cols["W_out"]), params["b_out"]))
+    return logits
 
-    def _slot(self, position):
-        return (position - self.sinks) % self.window
 
-    @property
-    def keys(self):
-        return [self.sink_keys[p] if p < self.sinks else self.ring_keys[self._slot(p)]
-                for p in self._kept()]
-
-    @property
-    def values(self):
-        return [self.sink_values[p] if p < self.sinks else self.ring_values[self._slot(p)]
-                for p in self._kept()]
-
-    def extend(self, token_ids, keys, values):
-        for token_id, k, v in zip(token_ids, keys, values):
-            position = len(self)
-            if position < self.sinks:
-                self.sink_keys.append(k)
-                self.sink_values.append(v)
-            else:
-                self.ring_keys[self._slot(position)] = k
-                self.ring_values[self._slot(position)] = v
-            self.tokens.append(token_id)
-
-    def copy(self):
-        fork = copy.copy(self)
-        for name in ("tokens", "sink_keys", "sink_values", "ring_keys", "ring_values"):
-            setattr(fork, name, getattr(self, name)[:])
-        return fork
-
-    def crop(self, length):
-        """Forget every position from length on; refused where the window has already
-        dropped a position that length would need."""
-        held = len(self)
-        if isinstance(length, int) and not isinstance(length, bool) and length < held \
-                and held > self.sinks + self.window and length > self.sinks:
-            raise ValueError(f"crop length must be {held}, or at most {self.sinks} (the "
-                             f"sinks): the window has dropped positions {self.sinks} to "
-                             f"{held - self.window - 1} that a shorter sequence would attend "
-                             f"to, got {length!r}")
-        super().crop(length)
-
-    def _forget_from(self, length):
-        del self.tokens[length:], self.sink_keys[length:], self.sink_values[length:]
+def prefill_in_chunks(params, cache, ids, size):
+    """Feed the tokens of ids that the cache does not hold yet, size at a time, one
+    prefill call per chunk (servers call it chunked prefill); their rows of logits."""
+    start = len(cache)
+    return [logits for first in range(start, len(ids), size)
+            for logits in prefill(params, cache, ids[first:first + size], first)]
 
 
 class BlockPool:
@@ -392,170 +404,161 @@ class PagedSequence(KVCache):
         self.freed = True
 
 
-def _check_owner(cache, params):
-    """A cache belongs to the very params object it was made for (a copy is another model)."""
-    if not isinstance(cache, KVCache):
-        raise ValueError(f"cache must be a KVCache, got {type(cache).__name__}; "
-                         f"start one with KVCache(params)")
-    if cache.params is not params:
-        raise ValueError("this cache was made for different parameters; "
-                         "start a new cache with KVCache(params)")
+FORMATS = ("float64", "float32", "float16", "int8", "int4")
 
 
-def forward_step(params, cache, token_id, position):
-    """Next-token logits for token_id at position, the next one after the cache's;
-    appends this position's key and value to the cache.
-
-    The row is model.forward's, line for line; only the keys and values differ in where
-    they come from: here, the cache."""
-    _check_owner(cache, params)
-    if isinstance(position, bool) or not isinstance(position, int) or position != len(cache):
-        raise ValueError(f"expected position {len(cache)}, got {position!r}: the cache holds "
-                         f"{len(cache)} positions, so the next token goes at position "
-                         f"{len(cache)} (an int); for a new sequence, start a new cache")
-    if position >= model.CONTEXT:
-        raise ValueError(f"position {position} is beyond the {model.CONTEXT} positions "
-                         f"of the model's table")
-    model.check_token_id(token_id)
-    cols = cache.columns
-    x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])
-    h1 = layernorm(x0, params["ln1_g"], params["ln1_b"])
-    q, k, v = row(h1, cols["Wq"]), row(h1, cols["Wk"]), row(h1, cols["Wv"])
-    cache.append(token_id, k, v)        # before attention: a position attends to itself too
-    keys, values = cache.keys, cache.values      # positions 0..position, from the cache
-    scores = [dot(q, k_j) * SCALE for k_j in keys]
-    weights = softmax_row(scores)
-    mixed = [dot(weights, column) for column in zip(*values)]
-    x1 = add(x0, row(mixed, cols["Wo"]))
-    h2 = layernorm(x1, params["ln2_g"], params["ln2_b"])
-    a = relu(add(row(h2, cols["W1"]), params["b1"]))
-    x2 = add(x1, add(row(a, cols["W2"]), params["b2"]))   # the MLP output plus its bias first
-    hf = layernorm(x2, params["lnf_g"], params["lnf_b"])
-    return add(row(hf, cols["W_out"]), params["b_out"])
+def _pack(fmt, vector):
+    """One key or value as fmt stores it: a tuple of arrays or bytes (for int8 and int4,
+    the levels and their scale)."""
+    if fmt in ("float64", "float32"):
+        return (array("d" if fmt == "float64" else "f", vector),)
+    if fmt == "float16":
+        return (struct.pack(f"<{len(vector)}e", *vector),)
+    top = 127 if fmt == "int8" else 7
+    scale = array("f", [max(map(abs, vector)) / top])   # kept as a 32-bit float
+    levels = [max(-top, min(top, round(x / scale[0]))) if scale[0] else 0 for x in vector]
+    if fmt == "int8":
+        return (array("b", levels), scale)
+    return (bytes((low + 8) | (high + 8) << 4 for low, high in zip(levels[::2], levels[1::2])),
+            scale)
 
 
-def prefill(params, cache, token_ids, start):
-    """Next-token logits for each of token_ids, at positions start, start + 1, ..., in one
-    pass, as servers prefill a prompt: every new position's key and value join the cache
-    first, then new position i attends to positions 0..i (the causal mask, offset by the
-    start). start must be the number of positions the cache holds."""
-    _check_owner(cache, params)
-    if isinstance(start, bool) or not isinstance(start, int) or start != len(cache):
-        raise ValueError(f"expected start {len(cache)}, got {start!r}: the cache holds "
-                         f"{len(cache)} positions, so new tokens start at position "
-                         f"{len(cache)} (an int)")
-    if not isinstance(token_ids, (list, tuple)) or not token_ids:
-        raise ValueError(f"token_ids must be a non-empty list of token IDs, got {token_ids!r}")
-    if start + len(token_ids) > model.CONTEXT:
-        raise ValueError(f"positions {start} to {start + len(token_ids) - 1} go beyond the "
-                         f"{model.CONTEXT} positions of the model's table")
-    for index, token_id in enumerate(token_ids):
-        model.check_token_id(token_id, f"token_ids[{index}] =")
-    if not cache.keeps_every_position:
-        raise ValueError(f"prefill needs a cache that keeps every position, and a "
-                         f"{type(cache).__name__} drops some; feed it one token at a time")
-    cols = cache.columns
-    x0_and_q, new_keys, new_values = [], [], []
-    for i, t in enumerate(token_ids, start):
-        x0 = add(params["tok_emb"][t], params["pos_emb"][i])
-        h1 = layernorm(x0, params["ln1_g"], params["ln1_b"])
-        q, k, v = row(h1, cols["Wq"]), row(h1, cols["Wk"]), row(h1, cols["Wv"])
-        x0_and_q.append((x0, q))
-        new_keys.append(k)
-        new_values.append(v)
-    cache.extend(list(token_ids), new_keys, new_values)   # all of them, before attention
-    held_keys, held_values = cache.keys, cache.values
-    logits = []
-    for i, (x0, q) in enumerate(x0_and_q, start):
-        keys, values = held_keys[:i + 1], held_values[:i + 1]   # positions 0..i only
-        scores = [dot(q, k_j) * SCALE for k_j in keys]
-        weights = softmax_row(scores)
-        mixed = [dot(weights, column) for column in zip(*values)]
-        x1 = add(x0, row(mixed, cols["Wo"]))
-        h2 = layernorm(x1, params["ln2_g"], params["ln2_b"])
-        a = relu(add(row(h2, cols["W1"]), params["b1"]))
-        x2 = add(x1, add(row(a, cols["W2"]), params["b2"]))   # the MLP output plus its bias first
-        hf = layernorm(x2, params["lnf_g"], params["lnf_b"])
-        logits.append(add(row(hf, cols["W_out"]), params["b_out"]))
-    return logits
+def _unpack(fmt, stored):
+    """The floats a stored key or value stands for."""
+    if fmt in ("float64", "float32"):
+        return list(stored[0])
+    if fmt == "float16":
+        return list(struct.unpack(f"<{len(stored[0]) // 2}e", stored[0]))
+    data, scale = stored
+    if fmt == "int8":
+        return [level * scale[0] for level in data]
+    return [((byte >> shift & 15) - 8) * scale[0] for byte in data for shift in (0, 4)]
 
 
-def feed(params, cache, ids):
-    """Feed the tokens of ids that the cache does not hold yet, one forward_step each
-    (positions len(cache) to len(ids) - 1); their rows of logits, in order."""
-    return [forward_step(params, cache, ids[position], position)
-            for position in range(len(cache), len(ids))]
+def _stored_bytes(stored):
+    return sum(len(part) * getattr(part, "itemsize", 1) for part in stored)
 
 
-def prefill_in_chunks(params, cache, ids, size):
-    """Feed the tokens of ids that the cache does not hold yet, size at a time, one
-    prefill call per chunk (servers call it chunked prefill); their rows of logits."""
-    start = len(cache)
-    return [logits for first in range(start, len(ids), size)
-            for logits in prefill(params, cache, ids[first:first + size], first)]
+class QuantizedCache(KVCache):
+    """A cache that stores each key and value compactly, in one of FORMATS, and turns
+    them back into floats when attention reads them: float64 and float32 in arrays,
+    float16 as IEEE half floats (struct's "e"), int8 and int4 as integer levels with one
+    32-bit scale per key or value. The scale maps the largest magnitude to the top level
+    (127 or 7); every number goes to the nearest level, ties to the even one, as Python's
+    round does on every machine."""
+
+    def __init__(self, params, fmt):
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown cache format {fmt!r}; the formats are "
+                             f"{', '.join(FORMATS)}")
+        model.check_shapes(params)
+        self.params = params
+        self.columns = model.columns(params)
+        self.format = fmt
+        self.tokens, self.stored_keys, self.stored_values = [], [], []
+
+    @property
+    def keys(self):
+        return [_unpack(self.format, stored) for stored in self.stored_keys]
+
+    @property
+    def values(self):
+        return [_unpack(self.format, stored) for stored in self.stored_values]
+
+    def __len__(self):
+        return len(self.stored_keys)
+
+    def extend(self, token_ids, keys, values):
+        stored_keys = [_pack(self.format, k) for k in keys]   # all packed before any is kept
+        stored_values = [_pack(self.format, v) for v in values]
+        self.tokens += token_ids
+        self.stored_keys += stored_keys
+        self.stored_values += stored_values
+
+    def copy(self):
+        fork = copy.copy(self)
+        fork.tokens, fork.stored_keys, fork.stored_values = (
+            self.tokens[:], self.stored_keys[:], self.stored_values[:])
+        return fork
+
+    def _forget_from(self, length):
+        del self.tokens[length:], self.stored_keys[length:], self.stored_values[length:]
+
+    def bytes_per_position(self):
+        """The bytes its keys and values take per position: numbers and scales, measured."""
+        stored = self.stored_keys + self.stored_values
+        return sum(map(_stored_bytes, stored)) / len(self)
 
 
-def work(prompt_tokens, generated_tokens):
-    """Rows and attention scores each generator computes for a prompt of prompt_tokens
-    tokens and generated_tokens chosen tokens (one model call per chosen token)."""
-    for name, value in (("prompt_tokens", prompt_tokens), ("generated_tokens", generated_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-    # Without the cache, call s runs the model on all n = prompt_tokens + s tokens in hand.
-    calls = range(prompt_tokens, prompt_tokens + generated_tokens)
-    # With it, every position is fed once, except the last chosen token (never fed back).
-    fed = prompt_tokens + generated_tokens - 1 if generated_tokens else 0
-    return {
-        "uncached_rows": sum(calls),
-        "cached_rows": fed,
-        "uncached_scores": sum(n * (n + 1) // 2 for n in calls),   # row i has i + 1 scores
-        "cached_scores": fed * (fed + 1) // 2,
-    }
+class WindowCache(KVCache):
+    """A cache of fixed size that keeps the first sinks positions and the last window
+    ones, as Mistral's rotating cache and StreamingLLM's attention sinks do; position i
+    then attends to those only (model.band is the same mask on the full pass). Feed it
+    one token at a time: each new position has a window of its own."""
 
+    keeps_every_position = False
 
-def generate_cached(params, tok, prompt, max_new_tokens=60, temperature=0.0, top_k=None,
-                    seed=0, cache=None, one_pass=False):
-    """Same arguments and result as generate.generate, computing one new row per step.
-    Given a cache that holds the start of the prompt, starts from a copy of it. With
-    one_pass, the prompt is prefilled in one call of prefill instead of token by token."""
-    if cache is None:
-        cache = KVCache(params)
-    ids = generate.check_request(tok, prompt, max_new_tokens, temperature, top_k, seed)
-    cache = _fork_for_prompt(params, cache, ids, tok)
+    def __init__(self, params, window, sinks=0):
+        model.band(window, sinks)   # refuses a bad window or sinks
+        model.check_shapes(params)
+        self.params = params
+        self.columns = model.columns(params)
+        self.window, self.sinks = window, sinks
+        self.tokens = []                         # every token fed, one per position
+        self.sink_keys, self.sink_values = [], []
+        self.ring_keys, self.ring_values = [None] * window, [None] * window
 
-    def next_logits(ids):
-        # The whole prompt on the first call (prefill), then only the token chosen last
-        # (decode).
-        if one_pass:
-            return prefill_in_chunks(params, cache, ids, model.CONTEXT)[-1]
-        return feed(params, cache, ids)[-1]
-    try:
-        return generate.generate_with(next_logits, tok, ids, max_new_tokens, temperature,
-                                      top_k, seed)
-    finally:
-        cache.free()   # the copy is this call's own
+    def __len__(self):
+        return len(self.tokens)
 
+    def _kept(self):
+        """The positions it holds: the sinks, then the last window positions."""
+        return model.band(self.window, self.sinks)(len(self) - 1) if len(self) else []
 
-def _fork_for_prompt(params, cache, ids, tok):
-    """A copy of cache to continue the prompt ids from, after checking that the cache
-    belongs to params and holds a prefix of ids."""
-    _check_owner(cache, params)
-    if len(cache.tokens) != len(cache):
-        raise ValueError(f"the cache holds {len(cache)} keys but {len(cache.tokens)} tokens: "
-                         f"its lists were changed by hand; start a new cache")
-    for position, (held, wanted) in enumerate(zip(cache.tokens, ids)):
-        if held != wanted:
-            raise ValueError(f"the cache is not a prefix of the prompt: at position {position} "
-                             f"it holds {tok.vocab[held]!r}, the prompt has {tok.vocab[wanted]!r}")
-    if len(cache) > len(ids):
-        raise ValueError(f"the cache holds {len(cache)} tokens, more than the prompt's "
-                         f"{len(ids)}; crop it to a prefix of the prompt first")
-    fork = cache.copy()
-    if len(fork) == len(ids):
-        # The scores for the first new token come from the last prompt position's row,
-        # which the cache does not keep: forget that position and feed it again.
-        fork.crop(len(ids) - 1)
-    return fork
+    def _slot(self, position):
+        return (position - self.sinks) % self.window
+
+    @property
+    def keys(self):
+        return [self.sink_keys[p] if p < self.sinks else self.ring_keys[self._slot(p)]
+                for p in self._kept()]
+
+    @property
+    def values(self):
+        return [self.sink_values[p] if p < self.sinks else self.ring_values[self._slot(p)]
+                for p in self._kept()]
+
+    def extend(self, token_ids, keys, values):
+        for token_id, k, v in zip(token_ids, keys, values):
+            position = len(self)
+            if position < self.sinks:
+                self.sink_keys.append(k)
+                self.sink_values.append(v)
+            else:
+                self.ring_keys[self._slot(position)] = k
+                self.ring_values[self._slot(position)] = v
+            self.tokens.append(token_id)
+
+    def copy(self):
+        fork = copy.copy(self)
+        for name in ("tokens", "sink_keys", "sink_values", "ring_keys", "ring_values"):
+            setattr(fork, name, getattr(self, name)[:])
+        return fork
+
+    def crop(self, length):
+        """Forget every position from length on; refused where the window has already
+        dropped a position that length would need."""
+        held = len(self)
+        if isinstance(length, int) and not isinstance(length, bool) and length < held \
+                and held > self.sinks + self.window and length > self.sinks:
+            raise ValueError(f"crop length must be {held}, or at most {self.sinks} (the "
+                             f"sinks): the window has dropped positions {self.sinks} to "
+                             f"{held - self.window - 1} that a shorter sequence would attend "
+                             f"to, got {length!r}")
+        super().crop(length)
+
+    def _forget_from(self, length):
+        del self.tokens[length:], self.sink_keys[length:], self.sink_values[length:]
 
 
 def main(argv=None):
