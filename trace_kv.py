@@ -321,7 +321,7 @@ def run(full_timing=False, folder=LAB, progress=None):
 
     results, identical, every_row, total, seconds = compare_on_openings(
         params, tok, prompts, lambda done, total: progress("both generators", done, total))
-    progress("sums in another order, shared prefixes, one-pass prefill, blocks", 0, 1)
+    progress("the other experiments: reordered sums, shared prefixes, Part 2", 0, 1)
     greedy = results["greedy"]
     full, _ = model.forward(params, first_story)
     with sums_in_another_order():
@@ -355,7 +355,7 @@ def run(full_timing=False, folder=LAB, progress=None):
                          results["greedy_full_rows"]),
         "attention_to_position_0": attention_to_position_0(results["greedy_weights"]),
     }
-    progress("sums in another order, shared prefixes, one-pass prefill, blocks", 1, 1)
+    progress("the other experiments: reordered sums, shared prefixes, Part 2", 1, 1)
     timing = {
         "uncached_seconds": round(seconds["uncached"], 3),
         "cached_seconds": round(seconds["cached"], 3),
