@@ -9,6 +9,7 @@ new row, appends its key and value to the cache, and attends over the cache.
 """
 import argparse
 import copy
+import math
 import struct
 import sys
 import time
@@ -114,7 +115,16 @@ def feed(params, cache, ids):
     """Feed the tokens of ids that the cache does not hold yet, one forward_step each
     (positions len(cache) to len(ids) - 1); their rows of logits, in order."""
     return [forward_step(params, cache, ids[position], position)
-            for position in range(len(cache), len(ids))]
+            for position in range(_held_prefix(cache, ids), len(ids))]
+
+
+def _held_prefix(cache, ids):
+    """How many tokens of ids the cache holds, after checking they are the first ones."""
+    held = len(cache)
+    if list(cache.tokens) != list(ids[:held]):
+        raise ValueError(f"the cache holds {held} tokens that do not begin ids; feed a "
+                         f"cache only the sequence it holds (a new one needs a new cache)")
+    return held
 
 
 def work(prompt_tokens, generated_tokens):
@@ -176,7 +186,12 @@ def _fork_for_prompt(params, cache, ids, tok):
     if len(fork) == len(ids):
         # The scores for the first new token come from the last prompt position's row,
         # which the cache does not keep: forget that position and feed it again.
-        fork.crop(len(ids) - 1)
+        try:
+            fork.crop(len(ids) - 1)
+        except ValueError:
+            raise ValueError("the cache holds the whole prompt and cannot give its last "
+                             "position back (a window has dropped what it needs); pass a "
+                             "cache that holds less of the prompt") from None
     return fork
 
 
@@ -232,8 +247,9 @@ def prefill(params, cache, token_ids, start):
 def prefill_in_chunks(params, cache, ids, size):
     """Feed the tokens of ids that the cache does not hold yet, size at a time, one
     prefill call per chunk (servers call it chunked prefill); their rows of logits."""
-    start = len(cache)
-    return [logits for first in range(start, len(ids), size)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"chunk size must be an int >= 1, got {size!r}")
+    return [logits for first in range(_held_prefix(cache, ids), len(ids), size)
             for logits in prefill(params, cache, ids[first:first + size], first)]
 
 
@@ -274,8 +290,9 @@ class BlockPool:
             previous = block
         return seq
 
-    def _check_room(self, blocks):
-        if blocks > self.free_blocks():
+    def _check_room(self, blocks, freed=0):
+        """Refuse to go on if blocks more are needed than are free (or are about to be)."""
+        if blocks > self.free_blocks() + freed:
             raise ValueError(f"the pool is out of blocks: it has {len(self.blocks)} blocks of "
                              f"{self.block_size} positions, {self.free_blocks()} free, and "
                              f"{blocks} more are needed; free a sequence or make a larger pool")
@@ -291,9 +308,12 @@ class BlockPool:
         self.refs[block] -= 1
         if self.refs[block] == 0:
             self.blocks[block] = None
-            key = self.indexed_as.pop(block, None)
-            if key is not None:
-                del self.index[key]
+            self._unindex(block)
+
+    def _unindex(self, block):
+        key = self.indexed_as.pop(block, None)
+        if key is not None:
+            del self.index[key]
 
 
 class PagedSequence(KVCache):
@@ -345,7 +365,7 @@ class PagedSequence(KVCache):
         self._check_live()
         size = self.pool.block_size
         room = self._room_in_last_block()
-        self.pool._check_room(-(-max(0, len(token_ids) - room) // size))
+        self.pool._check_room(math.ceil(max(0, len(token_ids) - room) / size))
         for token_id, k, v in zip(token_ids, keys, values):
             if self._room_in_last_block() == 0:
                 self.table.append(self.pool._take())
@@ -375,26 +395,29 @@ class PagedSequence(KVCache):
         return fork
 
     def _forget_from(self, length):
-        """Return the blocks past length; a shared block that length cuts in two is
-        copied first (copy on write)."""
-        size = self.pool.block_size
-        keep, cut = divmod(length, size)
-        last = self.table[keep] if cut else None
-        shared = last is not None and self.pool.refs[last] > 1
-        self.pool._check_room(1 if shared else 0)
-        for block in self.table[keep + (1 if cut else 0):]:
+        """Return the blocks past length. The block that length cuts in two (if any)
+        keeps its first positions; if another table shares it, this sequence gets its own
+        copy of them instead (copy on write)."""
+        kept_blocks = math.ceil(length / self.pool.block_size)
+        dropped = self.table[kept_blocks:]
+        in_last_block = length - (kept_blocks - 1) * self.pool.block_size
+        cut = self.table[kept_blocks - 1] if length and in_last_block < len(
+            self.pool.blocks[self.table[kept_blocks - 1]][0]) else None
+        copy_needed = cut is not None and self.pool.refs[cut] > 1
+        freed = sum(self.pool.refs[block] == 1 for block in dropped)
+        self.pool._check_room(1 if copy_needed else 0, freed)
+        for block in dropped:
             self.pool._release(block)
-        self.table = self.table[:keep + (1 if cut else 0)]
-        if cut:
-            tokens, keys, values = (part[:cut] for part in self.pool.blocks[last])
-            if shared:
-                self.pool._release(last)
-                self.table[-1] = self.pool._take(tokens, keys, values)
-            else:
-                self.pool.blocks[last] = (tokens, keys, values)
-                key = self.pool.indexed_as.pop(last, None)
-                if key is not None:
-                    del self.pool.index[key]
+        self.table = self.table[:kept_blocks]
+        if cut is None:
+            return
+        tokens, keys, values = (part[:in_last_block] for part in self.pool.blocks[cut])
+        if copy_needed:
+            self.pool._release(cut)
+            self.table[-1] = self.pool._take(tokens, keys, values)
+        else:
+            self.pool.blocks[cut] = (tokens, keys, values)
+            self.pool._unindex(cut)   # no longer full
 
     def free(self):
         """End the sequence: its blocks go back to the pool unless another table holds them."""
@@ -413,14 +436,21 @@ def _pack(fmt, vector):
     if fmt in ("float64", "float32"):
         return (array("d" if fmt == "float64" else "f", vector),)
     if fmt == "float16":
-        return (struct.pack(f"<{len(vector)}e", *vector),)
+        try:
+            return (struct.pack(f"<{len(vector)}e", *vector),)
+        except OverflowError:
+            raise ValueError(f"a number of {vector} is beyond float16's largest, 65504; "
+                             f"use a wider format") from None
+    if fmt == "int4" and len(vector) % 2:
+        raise ValueError(f"int4 packs two numbers a byte, so a vector of {len(vector)} "
+                         f"cannot be stored")
     top = 127 if fmt == "int8" else 7
     scale = array("f", [max(map(abs, vector)) / top])   # kept as a 32-bit float
     levels = [max(-top, min(top, round(x / scale[0]))) if scale[0] else 0 for x in vector]
     if fmt == "int8":
         return (array("b", levels), scale)
-    return (bytes((low + 8) | (high + 8) << 4 for low, high in zip(levels[::2], levels[1::2])),
-            scale)
+    pairs = zip(levels[::2], levels[1::2])   # each level + 8 is 1..15: four bits
+    return (bytes((low + 8) | ((high + 8) << 4) for low, high in pairs), scale)
 
 
 def _unpack(fmt, stored):
@@ -432,7 +462,7 @@ def _unpack(fmt, stored):
     data, scale = stored
     if fmt == "int8":
         return [level * scale[0] for level in data]
-    return [((byte >> shift & 15) - 8) * scale[0] for byte in data for shift in (0, 4)]
+    return [(((byte >> shift) & 15) - 8) * scale[0] for byte in data for shift in (0, 4)]
 
 
 def _stored_bytes(stored):
@@ -486,15 +516,18 @@ class QuantizedCache(KVCache):
 
     def bytes_per_position(self):
         """The bytes its keys and values take per position: numbers and scales, measured."""
+        if not len(self):
+            raise ValueError("the cache holds no position yet")
         stored = self.stored_keys + self.stored_values
         return sum(map(_stored_bytes, stored)) / len(self)
 
 
 class WindowCache(KVCache):
-    """A cache of fixed size that keeps the first sinks positions and the last window
-    ones, as Mistral's rotating cache and StreamingLLM's attention sinks do; position i
-    then attends to those only (model.band is the same mask on the full pass). Feed it
-    one token at a time: each new position has a window of its own."""
+    """A cache that keeps the keys and values of the first sinks positions and of the
+    last window ones, in buffers of fixed size, as Mistral's rotating cache and
+    StreamingLLM's attention sinks do; position i then attends to those only (model.band
+    is the same mask on the full pass). It keeps every token ID, to check prefixes. Feed
+    it one token at a time: each new position has a window of its own."""
 
     keeps_every_position = False
 
@@ -552,9 +585,9 @@ class WindowCache(KVCache):
         if isinstance(length, int) and not isinstance(length, bool) and length < held \
                 and held > self.sinks + self.window and length > self.sinks:
             raise ValueError(f"crop length must be {held}, or at most {self.sinks} (the "
-                             f"sinks): the window has dropped positions {self.sinks} to "
-                             f"{held - self.window - 1} that a shorter sequence would attend "
-                             f"to, got {length!r}")
+                             f"sinks held), got {length!r}: the window has dropped positions "
+                             f"{self.sinks} to {held - self.window - 1}, which a shorter "
+                             f"sequence would attend to")
         super().crop(length)
 
     def _forget_from(self, length):

@@ -429,6 +429,17 @@ class OnePassPrefill(unittest.TestCase):
             result = generate_cached(PARAMS, TOK, OPENINGS[0], one_pass=True)
         self.assertEqual(calls, [len(TOK.encode(OPENINGS[0]))] + [1] * (len(result["steps"]) - 1))
 
+    def test_chunks_need_a_size_and_the_cache_s_own_sequence(self):
+        ids = TOK.encode(OPENINGS[0])
+        for size in (0, -1, 2.0, True, None):
+            with self.subTest(size=size), self.assertRaisesRegex(ValueError, "chunk size"):
+                kv_cache.prefill_in_chunks(PARAMS, KVCache(PARAMS), ids, size)
+        other = prefill(TOK.encode(OPENINGS[1])[:3])
+        for attempt in (lambda: kv_cache.prefill_in_chunks(PARAMS, other, ids, 4),
+                        lambda: feed(PARAMS, other, ids)):
+            with self.assertRaisesRegex(ValueError, "do not begin ids"):
+                attempt()
+
     def test_refusals_leave_the_cache_unchanged(self):
         ids = TOK.encode(OPENINGS[0])
         cache = prefill(ids)
@@ -556,6 +567,16 @@ class Paged(unittest.TestCase):
         self.assertIn(fragment, str(caught.exception))
         self.assertEqual(pool_snapshot(pool), before)
 
+    def test_crop_into_a_shared_block_of_a_full_pool_uses_the_block_it_frees(self):
+        pool = kv_cache.BlockPool(PARAMS, 2, 2)
+        first = pool.sequence()
+        feed(PARAMS, first, self.ids[:3])          # blocks of 2 and 1: the pool is full
+        second = pool.sequence(self.ids[:2])       # shares the first block
+        first.crop(1)                              # frees the second block, copies the first
+        self.assertEqual((first.tokens, second.tokens), (self.ids[:1], self.ids[:2]))
+        self.assertEqual(pool.refs, [1, 1])
+        assert_same_rows(self, feed(PARAMS, first, self.ids[:2]), cached_rows(PARAMS, self.ids[:2])[1:])
+
     def test_refusals_leave_the_pool_unchanged(self):
         pool = kv_cache.BlockPool(PARAMS, 3, 4)
         seq = pool.sequence()
@@ -675,6 +696,22 @@ class Lossy(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "keeps every position"):
             generate_cached(PARAMS, TOK, OPENINGS[0], one_pass=True,
                             cache=kv_cache.WindowCache(PARAMS, 8, 2))
+
+    def test_what_a_format_cannot_store_is_refused(self):
+        for fmt, vector, fragment in (("float16", [70000.0] + [0.0] * 15, "beyond float16"),
+                                      ("int4", [1.0, 2.0, 3.0], "cannot be stored")):
+            with self.subTest(fmt=fmt), self.assertRaisesRegex(ValueError, fragment):
+                kv_cache._pack(fmt, vector)
+        with self.assertRaisesRegex(ValueError, "no position yet"):
+            kv_cache.QuantizedCache(PARAMS, "int8").bytes_per_position()
+
+    def test_a_window_cache_holding_the_whole_prompt_says_so(self):
+        ids = TOK.encode(STORIES[0])
+        cache = kv_cache.WindowCache(PARAMS, 8)
+        feed(PARAMS, cache, ids)
+        with self.assertRaisesRegex(ValueError, "holds the whole prompt and cannot give its "
+                                                "last position back"):
+            generate_cached(PARAMS, TOK, TOK.decode(ids), cache=cache)
 
     def test_bad_formats_and_windows_are_refused(self):
         with self.assertRaisesRegex(ValueError, "unknown cache format 'int2'; the formats are "
