@@ -27,12 +27,15 @@ class KVCache:
     keeps_every_position = True   # what prefill's mask needs (a WindowCache drops some)
 
     def __init__(self, params):
-        model.check_shapes(params)
-        self.params = params
-        self.columns = model.columns(params)   # the weight matrices, ready for row()
+        self._belong_to(params)
         self.tokens = []                       # the token ID at each position
         self.keys = []                         # one key (WIDTH floats) per position
         self.values = []                       # one value (WIDTH floats) per position
+
+    def _belong_to(self, params):
+        model.check_shapes(params)
+        self.params = params
+        self.columns = model.columns(params)   # the weight matrices, ready for row()
 
     def __len__(self):
         return len(self.keys)
@@ -481,9 +484,7 @@ class QuantizedCache(KVCache):
         if fmt not in FORMATS:
             raise ValueError(f"unknown cache format {fmt!r}; the formats are "
                              f"{', '.join(FORMATS)}")
-        model.check_shapes(params)
-        self.params = params
-        self.columns = model.columns(params)
+        self._belong_to(params)
         self.format = fmt
         self.tokens, self.stored_keys, self.stored_values = [], [], []
 
@@ -533,9 +534,7 @@ class WindowCache(KVCache):
 
     def __init__(self, params, window, sinks=0):
         model.band(window, sinks)   # refuses a bad window or sinks
-        model.check_shapes(params)
-        self.params = params
-        self.columns = model.columns(params)
+        self._belong_to(params)
         self.window, self.sinks = window, sinks
         self.tokens = []                         # every token fed, one per position
         self.sink_keys, self.sink_values = [], []
