@@ -1045,6 +1045,12 @@ class RecordedFigures(unittest.TestCase):
             quoted.append(f"| {rung['cache']} | {'—' if size is None else f'{size:g}'} | "
                           f"{'all' if kept is None else kept} | {rung['largest_logit_gap']!r} | "
                           f"{rung['greedy_stories_changed']} | {rung['sampled_stories_changed']} |")
+        for kind in ("greedy", "sampled"):
+            q = r["story_quality"][kind]
+            quoted.append(f"{q['agreeing']} of {q['pronouns_referring_to_the_name']} "
+                          f"({q['agreeing_share']:.1%})")
+        quoted.append(f"| {r['story_quality']['greedy']['stories_of_corpus_words_only']} of 60 | "
+                      f"{r['story_quality']['sampled']['stories_of_corpus_words_only']} of 60 |")
         attention = r["attention_to_position_0"]
         quoted += [f"(of {r['ladder']['stories']})", f"**{attention['mean_weight']}**",
                    f"even share ({attention['even_share']})"]

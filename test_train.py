@@ -1,5 +1,6 @@
 """Tests of train.py: the split of corpus.txt, Adam lowering the loss, reproducibility by
-seed, the unigram baseline, and a whole (tiny) training run."""
+seed, the unigram baseline, a whole (tiny) training run, the scoring of stories against
+the corpus's rules (pronouns that agree with the name, corpus words), and interruptions."""
 import io
 import json
 import math
@@ -203,6 +204,87 @@ class TrainingRunTest(unittest.TestCase):
         self.assertEqual(best1, best2)
         self.assertIsNotNone(params_difference(first["params"], other["params"]))
 
+
+
+class StoryAgreementTest(unittest.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        cls.text = read("corpus.txt")
+        cls.rules = train.corpus_rules(cls.text)
+        cls.tiny = train.corpus_rules(
+            "mia found a shell. she took it home.\n"
+            "tom made a cake for his mom. she said thank you.\n"
+            "ana made a cup for her dad. he said thank you.\n"
+            "ana lost her hat. she found it.\n"
+            "it began to rain. tom ran home with his dog.\n"
+            "it began to rain. mia ran home with her cat.\n")
+
+    def score(self, story):
+        result = train.story_agreement(story, self.rules)
+        return result["pronouns"], result["agreeing"], result["unknown_words"]
+
+    def test_rules_come_from_the_corpus_text(self):
+        self.assertEqual(self.tiny["names"], {"mia": "she", "tom": "he", "ana": "she"})
+        self.assertEqual(self.tiny["people"], {"mom": "she", "dad": "he"})
+        self.assertIn("shell", self.tiny["words"])
+        self.assertIn("rain", self.tiny["words"])
+        self.assertNotIn("sister", self.tiny["words"])
+        self.assertNotIn(".", self.tiny["words"])
+
+    def test_the_corpus_genders_of_names_and_people(self):
+        names, people = self.rules["names"], self.rules["people"]
+        self.assertEqual((names["mia"], names["tom"], names["lily"], names["jack"]),
+                         ("she", "he", "she", "he"))
+        self.assertNotIn("it", names)   # "it began to rain ...": pronouns go both ways
+        self.assertNotIn("on", names)   # "on a windy day, ..."
+        self.assertEqual((people["sister"], people["friend"]), ("she", "he"))
+
+    def test_every_corpus_story_keeps_the_rules(self):
+        stories = self.text.splitlines(keepends=True)
+        pronouns, agreeing, corpus_word_stories = train.agreement_figures(stories, self.rules)
+        self.assertGreater(pronouns, 500)
+        self.assertEqual(agreeing, pronouns)
+        self.assertEqual(corpus_word_stories, len(stories))
+
+    def test_right_stories_agree(self):
+        self.assertEqual(self.score("mia was tired. she went to bed with her cat.\n"),
+                         (2, 2, []))
+        self.assertEqual(self.score("tom was sad. emma gave him a hug, and he smiled.\n"),
+                         (2, 2, []))
+
+    def test_wrong_pronouns_are_counted(self):
+        self.assertEqual(self.score("ana went to the shop. he saw a cake there.\n"), (1, 0, []))
+        self.assertEqual(self.score("emma was sad. lily gave her a hug, and he smiled.\n"),
+                         (2, 1, []))
+        self.assertEqual(self.score("jack was tired. she went to bed with his dog.\n"),
+                         (2, 1, []))
+
+    def test_a_pronoun_after_a_person_word_is_that_persons(self):
+        self.assertEqual(self.score("jack made a picture for his sister. she said thank "
+                                    "you.\n"), (0, 0, []))
+        self.assertEqual(self.score("zoe made a cake for her dad. he said thank you to "
+                                    "her.\n"), (1, 1, []))
+
+    def test_without_a_name_first_no_pronoun_refers_to_it(self):
+        result = train.story_agreement("it began to rain at the hill. mia ran home with his "
+                                       "fish.\n", self.rules)
+        self.assertEqual(result, {"name": None, "pronouns": 0, "agreeing": 0,
+                                  "unknown_words": []})
+
+    def test_only_the_continuation_is_scored(self):
+        self.assertEqual(self.score("leo lost her red ball. he found it under the bed.\n"),
+                         (1, 1, []))
+        self.assertEqual(self.score("mia zorp. she found it.\n"), (1, 1, []))
+
+    def test_words_the_corpus_never_uses_are_listed(self):
+        self.assertEqual(self.score("lily lost her red drum. he found it the ble.\n"),
+                         (1, 0, ["ble"]))
+        self.assertEqual(self.score("tom was tired. he went to bed bed wi.\n"), (1, 1, ["wi"]))
+        self.assertEqual(train.agreement_figures(
+            ["lily lost her red drum. he found it the ble.\n",
+             "tom was tired. he went to bed with his fish.\n",
+             "mia was sad. tom gave her a hug, and she smiled.\n"], self.rules), (5, 4, 2))
 
 
 class InterruptedTraining(unittest.TestCase):

@@ -28,7 +28,7 @@ from checkpoint import LAB, add_folder_flag, run_command, write_atomically
 from generate import generate, load_trained
 from kv_cache import (FORMATS, BlockPool, KVCache, QuantizedCache, WindowCache, feed,
                       generate_cached, prefill_in_chunks, work)
-from train import split_stories
+from train import agreement_figures, corpus_rules, split_stories
 
 TRACE, TIMES = "kv-trace.json", "kv-time.json"
 LENGTHS = (8, 16, 32, 64)
@@ -247,6 +247,21 @@ def attention_to_position_0(weights):
             "even_share": round(fsum(1 / len(row) for row in later) / len(later), 4)}
 
 
+def story_quality(corpus, results):
+    """How well the greedy and the sampled stories keep the corpus's rules
+    (train.story_agreement): pronouns that refer to the opening's name and agree with its
+    gender, and stories whose continuation uses only words of the corpus."""
+    rules = corpus_rules(corpus)
+    quality = {}
+    for kind in ("greedy", "sampled"):
+        pronouns, agreeing, corpus_words = agreement_figures(
+            [r["text"] for r in results[kind]], rules)
+        quality[kind] = {"pronouns_referring_to_the_name": pronouns, "agreeing": agreeing,
+                         "agreeing_share": round(agreeing / pronouns, 4),
+                         "stories_of_corpus_words_only": corpus_words}
+    return quality
+
+
 def never_ending(params, tok):
     """A copy of params whose newline score is so low that no story ever ends."""
     changed = dict(params, b_out=list(params["b_out"]))
@@ -318,7 +333,8 @@ def run(full_timing=False, folder=LAB, progress=None):
     progress = progress or (lambda stage, done, total: None)
     params, tok = load_trained(folder)
     with open(os.path.join(folder, "corpus.txt"), encoding="utf-8") as f:
-        _, _, test = split_stories(f.read())
+        corpus = f.read()
+    _, _, test = split_stories(corpus)
     prompts = openings(test)
     first_story = tok.encode(test[0])
     full_context = [t for story in test for t in tok.encode(story)][:model.CONTEXT]
@@ -348,6 +364,7 @@ def run(full_timing=False, folder=LAB, progress=None):
         "cache_floats_per_position": 2 * model.WIDTH,
         "cache_floats_full_context": 2 * model.WIDTH * model.CONTEXT,
         "greedy_examples": [r["text"] for r in greedy[:3]],
+        "story_quality": story_quality(corpus, results),
         "prefix_sharing": share_prefixes(params, tok, prompts, greedy, results["sampled"]),
         "cost_by_length": [{"positions": length, **work(1, length - 1)} for length in LENGTHS],
         "sums_in_another_order": {"largest_logit_gap_first_story": largest_gap(full, reordered),

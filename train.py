@@ -13,6 +13,7 @@ import copy
 import math
 import os
 import random
+import re
 import sys
 import time
 
@@ -43,6 +44,87 @@ def split_stories(text):
     val_end = test_end + CONFIG["val_stories"]
     parts = order[val_end:], order[test_end:val_end], order[:test_end]
     return tuple([stories[i] for i in sorted(part)] for part in parts)
+
+
+PRONOUNS = {"he": "he", "him": "he", "his": "he", "she": "she", "her": "she"}
+
+
+def _words(text):
+    """The words and periods of text, each with where it starts: [(start, token)]."""
+    return [(m.start(), m.group()) for m in re.finditer(r"[a-z]+|\.", text)]
+
+
+def corpus_rules(text):
+    """What story_agreement checks a story against, all read from the corpus text:
+
+    - "names": each name and its gender ("he" or "she"): a name is a word that opens
+      stories, and the first he/she/his/her/him after it has the same gender in every
+      story it opens ("it" and "on" open stories whose pronouns go both ways);
+    - "people": the other words a he/she can stand for, with their gender: w is one when
+      the corpus says "his w. she" or "her w. he" (sister, brother, mom, dad, nan, friend);
+    - "words": every word of the corpus.
+    """
+    stories = text.splitlines()
+    seen = {"names": {}, "people": {}}
+    for story in stories:
+        words = [w for _, w in _words(story)]
+        first = next((PRONOUNS[w] for w in words[1:] if w in PRONOUNS), None)
+        if first:
+            seen["names"].setdefault(words[0], set()).add(first)
+        for owner, noun, stop, pronoun in zip(words, words[1:], words[2:], words[3:]):
+            if (stop == "." and pronoun in ("he", "she") and owner in ("his", "her")
+                    and PRONOUNS[owner] != pronoun):
+                seen["people"].setdefault(noun, set()).add(pronoun)
+    rules = {kind: {w: g.pop() for w, g in found.items() if len(g) == 1}
+             for kind, found in seen.items()}
+    rules["words"] = {w for _, w in _words(text) if w != "."}
+    return rules
+
+
+def story_agreement(story, rules):
+    """Score a story's continuation (the text after its opening, the first sentence)
+    against the corpus's rules (from corpus_rules):
+
+    - a he, she, his, her or him in the continuation refers to the name when the story's
+      first word is a name, except a he or she that opens a sentence right after one
+      ending in a person word ("his sister. she"): that one refers to the person. So in
+      "jack made a picture for his sister. she said thank you." the she is not jack's,
+      and a story that does not open with a name ("it began to rain at the hill. mia
+      ran home with her fish.") has no pronoun referring to it;
+    - a pronoun referring to the name agrees when it has the name's gender;
+    - every word of the continuation should be a word of the corpus.
+
+    Returns {"name", "pronouns" (how many refer to the name), "agreeing",
+    "unknown_words" (the continuation's words the corpus never uses, in order)}.
+    """
+    tokens = _words(story)
+    opening_end = story.find(". ")
+    start = len(story) if opening_end < 0 else opening_end + 1
+    name = tokens[0][1] if tokens and tokens[0][1] in rules["names"] else None
+    pronouns = agreeing = 0
+    unknown = []
+    for index, (position, word) in enumerate(tokens):
+        if position < start or word == ".":
+            continue
+        if word not in rules["words"]:
+            unknown.append(word)
+        if name is None or word not in PRONOUNS:
+            continue
+        after_person = (word in ("he", "she") and index >= 2 and tokens[index - 1][1] == "."
+                        and tokens[index - 2][1] in rules["people"])
+        if not after_person:
+            pronouns += 1
+            agreeing += PRONOUNS[word] == rules["names"][name]
+    return {"name": name, "pronouns": pronouns, "agreeing": agreeing,
+            "unknown_words": unknown}
+
+
+def agreement_figures(stories, rules):
+    """Over several stories: (pronouns referring to the name, how many agree, how many
+    stories have only corpus words in their continuation)."""
+    scores = [story_agreement(story, rules) for story in stories]
+    return (sum(s["pronouns"] for s in scores), sum(s["agreeing"] for s in scores),
+            sum(not s["unknown_words"] for s in scores))
 
 
 def mean_loss(params, sequences):
