@@ -9,7 +9,6 @@ A prompt is lowercase letters, spaces, commas and periods: the stories' alphabet
 """
 import argparse
 import math
-import os
 import random
 import sys
 
