@@ -368,6 +368,13 @@ class CommandLineTest(unittest.TestCase):
         self.assertIn("epoch  1/1", printed.getvalue())
         self.assertIn(f"wrote {out}", printed.getvalue())
 
+    def test_a_short_run_needs_a_file_of_its_own(self):
+        done = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), "--epochs", "2"],
+                              capture_output=True, text=True, timeout=60)
+        self.assertEqual(done.returncode, 2)
+        self.assertIn("--epochs 2 needs --out", done.stderr)
+        self.assertNotIn("Traceback", done.stderr)
+
     def test_epochs_must_be_a_positive_int(self):
         for bad in ("0", "-1", "2.5", "two"):
             with self.subTest(epochs=bad):

@@ -263,10 +263,13 @@ def main(argv=None):
                         help=f"passes over the training stories (default {CONFIG['epochs']}; "
                              f"each takes about 35 s)")
     parser.add_argument("--out", help="where to write the checkpoint (default: best.json in "
-                                      "the lab's folder); a run with other --epochs cannot "
-                                      "replace the shipped model, so give it its own file")
+                                      "the lab's folder); a run with other --epochs needs "
+                                      "a file of its own")
     checkpoint.add_folder_flag(parser)
     args = parser.parse_args(argv)
+    if args.epochs != CONFIG["epochs"] and args.out is None:
+        parser.error(f"--epochs {args.epochs} needs --out: a run of other epochs must not "
+                     f"replace best.json, the model the lab runs on")
     out = args.out or os.path.join(args.folder, "best.json")
     try:
         tok = Tokenizer.load(checkpoint.lab_file(args.folder, "tokenizer.json"))
