@@ -227,7 +227,7 @@ class RandomModels(unittest.TestCase):
             params, prompt, settings, label = self.case(index)
             with self.subTest(**label):
                 result = kv_cache.generate_cached(params, TOK, prompt, **settings)
-                ids = TOK.encode(prompt) + [TOK.ids[step["token"]] for step in result["steps"]]
+                ids = trace_kv.story_ids(TOK, prompt, result)
                 compared += 1
                 longest = max(longest, len(ids))
                 assert_every_row_equal(self, params, ids)
@@ -1073,14 +1073,14 @@ class RecordedFigures(unittest.TestCase):
         stories = []
         for prompt in OPENINGS[:5]:
             result = generate_cached(PARAMS, TOK, prompt)
-            stories.append((TOK.encode(prompt) + [TOK.ids[s["token"]] for s in result["steps"]])[:-1])
+            stories.append(trace_kv.story_ids(TOK, prompt, result)[:-1])
         for size in trace_kv.BLOCK_SIZES:
             pool = kv_cache.BlockPool(PARAMS, 5 * model.CONTEXT, size)
             for ids in stories:
                 feed(PARAMS, pool.sequence(), ids)
             with self.subTest(block_size=size):
                 self.assertEqual((5 * model.CONTEXT - pool.free_blocks()) * size,
-                                 sum(-(-len(ids) // size) * size for ids in stories))
+                                 sum(math.ceil(len(ids) / size) * size for ids in stories))
 
     def test_prefix_sharing_saves_the_recorded_rows(self):
         sharing = self.record["prefix_sharing"]

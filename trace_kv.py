@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import functools
 import json
+import math
 import os
 import platform
 import sys
@@ -42,6 +43,12 @@ LADDER_STORIES = 15               # the ladder's share of the openings, to stay 
 def openings(stories):
     """Each story's first sentence: the prompt the generators continue."""
     return [story.split(". ")[0] + "." for story in stories]
+
+
+def story_ids(tok, prompt, result):
+    """The token IDs of a generated story: the prompt's, then each chosen token's (the
+    text itself may encode differently: BPE can merge across what was chosen)."""
+    return tok.encode(prompt) + [tok.ids[step["token"]] for step in result["steps"]]
 
 
 def largest_gap(rows, other_rows):
@@ -176,9 +183,10 @@ def paged(params, tok, prompts, greedy):
     context per story (a static cache), or whole blocks; then the openings prefilled into
     one pool of blocks of 4, sharing the full blocks of common prefixes, each continued
     greedily from its sequence."""
-    held = [len(tok.encode(p)) + len(r["steps"]) - 1 for p, r in zip(prompts, greedy)]
+    # A story's cache holds every position but the last chosen token, never fed back.
+    held = [len(story_ids(tok, p, r)) - 1 for p, r in zip(prompts, greedy)]
     reserved = {"static, 64 per story": model.CONTEXT * len(held)}
-    reserved.update({f"blocks of {size}": sum(-(-n // size) * size for n in held)
+    reserved.update({f"blocks of {size}": sum(math.ceil(n / size) * size for n in held)
                      for size in BLOCK_SIZES})
     pool = BlockPool(params, model.CONTEXT * len(prompts) // 4, 4)
     rows_without = rows_with = shared = identical = 0
@@ -205,8 +213,7 @@ def ladder(params, tok, prompts, greedy, sampled, full_rows):
     greedy and sampled stories change their text (a greedy story changes where a fed row's
     best token is not the next one; a sampled one is generated again through that cache)."""
     prompts, greedy, sampled = (items[:LADDER_STORIES] for items in (prompts, greedy, sampled))
-    stories = [tok.encode(p) + [tok.ids[s["token"]] for s in r["steps"]]
-               for p, r in zip(prompts, greedy)]
+    stories = [story_ids(tok, p, r) for p, r in zip(prompts, greedy)]
     rungs = [("float64 array", lambda: QuantizedCache(params, "float64"), None)]
     rungs.append(("exact lists, sums in another order", lambda: KVCache(params),
                   sums_in_another_order))
@@ -389,8 +396,8 @@ def run(full_timing=False, folder=LAB, progress=None):
     }
     if full_timing:
         progress("timing a row's sums and each length", 0, 1)
-        fed = [(tok.encode(prompt) + [tok.ids[step["token"]] for step in r["steps"]])[:-1]
-               for prompt, r in zip(prompts, greedy)]     # the last chosen token is never fed
+        fed = [story_ids(tok, prompt, r)[:-1]              # the last chosen token is never fed
+               for prompt, r in zip(prompts, greedy)]
         step_seconds, sum_seconds = fsum_share(params, fed)
         memory = cache_bytes(params, full_context)
         timing.update({
