@@ -55,9 +55,13 @@ class KVCache:
         self.crop(0)
 
     def copy(self):
-        """An independent cache holding the same positions: a fork of this sequence."""
-        fork = copy.copy(self)   # the same params and columns; rows are never changed in place
-        fork.tokens, fork.keys, fork.values = self.tokens[:], self.keys[:], self.values[:]
+        """An independent cache holding the same positions: a fork of this sequence. The
+        fork has copies of the lists the cache keeps (the same params and columns, and
+        the same rows, which are never changed in place)."""
+        fork = copy.copy(self)
+        for name, kept in vars(self).items():
+            if isinstance(kept, list):
+                setattr(fork, name, kept[:])
         return fork
 
     def crop(self, length):
@@ -506,12 +510,6 @@ class QuantizedCache(KVCache):
         self.stored_keys += stored_keys
         self.stored_values += stored_values
 
-    def copy(self):
-        fork = copy.copy(self)
-        fork.tokens, fork.stored_keys, fork.stored_values = (
-            self.tokens[:], self.stored_keys[:], self.stored_values[:])
-        return fork
-
     def _forget_from(self, length):
         del self.tokens[length:], self.stored_keys[length:], self.stored_values[length:]
 
@@ -570,12 +568,6 @@ class WindowCache(KVCache):
                 self.ring_keys[self._slot(position)] = k
                 self.ring_values[self._slot(position)] = v
             self.tokens.append(token_id)
-
-    def copy(self):
-        fork = copy.copy(self)
-        for name in ("tokens", "sink_keys", "sink_values", "ring_keys", "ring_values"):
-            setattr(fork, name, getattr(self, name)[:])
-        return fork
 
     def crop(self, length):
         """Forget every position from length on; refused where the window has already
