@@ -234,7 +234,7 @@ class StoryAgreementTest(unittest.TestCase):
 
     def test_the_corpus_genders_of_names_and_people(self):
         names, people = self.rules["names"], self.rules["people"]
-        self.assertEqual((names["mia"], names["tom"], names["lily"], names["jack"]),
+        self.assertEqual((names["mia"], names["tom"], names["emma"], names["max"]),
                          ("she", "he", "she", "he"))
         self.assertNotIn("it", names)   # "it began to rain ...": pronouns go both ways
         self.assertNotIn("on", names)   # "on a windy day, ..."
@@ -255,13 +255,13 @@ class StoryAgreementTest(unittest.TestCase):
 
     def test_wrong_pronouns_are_counted(self):
         self.assertEqual(self.score("ana went to the shop. he saw a cake there.\n"), (1, 0, []))
-        self.assertEqual(self.score("emma was sad. lily gave her a hug, and he smiled.\n"),
+        self.assertEqual(self.score("emma was sad. zoe gave her a hug, and he smiled.\n"),
                          (2, 1, []))
-        self.assertEqual(self.score("jack was tired. she went to bed with his dog.\n"),
+        self.assertEqual(self.score("max was tired. she went to bed with his dog.\n"),
                          (2, 1, []))
 
     def test_a_pronoun_after_a_person_word_is_that_persons(self):
-        self.assertEqual(self.score("jack made a picture for his sister. she said thank "
+        self.assertEqual(self.score("max made a picture for his sister. she said thank "
                                     "you.\n"), (0, 0, []))
         self.assertEqual(self.score("zoe made a cake for her dad. he said thank you to "
                                     "her.\n"), (1, 1, []))
@@ -270,19 +270,24 @@ class StoryAgreementTest(unittest.TestCase):
         result = train.story_agreement("it began to rain at the hill. mia ran home with his "
                                        "fish.\n", self.rules)
         self.assertEqual(result, {"name": None, "pronouns": 0, "agreeing": 0,
-                                  "unknown_words": []})
+                                  "unknown_words": [], "referring": []})
+
+    def test_each_referring_pronoun_is_located(self):
+        story = "emma was sad. zoe gave her a hug, and he smiled.\n"
+        referring = train.story_agreement(story, self.rules)["referring"]
+        self.assertEqual(referring, [(story.index("her"), True), (story.index(" he ") + 1, False)])
 
     def test_only_the_continuation_is_scored(self):
-        self.assertEqual(self.score("leo lost her red ball. he found it under the bed.\n"),
+        self.assertEqual(self.score("ben lost her red ball. he found it under the bed.\n"),
                          (1, 1, []))
         self.assertEqual(self.score("mia zorp. she found it.\n"), (1, 1, []))
 
     def test_words_the_corpus_never_uses_are_listed(self):
-        self.assertEqual(self.score("lily lost her red drum. he found it the ble.\n"),
+        self.assertEqual(self.score("zoe lost her red drum. he found it the ble.\n"),
                          (1, 0, ["ble"]))
         self.assertEqual(self.score("tom was tired. he went to bed bed wi.\n"), (1, 1, ["wi"]))
         self.assertEqual(train.agreement_figures(
-            ["lily lost her red drum. he found it the ble.\n",
+            ["zoe lost her red drum. he found it the ble.\n",
              "tom was tired. he went to bed with his fish.\n",
              "mia was sad. tom gave her a hug, and she smiled.\n"], self.rules), (5, 4, 2))
 
