@@ -24,7 +24,7 @@ import trace_kv
 from generate import load_trained
 from kv_cache import KVCache, feed, forward_step, generate_cached
 from trace_kv import never_ending
-from train import split_stories
+from train import corpus_rules, split_stories
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -977,6 +977,20 @@ class RecordedFigures(unittest.TestCase):
     def setUpClass(cls):
         cls.record = json.loads(lab_file(trace_kv.TRACE))
 
+    def test_attention_on_the_name_is_read_where_each_pronoun_was_chosen(self):
+        """Made-up rows of weights: position p puts p / 100 on position 0 (the name) and
+        1.0 on every other, so each pronoun's figure shows which row and positions it read."""
+        story = "mia was sad. tom gave her a hug, and he smiled.\n"
+        rows = [[p / 100] + [1.0] * p for p in range(len(TOK.encode(story)))]
+        her = len(TOK.encode("mia was sad. tom gave "))       # the token index of "her"
+        he = len(TOK.encode("mia was sad. tom gave her a hug, and "))
+        rules = corpus_rules(lab_file("corpus.txt"))
+        self.assertEqual(trace_kv.attention_on_the_name(TOK, rules, [story], [rows]), {
+            "agreeing": {"pronouns": 1, "mean_weight_on_the_name": round((her - 1) / 100, 4),
+                         "even_share": round(1 / her, 4)},
+            "wrong": {"pronouns": 1, "mean_weight_on_the_name": round((he - 1) / 100, 4),
+                      "even_share": round(1 / he, 4)}})
+
     def test_cost_by_length_matches_instrumented_runs(self):
         never_ends = never_ending(PARAMS, TOK)
         for entry in self.record["cost_by_length"]:
@@ -1049,6 +1063,8 @@ class RecordedFigures(unittest.TestCase):
             q = r["story_quality"][kind]
             quoted.append(f"{q['agreeing']} of {q['pronouns_referring_to_the_name']} "
                           f"({q['agreeing_share']:.1%})")
+            quoted += [f"{w['mean_weight_on_the_name']} ({w['even_share']}, {w['pronouns']} "
+                       f"pronouns)" for w in q["attention_on_the_name"].values()]
         quoted.append(f"| {r['story_quality']['greedy']['stories_of_corpus_words_only']} of 60 | "
                       f"{r['story_quality']['sampled']['stories_of_corpus_words_only']} of 60 |")
         attention = r["attention_to_position_0"]

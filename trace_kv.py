@@ -29,7 +29,7 @@ from checkpoint import LAB, add_folder_flag, run_command, write_atomically
 from generate import generate, load_trained
 from kv_cache import (FORMATS, BlockPool, KVCache, QuantizedCache, WindowCache, feed,
                       generate_cached, prefill_in_chunks, work)
-from train import agreement_figures, corpus_rules, split_stories
+from train import agreement_figures, corpus_rules, split_stories, story_agreement
 
 TRACE, TIMES = "kv-trace.json", "kv-time.json"
 LENGTHS = (8, 16, 32, 64)
@@ -91,7 +91,8 @@ def compare_on_openings(params, tok, prompts, progress):
     row the cached path computed compares with the uncached path's last full pass over
     the same tokens, the work, and the greedy seconds of each path; also the rows of each
     greedy story's last full pass. progress(done, total) is called after each prompt."""
-    results = {"greedy": [], "sampled": [], "greedy_full_rows": [], "greedy_weights": []}
+    results = {"greedy": [], "sampled": [], "greedy_full_rows": [],
+               "weights": {"greedy": [], "sampled": []}}
     identical = {"greedy": 0, "sampled": 0}
     every_row = {"stories": 0, "positions": 0, "largest_logit_gap": 0.0}
     seconds = {"uncached": 0.0, "cached": 0.0}
@@ -106,6 +107,7 @@ def compare_on_openings(params, tok, prompts, progress):
                 cached = generate_cached(params, tok, prompt, **settings)
             end = time.perf_counter()
             results[kind].append(uncached)
+            results["weights"][kind].append(full_passes[-1][1].weights)
             identical[kind] += cached == uncached
             # The last full pass ran on every token the cache was fed.
             gap = largest_gap(cached_rows, full_passes[-1][0])
@@ -114,7 +116,6 @@ def compare_on_openings(params, tok, prompts, progress):
             every_row["largest_logit_gap"] = max(every_row["largest_logit_gap"], gap)
             if kind == "greedy":
                 results["greedy_full_rows"].append(full_passes[-1][0])
-                results["greedy_weights"].append(full_passes[-1][1].weights)
                 seconds["uncached"] += middle - start
                 seconds["cached"] += end - middle
                 for key, count in work(len(tok.encode(prompt)), len(uncached["steps"])).items():
@@ -250,23 +251,51 @@ def attention_to_position_0(weights):
     greedy stories (weights: each story's rows of attention weights), against what an
     even share, 1 / (i + 1) at position i, would give it."""
     later = [row for story in weights for row in story[1:]]
-    return {"mean_weight": round(fsum(row[0] for row in later) / len(later), 4),
-            "even_share": round(fsum(1 / len(row) for row in later) / len(later), 4)}
+    return {"mean_weight": _mean([row[0] for row in later]),
+            "even_share": _mean([1 / len(row) for row in later])}
 
 
-def story_quality(corpus, results):
+def story_quality(tok, corpus, results):
     """How well the greedy and the sampled stories keep the corpus's rules
     (train.story_agreement): pronouns that refer to the opening's name and agree with its
-    gender, and stories whose continuation uses only words of the corpus."""
+    gender, and stories whose continuation uses only words of the corpus; and how much
+    the model looked at the name where it chose those pronouns."""
     rules = corpus_rules(corpus)
     quality = {}
     for kind in ("greedy", "sampled"):
-        pronouns, agreeing, corpus_words = agreement_figures(
-            [r["text"] for r in results[kind]], rules)
+        stories = [r["text"] for r in results[kind]]
+        pronouns, agreeing, corpus_words = agreement_figures(stories, rules)
         quality[kind] = {"pronouns_referring_to_the_name": pronouns, "agreeing": agreeing,
                          "agreeing_share": round(agreeing / pronouns, 4),
-                         "stories_of_corpus_words_only": corpus_words}
+                         "stories_of_corpus_words_only": corpus_words,
+                         "attention_on_the_name": attention_on_the_name(
+                             tok, rules, stories, results["weights"][kind])}
     return quality
+
+
+def attention_on_the_name(tok, rules, stories, weights):
+    """At each pronoun that refers to a story's name (train.story_agreement), the
+    attention weight that the position choosing it (the one before it) put on the name's
+    tokens, and the share an even spread over the positions it attends would give them;
+    each averaged over the pronouns that agree with the name and over those that do not.
+    weights: each story's rows of attention weights, from a full pass over its tokens."""
+    found = {True: [], False: []}
+    for story, rows in zip(stories, weights):
+        score = story_agreement(story, rules)
+        starts = list(accumulate((len(tok.vocab[t]) for t in tok.encode(story)), initial=0))
+        for offset, agrees in score["referring"]:
+            row, name_tokens = rows[starts.index(offset) - 1], starts.index(len(score["name"]))
+            found[agrees].append((fsum(row[:name_tokens]), name_tokens / len(row)))
+    return {("agreeing" if agrees else "wrong"): {
+                "pronouns": len(pairs),
+                "mean_weight_on_the_name": _mean([weight for weight, _ in pairs]),
+                "even_share": _mean([even for _, even in pairs])}
+            for agrees, pairs in found.items()}
+
+
+def _mean(values):
+    """The mean of values to 4 places; None for no values."""
+    return round(fsum(values) / len(values), 4) if values else None
 
 
 def never_ending(params, tok):
@@ -371,7 +400,7 @@ def run(full_timing=False, folder=LAB, progress=None):
         "cache_floats_per_position": 2 * model.WIDTH,
         "cache_floats_full_context": 2 * model.WIDTH * model.CONTEXT,
         "greedy_examples": [r["text"] for r in greedy[:3]],
-        "story_quality": story_quality(corpus, results),
+        "story_quality": story_quality(tok, corpus, results),
         "prefix_sharing": share_prefixes(params, tok, prompts, greedy, results["sampled"]),
         "cost_by_length": [{"positions": length, **work(1, length - 1)} for length in LENGTHS],
         "sums_in_another_order": {"largest_logit_gap_first_story": largest_gap(full, reordered),
@@ -381,7 +410,7 @@ def run(full_timing=False, folder=LAB, progress=None):
         "paged": paged(params, tok, prompts, greedy),
         "ladder": ladder(params, tok, prompts, greedy, results["sampled"],
                          results["greedy_full_rows"]),
-        "attention_to_position_0": attention_to_position_0(results["greedy_weights"]),
+        "attention_to_position_0": attention_to_position_0(results["weights"]["greedy"]),
     }
     progress("the other experiments: reordered sums, shared prefixes, Part 2", 1, 1)
     timing = {

@@ -88,21 +88,22 @@ def story_agreement(story, rules):
     - a he, she, his, her or him in the continuation refers to the name when the story's
       first word is a name, except a he or she that opens a sentence right after one
       ending in a person word ("his sister. she"): that one refers to the person. So in
-      "jack made a picture for his sister. she said thank you." the she is not jack's,
+      "max made a picture for his sister. she said thank you." the she is not max's,
       and a story that does not open with a name ("it began to rain at the hill. mia
       ran home with her fish.") has no pronoun referring to it;
     - a pronoun referring to the name agrees when it has the name's gender;
     - every word of the continuation should be a word of the corpus.
 
     Returns {"name", "pronouns" (how many refer to the name), "agreeing",
-    "unknown_words" (the continuation's words the corpus never uses, in order)}.
+    "unknown_words" (the continuation's words the corpus never uses, in order),
+    "referring" (each pronoun that refers to the name: its index in story, and whether
+    it agrees)}.
     """
     tokens = _words(story)
     opening_end = story.find(". ")
     start = len(story) if opening_end < 0 else opening_end + 1
     name = tokens[0][1] if tokens and tokens[0][1] in rules["names"] else None
-    pronouns = agreeing = 0
-    unknown = []
+    unknown, referring = [], []
     for index, (position, word) in enumerate(tokens):
         if position < start or word == ".":
             continue
@@ -113,10 +114,10 @@ def story_agreement(story, rules):
         after_person = (word in ("he", "she") and index >= 2 and tokens[index - 1][1] == "."
                         and tokens[index - 2][1] in rules["people"])
         if not after_person:
-            pronouns += 1
-            agreeing += PRONOUNS[word] == rules["names"][name]
-    return {"name": name, "pronouns": pronouns, "agreeing": agreeing,
-            "unknown_words": unknown}
+            referring.append((position, PRONOUNS[word] == rules["names"][name]))
+    return {"name": name, "pronouns": len(referring),
+            "agreeing": sum(agrees for _, agrees in referring), "unknown_words": unknown,
+            "referring": referring}
 
 
 def agreement_figures(stories, rules):
