@@ -24,7 +24,7 @@ import trace_kv
 from generate import load_trained
 from kv_cache import KVCache, feed, forward_step, generate_cached
 from trace_kv import never_ending
-from train import corpus_rules, split_stories
+from train import corpus_rules, split_stories, story_agreement
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -984,8 +984,8 @@ class RecordedFigures(unittest.TestCase):
         rows = [[p / 100] + [1.0] * p for p in range(len(TOK.encode(story)))]
         her = len(TOK.encode("mia was sad. tom gave "))       # the token index of "her"
         he = len(TOK.encode("mia was sad. tom gave her a hug, and "))
-        rules = corpus_rules(lab_file("corpus.txt"))
-        self.assertEqual(trace_kv.attention_on_the_name(TOK, rules, [story], [rows]), {
+        score = story_agreement(story, corpus_rules(lab_file("corpus.txt")))
+        self.assertEqual(trace_kv.attention_on_the_name(TOK, [story], [score], [rows]), {
             "agreeing": {"pronouns": 1, "mean_weight_on_the_name": round((her - 1) / 100, 4),
                          "even_share": round(1 / her, 4)},
             "wrong": {"pronouns": 1, "mean_weight_on_the_name": round((he - 1) / 100, 4),

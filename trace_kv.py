@@ -29,7 +29,7 @@ from checkpoint import LAB, add_folder_flag, run_command, write_atomically
 from generate import generate, load_trained
 from kv_cache import (FORMATS, BlockPool, KVCache, QuantizedCache, WindowCache, feed,
                       generate_cached, prefill_in_chunks, work)
-from train import agreement_figures, corpus_rules, split_stories, story_agreement
+from train import corpus_rules, split_stories, story_agreement
 
 TRACE, TIMES = "kv-trace.json", "kv-time.json"
 LENGTHS = (8, 16, 32, 64)
@@ -258,30 +258,47 @@ def attention_to_position_0(weights):
 def story_quality(tok, corpus, results):
     """How well the greedy and the sampled stories keep the corpus's rules
     (train.story_agreement): pronouns that refer to the opening's name and agree with its
-    gender, and stories whose continuation uses only words of the corpus; and how much
-    the model looked at the name where it chose those pronouns."""
+    gender, also split by whether the opening holds a pronoun too or only the name tells
+    the gender; stories whose continuation uses only words of the corpus; the stories
+    with a wrong pronoun; and how much the model looked at the name where it chose those
+    pronouns."""
     rules = corpus_rules(corpus)
     quality = {}
     for kind in ("greedy", "sampled"):
         stories = [r["text"] for r in results[kind]]
-        pronouns, agreeing, corpus_words = agreement_figures(stories, rules)
-        quality[kind] = {"pronouns_referring_to_the_name": pronouns, "agreeing": agreeing,
-                         "agreeing_share": round(agreeing / pronouns, 4),
-                         "stories_of_corpus_words_only": corpus_words,
-                         "attention_on_the_name": attention_on_the_name(
-                             tok, rules, stories, results["weights"][kind])}
+        scores = [story_agreement(story, rules) for story in stories]
+        overall = _agreeing(scores)
+        quality[kind] = {
+            "pronouns_referring_to_the_name": overall["pronouns"],
+            "agreeing": overall["agreeing"],
+            "agreeing_share": round(overall["agreeing"] / overall["pronouns"], 4),
+            "agreeing_by_opening": {
+                "with a pronoun": _agreeing([sc for sc in scores if sc["clue_in_opening"]]),
+                "with only the name": _agreeing([sc for sc in scores
+                                                 if not sc["clue_in_opening"]])},
+            "stories_of_corpus_words_only": sum(not sc["unknown_words"] for sc in scores),
+            "stories_with_a_wrong_pronoun": [story for story, sc in zip(stories, scores)
+                                             if sc["agreeing"] < sc["pronouns"]],
+            "attention_on_the_name": attention_on_the_name(tok, stories, scores,
+                                                           results["weights"][kind])}
     return quality
 
 
-def attention_on_the_name(tok, rules, stories, weights):
-    """At each pronoun that refers to a story's name (train.story_agreement), the
-    attention weight that the position choosing it (the one before it) put on the name's
-    tokens, and the share an even spread over the positions it attends would give them;
-    each averaged over the pronouns that agree with the name and over those that do not.
-    weights: each story's rows of attention weights, from a full pass over its tokens."""
+def _agreeing(scores):
+    """Over story_agreement scores: the pronouns referring to the name, and how many agree."""
+    return {"pronouns": sum(sc["pronouns"] for sc in scores),
+            "agreeing": sum(sc["agreeing"] for sc in scores)}
+
+
+def attention_on_the_name(tok, stories, scores, weights):
+    """At each pronoun that refers to a story's name (scores: each story's
+    train.story_agreement), the attention weight that the position choosing it (the one
+    before it) put on the name's tokens, and the share an even spread over the positions
+    it attends would give them; each averaged over the pronouns that agree with the name
+    and over those that do not. weights: each story's rows of attention weights, from a
+    full pass over its tokens."""
     found = {True: [], False: []}
-    for story, rows in zip(stories, weights):
-        score = story_agreement(story, rules)
+    for story, score, rows in zip(stories, scores, weights):
         starts = list(accumulate((len(tok.vocab[t]) for t in tok.encode(story)), initial=0))
         for offset, agrees in score["referring"]:
             row, name_tokens = rows[starts.index(offset) - 1], starts.index(len(score["name"]))

@@ -97,15 +97,19 @@ def story_agreement(story, rules):
     Returns {"name", "pronouns" (how many refer to the name), "agreeing",
     "unknown_words" (the continuation's words the corpus never uses, in order),
     "referring" (each pronoun that refers to the name: its index in story, and whether
-    it agrees)}.
+    it agrees), "clue_in_opening" (whether the opening holds a pronoun too, as in "mia
+    lost her red ball.", or only the name tells the gender)}.
     """
     tokens = _words(story)
     opening_end = story.find(". ")
     start = len(story) if opening_end < 0 else opening_end + 1
     name = tokens[0][1] if tokens and tokens[0][1] in rules["names"] else None
-    unknown, referring = [], []
+    unknown, referring, clue = [], [], False
     for index, (position, word) in enumerate(tokens):
-        if position < start or word == ".":
+        if position < start:
+            clue = clue or word in PRONOUNS
+            continue
+        if word == ".":
             continue
         if word not in rules["words"]:
             unknown.append(word)
@@ -117,15 +121,7 @@ def story_agreement(story, rules):
             referring.append((position, PRONOUNS[word] == rules["names"][name]))
     return {"name": name, "pronouns": len(referring),
             "agreeing": sum(agrees for _, agrees in referring), "unknown_words": unknown,
-            "referring": referring}
-
-
-def agreement_figures(stories, rules):
-    """Over several stories: (pronouns referring to the name, how many agree, how many
-    stories have only corpus words in their continuation)."""
-    scores = [story_agreement(story, rules) for story in stories]
-    return (sum(s["pronouns"] for s in scores), sum(s["agreeing"] for s in scores),
-            sum(not s["unknown_words"] for s in scores))
+            "referring": referring, "clue_in_opening": clue}
 
 
 def mean_loss(params, sequences):
