@@ -970,6 +970,72 @@ class Reuse(unittest.TestCase):
             self.assertEqual(len(alone["steps"]), 12)
 
 
+def readme_figures(r):
+    """Every figure of the record r that README.md quotes, as it is written there."""
+    sharing = r["prefix_sharing"]
+    every_row = r["every_row_of_every_story"]
+    quoted = [f"{count:,}" for count in r["work"].values()] + [
+        f"every position of the {every_row['stories']} stories (60 greedy, 60 sampled): "
+        f"{every_row['positions']:,} rows of 96 scores | **{every_row['largest_logit_gap']}**",
+        f"bit for bit ({every_row['positions']:,} positions)",
+        f"which generated {r['generated_tokens']:,} tokens ({r['greedy_ended_with_newline']} of "
+        f"60 ended their\nstory with a newline)",
+        f"over all {r['positions_checked']} positions of the first test story",
+        f"{r['rows_ratio']}x", f"{r['scores_ratio']}x",
+        f"**{r['largest_logit_gap_first_story']}**",
+        f"**{r['greedy_identical']} of {r['stories']}**",
+        f"**{r['sampled_identical']} of {r['stories']}**",
+        f"{sharing['prompt_rows_with_sharing']:,} rows instead of "
+        f"{sharing['prompt_rows_without_sharing']:,}",
+        repr(r["sums_in_another_order"]["largest_logit_gap_first_story"]),
+    ] + [text.rstrip("\n") for text in r["greedy_examples"]] + [
+        f"| {e['positions']} | {e['uncached_rows']:,} | {e['cached_rows']:,} | "
+        f"{e['uncached_scores']:,} | {e['cached_scores']:,} |" for e in r["cost_by_length"]]
+    quoted += [f"    {kind} [{', '.join(str(e[key]) for e in r['cost_by_length'])}]"
+               for kind, key in (("bar", "uncached_rows"), ("line", "cached_rows"))]
+    quoted += trace_kv.summary(r, None).splitlines()   # all but the times of one run
+    one_pass, paged = r["one_pass_prefill"], r["paged"]
+    chunks = one_pass["positions_compared_by_chunk"]
+    sharing = paged["prefix_sharing_blocks_of_4"]
+    quoted += [
+        f"**{one_pass['largest_logit_gap']}** largest gap, {chunks['1']:,} positions for "
+        f"each chunk size",
+        f"{chunks['whole prompt']:,} positions; **{one_pass['greedy_identical']} of 60** "
+        f"stories identical",
+        f"{one_pass['prompt_calls_one_token_at_a_time']:,} one token at a time; "
+        f"{one_pass['prompt_calls_one_pass']} in one pass",
+        f"which hold {paged['positions_held']:,}\npositions at their end",
+        f"share {sharing['blocks_shared']} blocks, so their prompts cost "
+        f"{sharing['prompt_rows_with_sharing']:,} rows instead of "
+        f"{sharing['prompt_rows_without_sharing']:,}",
+        f"**{sharing['greedy_identical']} of 60** greedy stories continued from the pool"]
+    quoted += [f" | {slots:,} | {paged['wasted_share'][way]:.1%} |"
+               for way, slots in paged["slots_reserved"].items()]
+    for rung in r["ladder"]["rungs"]:
+        size, kept = rung["bytes_per_position"], rung["positions_kept"]
+        quoted.append(f"| {rung['cache']} | {'—' if size is None else f'{size:g}'} | "
+                      f"{'all' if kept is None else kept} | {rung['largest_logit_gap']!r} | "
+                      f"{rung['greedy_stories_changed']} | {rung['sampled_stories_changed']} |")
+    for kind in ("greedy", "sampled"):
+        q = r["story_quality"][kind]
+        quoted.append(f"{q['agreeing']} of {q['pronouns_referring_to_the_name']} "
+                      f"({q['agreeing_share']:.1%})")
+        quoted += [f"{w['mean_weight_on_the_name']} ({w['even_share']}, {w['pronouns']} "
+                   f"pronouns)" for w in q["attention_on_the_name"].values()]
+    greedy, sampled = r["story_quality"]["greedy"], r["story_quality"]["sampled"]
+    quoted.append(f"| {greedy['stories_of_corpus_words_only']} of 60 | "
+                  f"{sampled['stories_of_corpus_words_only']} of 60 |")
+    for opening, counts in greedy["agreeing_by_opening"].items():
+        other = sampled["agreeing_by_opening"][opening]
+        quoted.append(f"| {counts['agreeing']} of {counts['pronouns']} | {other['agreeing']} "
+                      f"of {other['pronouns']} |")
+    quoted += [story.rstrip("\n") for story in greedy["stories_with_a_wrong_pronoun"]]
+    attention = r["attention_to_position_0"]
+    quoted += [f"(of {r['ladder']['stories']})", f"**{attention['mean_weight']}**",
+               f"even share ({attention['even_share']})"]
+    return quoted
+
+
 class RecordedFigures(unittest.TestCase):
     """The figures in kv-trace.json that the README quotes, against real runs."""
 
@@ -1017,60 +1083,9 @@ class RecordedFigures(unittest.TestCase):
 
     def test_the_readme_quotes_the_recorded_figures(self):
         readme = lab_file("README.md")
-        r, sharing = self.record, self.record["prefix_sharing"]
-        every_row = r["every_row_of_every_story"]
-        quoted = [f"{count:,}" for count in r["work"].values()] + [
-            f"every position of the {every_row['stories']} stories (60 greedy, 60 sampled): "
-            f"{every_row['positions']:,} rows of 96 scores | **{every_row['largest_logit_gap']}**",
-            f"bit for bit ({every_row['positions']:,} positions)",
-            f"{r['rows_ratio']}x", f"{r['scores_ratio']}x",
-            f"**{r['largest_logit_gap_first_story']}**",
-            f"**{r['greedy_identical']} of {r['stories']}**",
-            f"**{r['sampled_identical']} of {r['stories']}**",
-            f"{sharing['prompt_rows_with_sharing']:,} rows instead of "
-            f"{sharing['prompt_rows_without_sharing']:,}",
-            repr(r["sums_in_another_order"]["largest_logit_gap_first_story"]),
-        ] + [text.rstrip("\n") for text in r["greedy_examples"]] + [
-            f"| {e['positions']} | {e['uncached_rows']:,} | {e['cached_rows']:,} | "
-            f"{e['uncached_scores']:,} | {e['cached_scores']:,} |" for e in r["cost_by_length"]]
-        quoted += [f"    {kind} [{', '.join(str(e[key]) for e in r['cost_by_length'])}]"
-                   for kind, key in (("bar", "uncached_rows"), ("line", "cached_rows"))]
-        quoted += trace_kv.summary(r, None).splitlines()   # all but the times of one run
-        one_pass, paged = r["one_pass_prefill"], r["paged"]
-        chunks = one_pass["positions_compared_by_chunk"]
-        sharing = paged["prefix_sharing_blocks_of_4"]
-        quoted += [
-            f"**{one_pass['largest_logit_gap']}** largest gap, {chunks['1']:,} positions for "
-            f"each chunk size",
-            f"{chunks['whole prompt']:,} positions; **{one_pass['greedy_identical']} of 60** "
-            f"stories identical",
-            f"{one_pass['prompt_calls_one_token_at_a_time']:,} one token at a time; "
-            f"{one_pass['prompt_calls_one_pass']} in one pass",
-            f"which hold {paged['positions_held']:,}\npositions at their end",
-            f"share {sharing['blocks_shared']} blocks, so their prompts cost "
-            f"{sharing['prompt_rows_with_sharing']:,} rows instead of "
-            f"{sharing['prompt_rows_without_sharing']:,}",
-            f"**{sharing['greedy_identical']} of 60** greedy stories continued from the pool"]
-        quoted += [f" | {slots:,} | {paged['wasted_share'][way]:.1%} |"
-                   for way, slots in paged["slots_reserved"].items()]
+        chunks = self.record["one_pass_prefill"]["positions_compared_by_chunk"]
         self.assertEqual(len(set(chunks.values()) - {chunks["whole prompt"]}), 1)
-        for rung in r["ladder"]["rungs"]:
-            size, kept = rung["bytes_per_position"], rung["positions_kept"]
-            quoted.append(f"| {rung['cache']} | {'—' if size is None else f'{size:g}'} | "
-                          f"{'all' if kept is None else kept} | {rung['largest_logit_gap']!r} | "
-                          f"{rung['greedy_stories_changed']} | {rung['sampled_stories_changed']} |")
-        for kind in ("greedy", "sampled"):
-            q = r["story_quality"][kind]
-            quoted.append(f"{q['agreeing']} of {q['pronouns_referring_to_the_name']} "
-                          f"({q['agreeing_share']:.1%})")
-            quoted += [f"{w['mean_weight_on_the_name']} ({w['even_share']}, {w['pronouns']} "
-                       f"pronouns)" for w in q["attention_on_the_name"].values()]
-        quoted.append(f"| {r['story_quality']['greedy']['stories_of_corpus_words_only']} of 60 | "
-                      f"{r['story_quality']['sampled']['stories_of_corpus_words_only']} of 60 |")
-        attention = r["attention_to_position_0"]
-        quoted += [f"(of {r['ladder']['stories']})", f"**{attention['mean_weight']}**",
-                   f"even share ({attention['even_share']})"]
-        for figure in quoted:
+        for figure in readme_figures(self.record):
             with self.subTest(figure=figure):
                 self.assertTrue(figure in readme, "not in README.md")   # not the whole text
 

@@ -1,7 +1,7 @@
 """Training: Adam on the mean next-token cross-entropy, one story per sequence, keeping
 the parameters with the lowest validation loss and writing them to best.json at the end.
 
-    python3 train.py                                  retrains from scratch (about 14 min)
+    python3 train.py                                  retrains from scratch (about 10 min)
     python3 train.py --epochs 2 --out quick.json      a short look at the loss falling
 
 Everything random comes from CONFIG["seed"], so a rerun reproduces best.json byte for
@@ -254,11 +254,11 @@ def positive_int(text):
 def main(argv=None):
     parser = argparse.ArgumentParser(
         description="Retrain the model from scratch on corpus.txt and write best.json (about "
-                    "14 minutes on 2 cores). Nothing is written until the last epoch, so "
+                    "10 minutes on 2 cores). Nothing is written until the last epoch, so "
                     "Ctrl-C leaves best.json as it was.")
     parser.add_argument("--epochs", type=positive_int, default=CONFIG["epochs"],
                         help=f"passes over the training stories (default {CONFIG['epochs']}; "
-                             f"each takes about 35 s)")
+                             f"each takes about 30 s)")
     parser.add_argument("--out", help="where to write the checkpoint (default: best.json in "
                                       "the lab's folder); a run with other --epochs needs "
                                       "a file of its own")
