@@ -985,8 +985,11 @@ def readme_figures(r):
         f"**{r['largest_logit_gap_first_story']}**",
         f"**{r['greedy_identical']} of {r['stories']}**",
         f"**{r['sampled_identical']} of {r['stories']}**",
+        f"All {sharing['identical']} of {sharing['runs']} results are identical",
         f"{sharing['prompt_rows_with_sharing']:,} rows instead of "
-        f"{sharing['prompt_rows_without_sharing']:,}",
+        f"{sharing['prompt_rows_without_sharing']:,} ("
+        f"{sharing['prompt_rows_without_sharing'] - sharing['prompt_rows_with_sharing']:,} "
+        f"rows saved)",
         repr(r["sums_in_another_order"]["largest_logit_gap_first_story"]),
     ] + [text.rstrip("\n") for text in r["greedy_examples"]] + [
         f"| {e['positions']} | {e['uncached_rows']:,} | {e['cached_rows']:,} | "
@@ -1042,6 +1045,23 @@ class RecordedFigures(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.record = json.loads(lab_file(trace_kv.TRACE))
+
+    def test_story_quality_counts_each_kind_of_pronoun(self):
+        stories = ["mia lost her red ball. she found it under the bed.\n",   # a clue; right
+                   "emma went to the park. he saw a duck there.\n",          # only the name; wrong
+                   "tom went to the zoo. he saw a lion there.\n",            # only the name; right
+                   "zoe made a hat for her friend. she said thank you.\n"]   # the friend's; wrong
+        even = [[[1 / (p + 1)] * (p + 1) for p in range(len(TOK.encode(s)))] for s in stories]
+        results = {kind: [{"text": story} for story in stories] for kind in ("greedy", "sampled")}
+        results["weights"] = {"greedy": even, "sampled": even}
+        quality = trace_kv.story_quality(TOK, lab_file("corpus.txt"), results)["greedy"]
+        self.assertEqual((quality["pronouns_referring_to_the_name"], quality["agreeing"]), (3, 2))
+        self.assertEqual(quality["agreeing_by_opening"], {
+            "with a pronoun": {"pronouns": 1, "agreeing": 1},
+            "with only the name": {"pronouns": 2, "agreeing": 1}})
+        self.assertEqual(quality["pronouns_referring_to_a_person"], {"pronouns": 1, "agreeing": 0})
+        self.assertEqual(quality["stories_with_a_wrong_pronoun"], [stories[1], stories[3]])
+        self.assertEqual(quality["first_three_right_where_only_the_name_tells"], [stories[2]])
 
     def test_attention_on_the_name_is_read_where_each_pronoun_was_chosen(self):
         """Made-up rows of weights: position p puts p / 100 on position 0 (the name) and

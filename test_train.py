@@ -266,12 +266,16 @@ class StoryAgreementTest(unittest.TestCase):
                                     "you.\n"), (0, 0, []))
         self.assertEqual(self.score("zoe made a cake for her dad. he said thank you to "
                                     "her.\n"), (1, 1, []))
+        for story, agrees in (("max made a picture for his sister. she said thank you.\n", True),
+                              ("zoe made a hat for her friend. she said thank you.\n", False)):
+            self.assertEqual(train.story_agreement(story, self.rules)["about_people"],
+                             [(story.index(". s") + 2, agrees)])
 
     def test_without_a_name_first_no_pronoun_refers_to_it(self):
         result = train.story_agreement("it began to rain at the hill. mia ran home with his "
                                        "fish.\n", self.rules)
         self.assertEqual(result, {"name": None, "pronouns": 0, "agreeing": 0,
-                                  "unknown_words": [], "referring": [],
+                                  "unknown_words": [], "referring": [], "about_people": [],
                                   "clue_in_opening": False})
 
     def test_each_referring_pronoun_is_located(self):

@@ -259,35 +259,44 @@ def story_quality(tok, corpus, results):
     """How well the greedy and the sampled stories keep the corpus's rules
     (train.story_agreement): pronouns that refer to the opening's name and agree with its
     gender, also split by whether the opening holds a pronoun too or only the name tells
-    the gender; stories whose continuation uses only words of the corpus; the stories
-    with a wrong pronoun; and how much the model looked at the name where it chose those
-    pronouns."""
+    the gender; pronouns that refer to a person word (sister, dad) and agree with it;
+    stories whose continuation uses only words of the corpus; the stories with a wrong
+    pronoun, and the first three that keep every rule where only the name tells; and how
+    much the model looked at the name where it chose its pronouns."""
     rules = corpus_rules(corpus)
     quality = {}
     for kind in ("greedy", "sampled"):
         stories = [r["text"] for r in results[kind]]
         scores = [story_agreement(story, rules) for story in stories]
-        overall = _agreeing(scores)
+        right = [all(agrees for _, agrees in sc["referring"] + sc["about_people"])
+                 for sc in scores]
+        overall = _count([pronoun for sc in scores for pronoun in sc["referring"]])
         quality[kind] = {
             "pronouns_referring_to_the_name": overall["pronouns"],
             "agreeing": overall["agreeing"],
             "agreeing_share": round(overall["agreeing"] / overall["pronouns"], 4),
             "agreeing_by_opening": {
-                "with a pronoun": _agreeing([sc for sc in scores if sc["clue_in_opening"]]),
-                "with only the name": _agreeing([sc for sc in scores
-                                                 if not sc["clue_in_opening"]])},
+                opening: _count([pronoun for sc in scores if sc["clue_in_opening"] == clue
+                                 for pronoun in sc["referring"]])
+                for opening, clue in (("with a pronoun", True), ("with only the name", False))},
+            "pronouns_referring_to_a_person": _count(
+                [pronoun for sc in scores for pronoun in sc["about_people"]]),
             "stories_of_corpus_words_only": sum(not sc["unknown_words"] for sc in scores),
-            "stories_with_a_wrong_pronoun": [story for story, sc in zip(stories, scores)
-                                             if sc["agreeing"] < sc["pronouns"]],
+            "stories_with_a_wrong_pronoun": [story for story, ok in zip(stories, right)
+                                             if not ok],
+            "first_three_right_where_only_the_name_tells": [
+                story for story, sc, ok in zip(stories, scores, right)
+                if ok and sc["referring"] and not sc["clue_in_opening"]
+                and not sc["unknown_words"]][:3],
             "attention_on_the_name": attention_on_the_name(tok, stories, scores,
                                                            results["weights"][kind])}
     return quality
 
 
-def _agreeing(scores):
-    """Over story_agreement scores: the pronouns referring to the name, and how many agree."""
-    return {"pronouns": sum(sc["pronouns"] for sc in scores),
-            "agreeing": sum(sc["agreeing"] for sc in scores)}
+def _count(pronouns):
+    """How many pronouns, and how many of them agree: pronouns as story_agreement lists
+    them, (where, agrees)."""
+    return {"pronouns": len(pronouns), "agreeing": sum(agrees for _, agrees in pronouns)}
 
 
 def attention_on_the_name(tok, stories, scores, weights):

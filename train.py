@@ -4,9 +4,10 @@ the parameters with the lowest validation loss and writing them to best.json at 
     python3 train.py                                  retrains from scratch (about 10 min)
     python3 train.py --epochs 2 --out quick.json      a short look at the loss falling
 
-Everything random comes from CONFIG["seed"], so a rerun reproduces best.json byte for
-byte. Nothing is written before the last epoch, so an interrupted run (Ctrl-C) leaves
-best.json as it was.
+Everything random comes from two seeds: CONFIG["split_seed"] splits the stories, and
+CONFIG["seed"] draws the first weights and the order of the batches. So a rerun
+reproduces best.json byte for byte. Nothing is written before the last epoch, so an
+interrupted run (Ctrl-C) leaves best.json as it was.
 """
 import argparse
 import copy
@@ -23,9 +24,9 @@ from bpe import Tokenizer
 
 CONFIG = {
     "vocab_size": model.VOCAB_SIZE, "context": model.CONTEXT, "width": model.WIDTH,
-    "hidden": model.HIDDEN, "seed": 0, "test_stories": 60, "val_stories": 100,
-    "epochs": 24, "batch_size": 4, "learning_rate": 0.02, "final_learning_rate": 0.001,
-    "beta1": 0.9, "beta2": 0.99,
+    "hidden": model.HIDDEN, "split_seed": 0, "seed": 1, "test_stories": 60,
+    "val_stories": 100, "epochs": 24, "batch_size": 4, "learning_rate": 0.02,
+    "final_learning_rate": 0.001, "beta1": 0.9, "beta2": 0.99,
 }
 
 
@@ -39,7 +40,7 @@ def split_stories(text):
     if len(stories) < need:
         raise ValueError(f"the corpus has {len(stories)} stories; the split needs at least {need}")
     order = list(range(len(stories)))
-    random.Random(CONFIG["seed"]).shuffle(order)
+    random.Random(CONFIG["split_seed"]).shuffle(order)
     test_end = CONFIG["test_stories"]
     val_end = test_end + CONFIG["val_stories"]
     parts = order[val_end:], order[test_end:val_end], order[:test_end]
@@ -91,20 +92,21 @@ def story_agreement(story, rules):
       "max made a picture for his sister. she said thank you." the she is not max's,
       and a story that does not open with a name ("it began to rain at the hill. mia
       ran home with her fish.") has no pronoun referring to it;
-    - a pronoun referring to the name agrees when it has the name's gender;
+    - a pronoun agrees when it has the gender of the name, or of the person, it refers to;
     - every word of the continuation should be a word of the corpus.
 
     Returns {"name", "pronouns" (how many refer to the name), "agreeing",
     "unknown_words" (the continuation's words the corpus never uses, in order),
     "referring" (each pronoun that refers to the name: its index in story, and whether
-    it agrees), "clue_in_opening" (whether the opening holds a pronoun too, as in "mia
-    lost her red ball.", or only the name tells the gender)}.
+    it agrees), "about_people" (the same for each pronoun that refers to a person),
+    "clue_in_opening" (whether the opening holds a pronoun too, as in "mia lost her red
+    ball.", or only the name tells the gender)}.
     """
     tokens = _words(story)
     opening_end = story.find(". ")
     start = len(story) if opening_end < 0 else opening_end + 1
     name = tokens[0][1] if tokens and tokens[0][1] in rules["names"] else None
-    unknown, referring, clue = [], [], False
+    unknown, referring, about_people, clue = [], [], [], False
     for index, (position, word) in enumerate(tokens):
         if position < start:
             clue = clue or word in PRONOUNS
@@ -113,15 +115,16 @@ def story_agreement(story, rules):
             continue
         if word not in rules["words"]:
             unknown.append(word)
-        if name is None or word not in PRONOUNS:
+        if word not in PRONOUNS:
             continue
-        after_person = (word in ("he", "she") and index >= 2 and tokens[index - 1][1] == "."
-                        and tokens[index - 2][1] in rules["people"])
-        if not after_person:
+        person = tokens[index - 2][1] if index >= 2 and tokens[index - 1][1] == "." else None
+        if word in ("he", "she") and person in rules["people"]:
+            about_people.append((position, word == rules["people"][person]))
+        elif name is not None:
             referring.append((position, PRONOUNS[word] == rules["names"][name]))
     return {"name": name, "pronouns": len(referring),
             "agreeing": sum(agrees for _, agrees in referring), "unknown_words": unknown,
-            "referring": referring, "clue_in_opening": clue}
+            "referring": referring, "about_people": about_people, "clue_in_opening": clue}
 
 
 def mean_loss(params, sequences):
