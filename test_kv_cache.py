@@ -981,7 +981,11 @@ def readme_figures(r):
         f"which generated {r['generated_tokens']:,} tokens ({r['greedy_ended_with_newline']} of "
         f"60 ended their\nstory with a newline)",
         f"over all {r['positions_checked']} positions of the first test story",
-        f"{r['rows_ratio']}x", f"{r['scores_ratio']}x",
+        f"| rows (positions run through the model) | {r['work']['uncached_rows']:,} | "
+        f"{r['work']['cached_rows']:,} | {r['rows_ratio']}x |",
+        f"| attention scores | {r['work']['uncached_scores']:,} | {r['work']['cached_scores']:,} "
+        f"| {r['scores_ratio']}x |",
+        f"close to the rows ratio ({r['rows_ratio']}x)",
         f"**{r['largest_logit_gap_first_story']}**",
         f"**{r['greedy_identical']} of {r['stories']}**",
         f"**{r['sampled_identical']} of {r['stories']}**",
@@ -1023,8 +1027,8 @@ def readme_figures(r):
         q = r["story_quality"][kind]
         quoted.append(f"{q['agreeing']} of {q['pronouns_referring_to_the_name']} "
                       f"({q['agreeing_share']:.1%})")
-        quoted += [f"{w['mean_weight_on_the_name']} ({w['even_share']}, {w['pronouns']} "
-                   f"pronouns)" for w in q["attention_on_the_name"].values()]
+        quoted += [f"{w['mean_weight_on_the_name']} ({w['even_share']}; over {w['pronouns']})"
+                   for w in q["attention_on_the_name"].values() if w["pronouns"]]
     greedy, sampled = r["story_quality"]["greedy"], r["story_quality"]["sampled"]
     quoted.append(f"| {greedy['stories_of_corpus_words_only']} of 60 | "
                   f"{sampled['stories_of_corpus_words_only']} of 60 |")
@@ -1032,7 +1036,10 @@ def readme_figures(r):
         other = sampled["agreeing_by_opening"][opening]
         quoted.append(f"| {counts['agreeing']} of {counts['pronouns']} | {other['agreeing']} "
                       f"of {other['pronouns']} |")
-    quoted += [story.rstrip("\n") for story in greedy["stories_with_a_wrong_pronoun"]]
+    people = [q["pronouns_referring_to_a_person"] for q in (greedy, sampled)]
+    quoted.append(" | ".join(f"{p['agreeing']} of {p['pronouns']}" for p in people))
+    quoted += [story.rstrip("\n") for story in greedy["stories_with_a_wrong_pronoun"]
+               + greedy["first_three_right_where_only_the_name_tells"]]
     attention = r["attention_to_position_0"]
     quoted += [f"(of {r['ladder']['stories']})", f"**{attention['mean_weight']}**",
                f"even share ({attention['even_share']})"]
