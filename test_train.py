@@ -99,6 +99,12 @@ class SplitTest(unittest.TestCase):
         for name, first, second in zip(("train", "val", "test"), self.splits, again):
             self.assertTrue(first == second, f"the {name} split differs between two calls")
 
+    def test_the_split_depends_on_split_seed_only(self):
+        with mock.patch.dict(train.CONFIG, seed=train.CONFIG["seed"] + 1):
+            self.assertEqual(train.split_stories(self.text), self.splits)
+        with mock.patch.dict(train.CONFIG, split_seed=train.CONFIG["split_seed"] + 1):
+            self.assertNotEqual(train.split_stories(self.text)[2], self.splits[2])
+
     def test_a_corpus_too_small_for_the_split_is_refused(self):
         need = train.CONFIG["test_stories"] + train.CONFIG["val_stories"] + 1
         enough = "".join(self.stories[:need])
