@@ -1116,6 +1116,17 @@ class RecordedFigures(unittest.TestCase):
             with self.subTest(figure=figure):
                 self.assertTrue(figure in readme, "not in README.md")   # not the whole text
 
+    def test_the_readme_quotes_the_checkpoint_figures(self):
+        meta = json.loads(lab_file("best.json"))["meta"]
+        val, baseline = meta["val_loss"], meta["unigram_baseline"]
+        readme = lab_file("README.md")
+        for figure in (f"| {baseline:.4f} nats per token |",
+                       f"| {val:.4f} nats per token, {val / baseline:.1%} of the baseline |",
+                       f"best validation loss {val:.4f} = {val / baseline:.1%} of the unigram "
+                       f"baseline (epoch {meta['epoch']})"):
+            with self.subTest(figure=figure):
+                self.assertIn(figure, readme)
+
     def test_the_readme_shows_the_real_code(self):
         readme = lab_file("README.md")
         excerpts = re.findall(r"<!-- excerpt: (\w+)\.(\w+) -->\n```python\n(.*?)```", readme,
