@@ -1027,8 +1027,6 @@ def readme_figures(r):
         q = r["story_quality"][kind]
         quoted.append(f"{q['agreeing']} of {q['pronouns_referring_to_the_name']} "
                       f"({q['agreeing_share']:.1%})")
-        quoted += [f"{w['mean_weight_on_the_name']} ({w['even_share']}; over {w['pronouns']})"
-                   for w in q["attention_on_the_name"].values() if w["pronouns"]]
     greedy, sampled = r["story_quality"]["greedy"], r["story_quality"]["sampled"]
     quoted.append(f"| {greedy['stories_of_corpus_words_only']} of 60 | "
                   f"{sampled['stories_of_corpus_words_only']} of 60 |")
@@ -1036,6 +1034,13 @@ def readme_figures(r):
         other = sampled["agreeing_by_opening"][opening]
         quoted.append(f"| {counts['agreeing']} of {counts['pronouns']} | {other['agreeing']} "
                       f"of {other['pronouns']} |")
+    for key, label, bold in (("agreeing", "pronouns that agree", "**"),
+                             ("wrong", "pronouns with the wrong gender", "")):
+        cells = [(f"{bold}{w['mean_weight_on_the_name']}{bold} | {w['even_share']}"
+                  if w["pronouns"] else "— | —") + f" | {w['pronouns']}"
+                 for w in (greedy["attention_on_the_name"][key],
+                           sampled["attention_on_the_name"][key])]
+        quoted.append(f"| {label} | {' | '.join(cells)} |")
     people = [q["pronouns_referring_to_a_person"] for q in (greedy, sampled)]
     quoted.append(" | ".join(f"{p['agreeing']} of {p['pronouns']}" for p in people))
     quoted += [story.rstrip("\n") for story in greedy["stories_with_a_wrong_pronoun"]
