@@ -1064,9 +1064,13 @@ class RecordedFigures(unittest.TestCase):
                    "tom went to the zoo. he saw a lion there.\n",            # only the name; right
                    "zoe made a hat for her friend. she said thank you.\n"]   # the friend's; wrong
         even = [[[1 / (p + 1)] * (p + 1) for p in range(len(TOK.encode(s)))] for s in stories]
-        results = {kind: [{"text": story} for story in stories] for kind in ("greedy", "sampled")}
+        openings = [story[:story.index(". ") + 1] for story in stories]
+        results = {kind: [{"text": story, "steps": [
+            {"token": TOK.vocab[t]} for t in TOK.encode(story[len(opening):])]}
+            for story, opening in zip(stories, openings)] for kind in ("greedy", "sampled")}
         results["weights"] = {"greedy": even, "sampled": even}
-        quality = trace_kv.story_quality(TOK, lab_file("corpus.txt"), results)["greedy"]
+        quality = trace_kv.story_quality(TOK, lab_file("corpus.txt"), openings,
+                                         results)["greedy"]
         self.assertEqual((quality["pronouns_referring_to_the_name"], quality["agreeing"]), (3, 2))
         self.assertEqual(quality["agreeing_by_opening"], {
             "with a pronoun": {"pronouns": 1, "agreeing": 1},
@@ -1077,13 +1081,18 @@ class RecordedFigures(unittest.TestCase):
 
     def test_attention_on_the_name_is_read_where_each_pronoun_was_chosen(self):
         """Made-up rows of weights: position p puts p / 100 on position 0 (the name) and
-        1.0 on every other, so each pronoun's figure shows which row and positions it read."""
+        1.0 on every other, so each pronoun's figure shows which row and positions it read.
+        Here the model wrote "and" letter by letter, where the text's own encoding has one
+        token: the tokens it saw, not the text, decide which row chose "he"."""
         story = "mia was sad. tom gave her a hug, and he smiled.\n"
-        rows = [[p / 100] + [1.0] * p for p in range(len(TOK.encode(story)))]
+        seen = (TOK.encode("mia was sad. tom gave her a hug, ") + [TOK.ids[c] for c in "and"]
+                + TOK.encode(" he smiled.\n"))
+        self.assertEqual(len(seen), len(TOK.encode(story)) + 2)
+        rows = [[p / 100] + [1.0] * p for p in range(len(seen))]
         her = len(TOK.encode("mia was sad. tom gave "))       # the token index of "her"
-        he = len(TOK.encode("mia was sad. tom gave her a hug, and "))
+        he = len(TOK.encode("mia was sad. tom gave her a hug, ")) + 4
         score = story_agreement(story, corpus_rules(lab_file("corpus.txt")))
-        self.assertEqual(trace_kv.attention_on_the_name(TOK, [story], [score], [rows]), {
+        self.assertEqual(trace_kv.attention_on_the_name(TOK, [seen], [score], [rows]), {
             "agreeing": {"pronouns": 1, "mean_weight_on_the_name": round((her - 1) / 100, 4),
                          "even_share": round(1 / her, 4)},
             "wrong": {"pronouns": 1, "mean_weight_on_the_name": round((he - 1) / 100, 4),

@@ -255,7 +255,7 @@ def attention_to_position_0(weights):
             "even_share": _mean([1 / len(row) for row in later])}
 
 
-def story_quality(tok, corpus, results):
+def story_quality(tok, corpus, prompts, results):
     """How well the greedy and the sampled stories keep the corpus's rules
     (train.story_agreement): pronouns that refer to the opening's name and agree with its
     gender, also split by whether the opening holds a pronoun too or only the name tells
@@ -268,6 +268,7 @@ def story_quality(tok, corpus, results):
     for kind in ("greedy", "sampled"):
         stories = [r["text"] for r in results[kind]]
         scores = [story_agreement(story, rules) for story in stories]
+        ids = [story_ids(tok, prompt, r) for prompt, r in zip(prompts, results[kind])]
         right = [all(agrees for _, agrees in sc["referring"] + sc["about_people"])
                  for sc in scores]
         overall = _count([pronoun for sc in scores for pronoun in sc["referring"]])
@@ -288,7 +289,7 @@ def story_quality(tok, corpus, results):
                 story for story, sc, ok in zip(stories, scores, right)
                 if ok and sc["referring"] and not sc["clue_in_opening"]
                 and not sc["unknown_words"]][:3],
-            "attention_on_the_name": attention_on_the_name(tok, stories, scores,
+            "attention_on_the_name": attention_on_the_name(tok, ids, scores,
                                                            results["weights"][kind])}
     return quality
 
@@ -299,16 +300,16 @@ def _count(pronouns):
     return {"pronouns": len(pronouns), "agreeing": sum(agrees for _, agrees in pronouns)}
 
 
-def attention_on_the_name(tok, stories, scores, weights):
+def attention_on_the_name(tok, ids, scores, weights):
     """At each pronoun that refers to a story's name (scores: each story's
     train.story_agreement), the attention weight that the position choosing it (the one
     before it) put on the name's tokens, and the share an even spread over the positions
     it attends would give them; each averaged over the pronouns that agree with the name
-    and over those that do not. weights: each story's rows of attention weights, from a
-    full pass over its tokens."""
+    and over those that do not. ids: each story's token IDs as the model saw them;
+    weights: each story's rows of attention weights, from a full pass over them."""
     found = {True: [], False: []}
-    for story, score, rows in zip(stories, scores, weights):
-        starts = list(accumulate((len(tok.vocab[t]) for t in tok.encode(story)), initial=0))
+    for story_tokens, score, rows in zip(ids, scores, weights):
+        starts = list(accumulate((len(tok.vocab[t]) for t in story_tokens), initial=0))
         for offset, agrees in score["referring"]:
             row, name_tokens = rows[starts.index(offset) - 1], starts.index(len(score["name"]))
             found[agrees].append((fsum(row[:name_tokens]), name_tokens / len(row)))
@@ -426,7 +427,7 @@ def run(full_timing=False, folder=LAB, progress=None):
         "cache_floats_per_position": 2 * model.WIDTH,
         "cache_floats_full_context": 2 * model.WIDTH * model.CONTEXT,
         "greedy_examples": [r["text"] for r in greedy[:3]],
-        "story_quality": story_quality(tok, corpus, results),
+        "story_quality": story_quality(tok, corpus, prompts, results),
         "prefix_sharing": share_prefixes(params, tok, prompts, greedy, results["sampled"]),
         "cost_by_length": [{"positions": length, **work(1, length - 1)} for length in LENGTHS],
         "sums_in_another_order": {"largest_logit_gap_first_story": largest_gap(full, reordered),
