@@ -8,6 +8,7 @@ new row, appends its key and value to the cache, and attends over the cache.
     python3 kv_cache.py "mia found a shell at the beach."    (--help lists the flags)
 """
 import argparse
+import contextlib
 import copy
 import math
 import struct
@@ -18,7 +19,7 @@ from array import array
 import checkpoint
 import generate
 import model
-from model import SCALE, add, dot, layernorm, relu, row, softmax_row
+from model import SCALE, add, dot, layernorm, linear, relu, softmax_row
 
 
 class KVCache:
@@ -35,7 +36,7 @@ class KVCache:
     def _belong_to(self, params):
         model.check_shapes(params)
         self.params = params
-        self.columns = model.columns(params)   # the weight matrices, ready for row()
+        self.columns = model.columns(params)   # the weight matrices, ready for linear()
 
     def __len__(self):
         return len(self.keys)
@@ -104,18 +105,18 @@ def forward_step(params, cache, token_id, position):
     cols = cache.columns
     x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])
     h1 = layernorm(x0, params["ln1_g"], params["ln1_b"])
-    q, k, v = row(h1, cols["Wq"]), row(h1, cols["Wk"]), row(h1, cols["Wv"])
+    q, k, v = linear(h1, cols["Wq"]), linear(h1, cols["Wk"]), linear(h1, cols["Wv"])
     cache.append(token_id, k, v)        # before attention: a position attends to itself too
     keys, values = cache.keys, cache.values      # positions 0..position, from the cache
     scores = [dot(q, k_j) * SCALE for k_j in keys]
     weights = softmax_row(scores)
     mixed = [dot(weights, column) for column in zip(*values)]
-    x1 = add(x0, row(mixed, cols["Wo"]))
+    x1 = add(x0, linear(mixed, cols["Wo"]))
     h2 = layernorm(x1, params["ln2_g"], params["ln2_b"])
-    a = relu(add(row(h2, cols["W1"]), params["b1"]))
-    x2 = add(x1, add(row(a, cols["W2"]), params["b2"]))   # the MLP output plus its bias first
+    a = relu(add(linear(h2, cols["W1"]), params["b1"]))
+    x2 = add(x1, add(linear(a, cols["W2"]), params["b2"]))   # the MLP output plus its bias first
     hf = layernorm(x2, params["lnf_g"], params["lnf_b"])
-    return add(row(hf, cols["W_out"]), params["b_out"])
+    return add(linear(hf, cols["W_out"]), params["b_out"])
 
 
 def feed(params, cache, ids):
@@ -230,7 +231,7 @@ def prefill(params, cache, token_ids, start):
     for i, t in enumerate(token_ids, start):
         x0 = add(params["tok_emb"][t], params["pos_emb"][i])
         h1 = layernorm(x0, params["ln1_g"], params["ln1_b"])
-        q, k, v = row(h1, cols["Wq"]), row(h1, cols["Wk"]), row(h1, cols["Wv"])
+        q, k, v = linear(h1, cols["Wq"]), linear(h1, cols["Wk"]), linear(h1, cols["Wv"])
         x0_and_q.append((x0, q))
         new_keys.append(k)
         new_values.append(v)
@@ -242,12 +243,12 @@ def prefill(params, cache, token_ids, start):
         scores = [dot(q, k_j) * SCALE for k_j in keys]
         weights = softmax_row(scores)
         mixed = [dot(weights, column) for column in zip(*values)]
-        x1 = add(x0, row(mixed, cols["Wo"]))
+        x1 = add(x0, linear(mixed, cols["Wo"]))
         h2 = layernorm(x1, params["ln2_g"], params["ln2_b"])
-        a = relu(add(row(h2, cols["W1"]), params["b1"]))
-        x2 = add(x1, add(row(a, cols["W2"]), params["b2"]))   # the MLP output plus its bias first
+        a = relu(add(linear(h2, cols["W1"]), params["b1"]))
+        x2 = add(x1, add(linear(a, cols["W2"]), params["b2"]))   # the MLP output plus its bias first
         hf = layernorm(x2, params["lnf_g"], params["lnf_b"])
-        logits.append(add(row(hf, cols["W_out"]), params["b_out"]))
+        logits.append(add(linear(hf, cols["W_out"]), params["b_out"]))
     return logits
 
 
@@ -583,6 +584,28 @@ class WindowCache(KVCache):
 
     def _forget_from(self, length):
         del self.tokens[length:], self.sink_keys[length:], self.sink_values[length:]
+
+
+@contextlib.contextmanager
+def watching(function):
+    """Inside this block, every call of function is recorded as it returns: a dict of its
+    local variables (for forward_step: x0, h1, q, k, v, scores, weights, mixed, ...) and
+    "returned". The function is not changed: sys.settrace watches it run."""
+    code, calls = function.__code__, []
+
+    def on_return(frame, event, returned):
+        if event == "return":
+            calls.append(dict(frame.f_locals, returned=returned))
+        return on_return
+
+    def on_call(frame, event, arg):
+        return on_return if frame.f_code is code else None
+    previous = sys.gettrace()
+    sys.settrace(on_call)
+    try:
+        yield calls
+    finally:
+        sys.settrace(previous)
 
 
 def main(argv=None):

@@ -85,12 +85,13 @@ def dot(a, b):
 
 
 def columns(params):
-    """Each weight matrix as a list of its columns, so row() can take dot products."""
+    """Each weight matrix as a list of its columns, so linear() can take dot products."""
     return {name: [list(col) for col in zip(*params[name])] for name in MATRICES}
 
 
-def row(x, cols):
-    """The row vector x times a matrix given by its columns: one dot product per column."""
+def linear(x, cols):
+    """The vector x times a matrix given by its columns (x W, a linear layer without a
+    bias): one dot product per column."""
     return [fsum(map(mul, x, col)) for col in cols]   # dot(x, col), inlined: the hot loop
 
 
@@ -186,7 +187,7 @@ def forward(params, ids, mask=causal):
     for i, t in enumerate(ids):
         x0 = add(params["tok_emb"][t], params["pos_emb"][i])
         h1 = layernorm(x0, params["ln1_g"], params["ln1_b"])
-        q, k, v = row(h1, cols["Wq"]), row(h1, cols["Wk"]), row(h1, cols["Wv"])
+        q, k, v = linear(h1, cols["Wq"]), linear(h1, cols["Wk"]), linear(h1, cols["Wv"])
         _keep(saved, x0=x0, h1=h1, q=q, k=k, v=v)
     logits = []
     for i in range(len(ids)):
@@ -195,12 +196,12 @@ def forward(params, ids, mask=causal):
         scores = [dot(q, k_j) * SCALE for k_j in keys]
         weights = softmax_row(scores)
         mixed = [dot(weights, column) for column in zip(*values)]
-        x1 = add(x0, row(mixed, cols["Wo"]))
+        x1 = add(x0, linear(mixed, cols["Wo"]))
         h2 = layernorm(x1, params["ln2_g"], params["ln2_b"])
-        a = relu(add(row(h2, cols["W1"]), params["b1"]))
-        x2 = add(x1, add(row(a, cols["W2"]), params["b2"]))   # the MLP output plus its bias first
+        a = relu(add(linear(h2, cols["W1"]), params["b1"]))
+        x2 = add(x1, add(linear(a, cols["W2"]), params["b2"]))   # the MLP output plus its bias first
         hf = layernorm(x2, params["lnf_g"], params["lnf_b"])
-        logits.append(add(row(hf, cols["W_out"]), params["b_out"]))
+        logits.append(add(linear(hf, cols["W_out"]), params["b_out"]))
         _keep(saved, weights=weights, mixed=mixed, x1=x1, h2=h2, a=a, x2=x2, hf=hf)
     return logits, saved
 

@@ -59,6 +59,13 @@ def largest_gap(rows, other_rows):
     return max(abs(a - b) for row, other in zip(rows, other_rows) for a, b in zip(row, other))
 
 
+def _common_start(ids, other_ids):
+    """How many positions two lists of token IDs share from the start (the last token
+    chosen is never fed, so at most one less than the shorter)."""
+    fed = min(len(ids), len(other_ids)) - 1
+    return next((i for i in range(fed) if ids[i] != other_ids[i]), fed)
+
+
 @contextlib.contextmanager
 def replaced(module, name, stand_in):
     """Inside this block, module.name is stand_in(real), where real is the original."""
@@ -109,10 +116,12 @@ def compare_on_openings(params, tok, prompts, progress):
             results[kind].append(uncached)
             results["weights"][kind].append(full_passes[-1][1].weights)
             identical[kind] += cached == uncached
-            # The last full pass ran on every token the cache was fed.
-            gap = largest_gap(cached_rows, full_passes[-1][0])
+            # The last full pass ran on every token the cache was fed, unless the two
+            # stories part: then only the rows before that point had the same input.
+            same = _common_start(story_ids(tok, prompt, cached), story_ids(tok, prompt, uncached))
+            gap = largest_gap(cached_rows[:same], full_passes[-1][0][:same])
             every_row["stories"] += 1
-            every_row["positions"] += len(cached_rows)
+            every_row["positions"] += same
             every_row["largest_logit_gap"] = max(every_row["largest_logit_gap"], gap)
             if kind == "greedy":
                 results["greedy_full_rows"].append(full_passes[-1][0])
