@@ -154,10 +154,9 @@ def work(prompt_tokens, generated_tokens):
 
 
 def generate_cached(params, tok, prompt, max_new_tokens=60, temperature=0.0, top_k=None,
-                    seed=0, cache=None, one_pass=False):
+                    seed=0, cache=None):
     """Same arguments and result as generate.generate, computing one new row per step.
-    Given a cache that holds the start of the prompt, starts from a copy of it. With
-    one_pass, the prompt is prefilled in one call of prefill instead of token by token."""
+    Given a cache that holds the start of the prompt, starts from a copy of it."""
     if cache is None:
         cache = KVCache(params)
     ids = generate.check_request(tok, prompt, max_new_tokens, temperature, top_k, seed)
@@ -166,8 +165,6 @@ def generate_cached(params, tok, prompt, max_new_tokens=60, temperature=0.0, top
     def next_logits(ids):
         # The whole prompt on the first call (prefill), then only the token chosen last
         # (decode).
-        if one_pass:
-            return prefill_in_chunks(params, cache, ids, model.CONTEXT)[-1]
         return feed(params, cache, ids)[-1]
     try:
         return generate.generate_with(next_logits, tok, ids, max_new_tokens, temperature,
@@ -259,6 +256,19 @@ def prefill_in_chunks(params, cache, ids, size):
         raise ValueError(f"chunk size must be an int >= 1, got {size!r}")
     return [logits for first in range(_held_prefix(cache, ids), len(ids), size)
             for logits in prefill(params, cache, ids[first:first + size], first)]
+
+
+def generate_one_pass(params, tok, prompt, max_new_tokens=60, temperature=0.0, top_k=None,
+                      seed=0):
+    """generate_cached with the whole prompt prefilled in one call of prefill, then one
+    token per call: the same arguments and result as generate.generate."""
+    cache = KVCache(params)
+    ids = generate.check_request(tok, prompt, max_new_tokens, temperature, top_k, seed)
+
+    def next_logits(ids):
+        return prefill_in_chunks(params, cache, ids, model.CONTEXT)[-1]
+    return generate.generate_with(next_logits, tok, ids, max_new_tokens, temperature, top_k,
+                                  seed)
 
 
 class BlockPool:

@@ -178,11 +178,13 @@ def generation_difference(params, prompt, settings, cached, uncached):
     return f"generate_cached({prompt!r}, {settings}) differs from generate: {how},\n{why}"
 
 
-def assert_same_generation(test, params, prompt, settings, **cached_only):
-    """generate_cached(...) == generate(...) for these settings, or a failure saying where
-    the stories part and which value of which row differs."""
+def assert_same_generation(test, params, prompt, settings, generator="generate_cached",
+                           **cached_only):
+    """kv_cache.generate_cached(...) (or another generator of kv_cache) == generate(...)
+    for these settings, or a failure saying where the stories part and which value of
+    which row differs."""
     uncached = generate.generate(params, TOK, prompt, **settings)
-    cached = generate_cached(params, TOK, prompt, **settings, **cached_only)
+    cached = getattr(kv_cache, generator)(params, TOK, prompt, **settings, **cached_only)
     if cached != uncached:
         test.fail(generation_difference(params, prompt, settings, cached, uncached))
     return cached
@@ -634,7 +636,7 @@ class OnePassPrefill(unittest.TestCase):
         for prompt in OPENINGS[:3]:
             for settings in ({}, {"temperature": 1.0, "seed": 4},
                              {"temperature": 1.0, "top_k": 3, "seed": 5}):
-                assert_same_generation(self, PARAMS, prompt, settings, one_pass=True)
+                assert_same_generation(self, PARAMS, prompt, settings, "generate_one_pass")
 
     def test_one_pass_generation_makes_one_call_for_the_prompt(self):
         calls = []
@@ -644,7 +646,7 @@ class OnePassPrefill(unittest.TestCase):
             calls.append(len(token_ids))
             return real(params, cache, token_ids, start)
         with mock.patch.object(kv_cache, "prefill", counting):
-            result = generate_cached(PARAMS, TOK, OPENINGS[0], one_pass=True)
+            result = kv_cache.generate_one_pass(PARAMS, TOK, OPENINGS[0])
         self.assertEqual(calls, [len(TOK.encode(OPENINGS[0]))] + [1] * (len(result["steps"]) - 1))
 
     def test_chunks_need_a_size_and_the_cache_s_own_sequence(self):
@@ -910,9 +912,6 @@ class Lossy(unittest.TestCase):
                                                 "position, and a WindowCache drops some"):
             kv_cache.prefill(PARAMS, cache, [5, 6], len(cache))
         assert_equal(self, (list(cache.tokens), cache.keys), before, "the window cache")
-        with self.assertRaisesRegex(ValueError, "keeps every position"):
-            generate_cached(PARAMS, TOK, OPENINGS[0], one_pass=True,
-                            cache=kv_cache.WindowCache(PARAMS, 8, 2))
 
     def test_what_a_format_cannot_store_is_refused(self):
         for fmt, vector, fragment in (("float16", [70000.0] + [0.0] * 15, "beyond float16"),

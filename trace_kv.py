@@ -176,7 +176,7 @@ def one_pass_prefill(params, tok, prompts, greedy, full_rows):
     identical, positions["whole prompt"], prompt_calls = 0, 0, 0
     for prompt, result, rows in zip(prompts, greedy, full_rows):
         with recording(kv_cache, "prefill") as calls:
-            identical += generate_cached(params, tok, prompt, one_pass=True) == result
+            identical += kv_cache.generate_one_pass(params, tok, prompt) == result
         fed = [logits for call in calls for logits in call]   # the prompt, then one per step
         gap = max(gap, largest_gap(fed, rows))
         positions["whole prompt"] += len(fed)
