@@ -618,10 +618,48 @@ def watching(function):
         sys.settrace(previous)
 
 
+SHADES = ".:-=+*#%@"   # attention weight, from the least in a row to the most
+
+
+def show_steps(params, tok, prompt, settings):
+    """Print the cached generator's run one forward_step a line: the position and token
+    fed, the keys and values the cache then holds, the rows each generator computes for
+    that step, the token chosen, and the new row's attention weights over the held
+    positions, one character each."""
+    with watching(forward_step) as steps:
+        result = generate_cached(params, tok, prompt, *settings)
+    first_choice = len(tok.encode(prompt)) - 1    # the last prompt position chooses first
+    print(f"One line per forward_step: the token fed at each position. Up to position "
+          f"{first_choice}\nthe prompt fills the cache (prefill); from there each row's "
+          f"logits choose the\nnext token, which is fed next (decode). held: the keys and "
+          f"values in the cache,\none more each step. attention: the row's weight on each "
+          f"held position, one\ncharacter a position, from {SHADES[0]!r} (least) to "
+          f"{SHADES[-1]!r} (most). Without the cache,\nevery row of a line's positions "
+          f"0..pos is computed again for that choice\n(uncached: the triangle the lines "
+          f"draw); with it only the last one (cached:\nthe triangle's right edge, a line)."
+          f"\n")
+    print(f"{'pos':>3} {'token':<8} {'held':>4} {'uncached':>8} {'cached':>6}  {'chose':<8} "
+          f"attention to positions 0..pos")
+    for position, step in enumerate(steps):
+        choosing = position >= first_choice
+        chose = repr(result["steps"][position - first_choice]["token"]) if choosing else ""
+        weights = step.get("weights", [])
+        most = max(weights, default=0) or 1
+        shades = "".join(SHADES[min(len(SHADES) - 1, int(w / most * len(SHADES)))]
+                         for w in weights)
+        print(f"{position:>3} {tok.vocab[step['token_id']]!r:<8} {len(weights):>4} "
+              f"{position + 1 if choosing else '-':>8} {1:>6}  {chose:<8} {shades}")
+    print()
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Continue a story with and without the KV "
                                                  "cache, and compare the two.")
     generate.add_generation_flags(parser)
+    parser.add_argument("--show", action="store_true",
+                        help="watch the cached generator step by step: each position fed, "
+                             "the cache growing, the rows each generator computes and the "
+                             "new row's attention")
     args = parser.parse_args(argv)
     settings = (args.max_new_tokens, args.temperature, args.top_k, args.seed)
     try:
@@ -633,7 +671,12 @@ def main(argv=None):
         end = time.perf_counter()
     except (OSError, ValueError) as e:
         sys.exit(f"kv_cache.py: error: {e}")
-    generate.print_result(cached)
+    if args.show:
+        show_steps(params, tok, args.prompt, settings)
+        print(cached["text"].rstrip("\n"))
+        print(f"stopped: {cached['stopped']}")
+    else:
+        generate.print_result(cached)
     counts = work(len(tok.encode(args.prompt)), len(cached["steps"]))
     for path, seconds in (("uncached", middle - start), ("cached", end - middle)):
         print(f"{path:>8}: {counts[path + '_rows']:6,} rows, "

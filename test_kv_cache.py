@@ -1530,6 +1530,39 @@ class Playground(unittest.TestCase):
                                       rf"+{counts['cached_scores']:,} attention scores")
         self.assertEqual(lines[-1], "identical: yes")
 
+    def test_show_watches_every_step_and_ends_with_the_plain_run_s_totals(self):
+        prompt = "mia was sad."
+        shown, plain = self.run_cli("--show", prompt), self.run_cli(prompt)
+        self.assertEqual(shown.returncode, 0, shown.stderr)
+        lines = shown.stdout.splitlines()
+        self.assertEqual([line for line in lines if len(line) > 80], [])
+        self.assertNotIn("\x1b", shown.stdout)   # no escape codes: it reads the same piped
+        without_times = [re.sub(r"[\d.]+ s$", "", line) for line in lines[-3:]]
+        self.assertEqual(without_times,
+                         [re.sub(r"[\d.]+ s$", "", line) for line in plain.stdout.splitlines()[-3:]])
+        result = generate.generate(PARAMS, TOK, prompt)
+        ids = trace_kv.story_ids(TOK, prompt, result)[:-1]    # every position fed
+        _, saved = model.forward(PARAMS, ids)
+        table = lines[lines.index(next(l for l in lines if l.startswith("pos token"))) + 1:]
+        columns = (slice(0, 3), slice(4, 12), slice(13, 17), slice(18, 26), slice(27, 33),
+                   slice(35, 43), slice(44, None))   # pos token held uncached cached chose ...
+        table = [[line[c].strip() for c in columns] for line in table[:len(ids)]]
+        first_choice = len(TOK.encode(prompt)) - 1
+        for position, cells in enumerate(table):
+            with self.subTest(position=position):
+                self.assertEqual(cells[:2], [str(position), repr(TOK.vocab[ids[position]])])
+                self.assertEqual(cells[2], str(position + 1))          # held: one more a step
+                self.assertEqual(cells[3], str(position + 1) if position >= first_choice else "-")
+                self.assertEqual(cells[4], "1")
+                weights = saved.weights[position]
+                self.assertEqual(cells[-1], "".join(
+                    kv_cache.SHADES[min(8, int(w / max(weights) * 9))] for w in weights))
+        counts = trace_kv.work(first_choice + 1, len(result["steps"]))
+        self.assertEqual(sum(int(c[3]) for c in table if c[3] != "-"), counts["uncached_rows"])
+        self.assertEqual(len(table), counts["cached_rows"])
+        self.assertEqual([c[5] for c in table[first_choice:]],
+                         [repr(step["token"]) for step in result["steps"]])
+
     def test_playground_refuses_bad_arguments_in_one_line(self):
         for args, fragment in ((["mia!"], "unknown character"),
                                (["mia", "--top-k", "0"], "top_k"),
