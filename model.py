@@ -184,8 +184,8 @@ def forward(params, ids, mask=causal):
     check_ids(ids)
     cols = columns(params)
     saved = Saved(*([] for _ in Saved._fields))
-    for i, t in enumerate(ids):
-        x0 = add(params["tok_emb"][t], params["pos_emb"][i])
+    for position, token_id in enumerate(ids):
+        x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])
         h1 = layernorm(x0, params["ln1_g"], params["ln1_b"])
         q, k, v = linear(h1, cols["Wq"]), linear(h1, cols["Wk"]), linear(h1, cols["Wv"])
         _keep(saved, x0=x0, h1=h1, q=q, k=k, v=v)

@@ -1187,89 +1187,9 @@ class Reuse(unittest.TestCase):
             self.assertEqual(len(alone["steps"]), 12)
 
 
-def readme_figures(r):
-    """Every figure of the record r that README.md quotes, as it is written there."""
-    sharing = r["prefix_sharing"]
-    every_row = r["every_row_of_every_story"]
-    quoted = [f"{count:,}" for count in r["work"].values()] + [
-        f"every position of the {every_row['stories']} stories (60 greedy, 60 sampled): "
-        f"{every_row['positions']:,} rows of 96 scores | **{every_row['largest_logit_gap']}**",
-        f"bit for bit ({every_row['positions']:,} positions)",
-        f"which generated {r['generated_tokens']:,} tokens ({r['greedy_ended_with_newline']} of "
-        f"60 ended their\nstory with a newline)",
-        f"over all {r['positions_checked']} positions of the first test story",
-        f"| rows (positions run through the model) | {r['work']['uncached_rows']:,} | "
-        f"{r['work']['cached_rows']:,} | {r['rows_ratio']}x |",
-        f"| attention scores | {r['work']['uncached_scores']:,} | {r['work']['cached_scores']:,} "
-        f"| {r['scores_ratio']}x |",
-        f"close to the rows ratio ({r['rows_ratio']}x)",
-        f"**{r['largest_logit_gap_first_story']}**",
-        f"**{r['greedy_identical']} of {r['stories']}**",
-        f"**{r['sampled_identical']} of {r['stories']}**",
-        f"All {sharing['identical']} of {sharing['runs']} results are identical",
-        f"{sharing['prompt_rows_with_sharing']:,} rows instead of "
-        f"{sharing['prompt_rows_without_sharing']:,} ("
-        f"{sharing['prompt_rows_without_sharing'] - sharing['prompt_rows_with_sharing']:,} "
-        f"rows saved)",
-        repr(r["sums_in_another_order"]["largest_logit_gap_first_story"]),
-    ] + [text.rstrip("\n") for text in r["greedy_examples"]] + [
-        f"| {e['positions']} | {e['uncached_rows']:,} | {e['cached_rows']:,} | "
-        f"{e['uncached_scores']:,} | {e['cached_scores']:,} |" for e in r["cost_by_length"]]
-    quoted += [f"    {kind} [{', '.join(str(e[key]) for e in r['cost_by_length'])}]"
-               for kind, key in (("bar", "uncached_rows"), ("line", "cached_rows"))]
-    quoted += trace_kv.summary(r, None).splitlines()   # all but the times of one run
-    one_pass, paged = r["one_pass_prefill"], r["paged"]
-    chunks = one_pass["positions_compared_by_chunk"]
-    sharing = paged["prefix_sharing_blocks_of_4"]
-    quoted += [
-        f"**{one_pass['largest_logit_gap']}** largest gap, {chunks['1']:,} positions for "
-        f"each chunk size",
-        f"{chunks['whole prompt']:,} positions; **{one_pass['greedy_identical']} of 60** "
-        f"stories identical",
-        f"{one_pass['prompt_calls_one_token_at_a_time']:,} one token at a time; "
-        f"{one_pass['prompt_calls_one_pass']} in one pass",
-        f"which hold {paged['positions_held']:,}\npositions at their end",
-        f"share {sharing['blocks_shared']} blocks, so their prompts cost "
-        f"{sharing['prompt_rows_with_sharing']:,} rows instead of "
-        f"{sharing['prompt_rows_without_sharing']:,}",
-        f"**{sharing['greedy_identical']} of 60** greedy stories continued from the pool"]
-    quoted += [f" | {slots:,} | {paged['wasted_share'][way]:.1%} |"
-               for way, slots in paged["slots_reserved"].items()]
-    for rung in r["ladder"]["rungs"]:
-        size, kept = rung["bytes_per_position"], rung["positions_kept"]
-        quoted.append(f"| {rung['cache']} | {'—' if size is None else f'{size:g}'} | "
-                      f"{'all' if kept is None else kept} | {rung['largest_logit_gap']!r} | "
-                      f"{rung['greedy_stories_changed']} | {rung['sampled_stories_changed']} |")
-    for kind in ("greedy", "sampled"):
-        q = r["story_quality"][kind]
-        quoted.append(f"{q['agreeing']} of {q['pronouns_referring_to_the_name']} "
-                      f"({q['agreeing_share']:.1%})")
-    greedy, sampled = r["story_quality"]["greedy"], r["story_quality"]["sampled"]
-    quoted.append(f"| {greedy['stories_of_corpus_words_only']} of 60 | "
-                  f"{sampled['stories_of_corpus_words_only']} of 60 |")
-    for opening, counts in greedy["agreeing_by_opening"].items():
-        other = sampled["agreeing_by_opening"][opening]
-        quoted.append(f"| {counts['agreeing']} of {counts['pronouns']} | {other['agreeing']} "
-                      f"of {other['pronouns']} |")
-    for key, label, bold in (("agreeing", "pronouns that agree", "**"),
-                             ("wrong", "pronouns with the wrong gender", "")):
-        cells = [(f"{bold}{w['mean_weight_on_the_name']}{bold} | {w['even_share']}"
-                  if w["pronouns"] else "— | —") + f" | {w['pronouns']}"
-                 for w in (greedy["attention_on_the_name"][key],
-                           sampled["attention_on_the_name"][key])]
-        quoted.append(f"| {label} | {' | '.join(cells)} |")
-    people = [q["pronouns_referring_to_a_person"] for q in (greedy, sampled)]
-    quoted.append(" | ".join(f"{p['agreeing']} of {p['pronouns']}" for p in people))
-    quoted += [story.rstrip("\n") for story in greedy["stories_with_a_wrong_pronoun"]
-               + greedy["first_three_right_where_only_the_name_tells"]]
-    attention = r["attention_to_position_0"]
-    quoted += [f"(of {r['ladder']['stories']})", f"**{attention['mean_weight']}**",
-               f"even share ({attention['even_share']})"]
-    return quoted
-
-
 class RecordedFigures(unittest.TestCase):
-    """The figures in kv-trace.json that the README quotes, against real runs."""
+    """The figures in kv-trace.json that the README quotes, against real runs (that the
+    README quotes them is test_readme's part)."""
 
     @classmethod
     def setUpClass(cls):
@@ -1338,34 +1258,6 @@ class RecordedFigures(unittest.TestCase):
             self.assertEqual(counted["uncached_rows"], entry["uncached_rows"])
             self.assertEqual(counted["cached_rows"], entry["cached_rows"])
             self.assertEqual(entry, {"positions": length, **trace_kv.work(1, length - 1)})
-
-    def test_the_readme_quotes_the_recorded_figures(self):
-        readme = lab_file("README.md")
-        chunks = self.record["one_pass_prefill"]["positions_compared_by_chunk"]
-        self.assertEqual(len(set(chunks.values()) - {chunks["whole prompt"]}), 1)
-        for figure in readme_figures(self.record):
-            with self.subTest(figure=figure):
-                self.assertTrue(figure in readme, "not in README.md")   # not the whole text
-
-    def test_the_readme_quotes_the_checkpoint_figures(self):
-        meta = json.loads(lab_file("best.json"))["meta"]
-        val, baseline = meta["val_loss"], meta["unigram_baseline"]
-        readme = lab_file("README.md")
-        for figure in (f"| {baseline:.4f} nats per token |",
-                       f"| {val:.4f} nats per token, {val / baseline:.1%} of the baseline |",
-                       f"best validation loss {val:.4f} = {val / baseline:.1%} of the unigram "
-                       f"baseline (epoch {meta['epoch']})"):
-            with self.subTest(figure=figure):
-                self.assertIn(figure, readme)
-
-    def test_the_readme_shows_the_real_code(self):
-        readme = lab_file("README.md")
-        excerpts = re.findall(r"<!-- excerpt: (\w+)\.(\w+) -->\n```python\n(.*?)```", readme,
-                              re.DOTALL)
-        self.assertGreaterEqual(len(excerpts), 4)
-        for module, function, code in excerpts:
-            with self.subTest(excerpt=f"{module}.{function}"):
-                self.assertIn(code, inspect.getsource(getattr(sys.modules[module], function)))
 
     def test_slots_reserved_are_what_a_real_pool_takes(self):
         """The record's slots per block size, by formula, against a pool that holds the
@@ -1469,7 +1361,7 @@ class Summary(unittest.TestCase):
     def test_the_summary_gives_the_verdicts_the_work_and_the_speed_up(self):
         r, every = self.record, self.record["every_row_of_every_story"]
         lines = trace_kv.summary(r, self.timing).splitlines()
-        self.assertIn(f"  every row of scores equal, bit for bit: yes (largest gap 0.0 over "
+        self.assertIn(f"  every row's logits equal, bit for bit: yes (largest gap 0.0 over "
                       f"{every['positions']:,} positions of 120 stories)", lines)
         self.assertIn("  greedy stories identical:  yes (60 of 60)", lines)
         self.assertIn("  sampled stories identical: yes (60 of 60, temperature 1.0)", lines)

@@ -489,7 +489,7 @@ def summary(record, timing):
         return "yes" if ok else "NO"
     lines = [
         "Exactness",
-        f"  every row of scores equal, bit for bit: "
+        f"  every row's logits equal, bit for bit: "
         f"{verdict(every['largest_logit_gap'] == 0.0)} (largest gap "
         f"{every['largest_logit_gap']!r} over {every['positions']:,} positions of "
         f"{every['stories']} stories)",
@@ -578,7 +578,7 @@ def main(argv=None):
         # Read the record first, so that a missing one fails before the long run.
         recorded = read_record(os.path.join(args.folder, TRACE)) if args.check else None
         print("Running both generators on the openings of the 60 test stories, greedy and "
-              "sampled, and comparing every row of scores (about 25 s):", file=sys.stderr)
+              "sampled, and comparing every row's logits (about 25 s):", file=sys.stderr)
         record, timing = run(args.write, args.folder, show_progress)
     except (OSError, ValueError) as e:
         sys.exit(f"trace_kv.py: error: {e}")

@@ -1,0 +1,331 @@
+"""README.md against the code: every example, excerpt, diagram and figure it shows.
+
+These are text checks, kept apart from the number checks of the other test modules. A
+change you make on purpose (an edited function, new output, a retrained best.json)
+fails them until README.md is brought up to date, and the message says what to copy
+where. The exactness of the cache is tested in test_kv_cache.py, not here."""
+import ast
+import difflib
+import inspect
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import unittest
+
+import kv_cache
+import model
+import trace_kv
+from generate import load_trained
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ON_PURPOSE = ("If you changed the code or retrained on purpose, this is expected: bring "
+              "README.md up to date")
+TIMES = re.compile(r"\d[\d,]*\.\d+ (s|µs)\b")   # seconds vary from run to run
+
+
+def readme():
+    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+        return f.read()
+
+
+def lab_json(name):
+    with open(os.path.join(HERE, name), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def fenced_blocks(text):
+    """(line number, first line, lines) of every fenced block of text."""
+    return [(text[:found.start()].count("\n") + 2, found.group(1), found.group(2).splitlines())
+            for found in re.finditer(r"^```(\w*)\n(.*?)^```$", text, re.M | re.S)]
+
+
+def mismatch(shown, printed):
+    """None if the lines printed match the lines shown, else the first line that does not:
+    times are not compared, and a line "..." in shown stands for any number of lines."""
+    shown = [TIMES.sub("<seconds>", line) for line in shown]
+    printed = [TIMES.sub("<seconds>", line) for line in printed]
+    at, skipping = 0, False
+    for line in shown:
+        if line == "...":
+            skipping = True
+            continue
+        if skipping:
+            found = next((i for i in range(at, len(printed)) if printed[i] == line), None)
+            if found is None:
+                return f"the README shows {line!r}, which the command does not print after line {at}"
+            at, skipping = found + 1, False
+        elif at >= len(printed) or printed[at] != line:
+            got = printed[at] if at < len(printed) else "(nothing more)"
+            return f"line {at + 1}: the README shows {line!r}, the command prints {got!r}"
+        else:
+            at += 1
+    if not skipping and at < len(printed):
+        return f"the command prints more than the README shows, from line {at + 1}: {printed[at]!r}"
+    return None
+
+
+def the_row_side_by_side():
+    """model.forward's two loops over positions against kv_cache.forward_step after its
+    checks, as a diff generated from their real source: the lines they share, and those
+    that differ (what each keeps, where the keys and values come from)."""
+    def body_lines(function, statements):
+        lines = inspect.getsource(function).splitlines()
+        return [lines[line - 1].strip() for s in statements
+                for line in range(s.lineno, s.end_lineno + 1)]
+    forward = ast.parse(inspect.getsource(model.forward)).body[0]
+    loops = [s for s in forward.body if isinstance(s, ast.For)]
+    step = ast.parse(inspect.getsource(kv_cache.forward_step)).body[0]
+    after_checks = next(i for i, s in enumerate(step.body) if isinstance(s, ast.Assign))
+    for_each_position = body_lines(model.forward, [s for loop in loops for s in loop.body])
+    one_position = body_lines(kv_cache.forward_step, step.body[after_checks:])
+    diff = list(difflib.unified_diff(for_each_position, one_position, lineterm="",
+                                     n=len(one_position)))
+    return ["--- model.forward: the body of its loops, for each position",
+            "+++ kv_cache.forward_step: after its checks, for one position"] + diff[3:]
+
+
+def block_table_diagram():
+    """Section 16's Mermaid picture, from a real pool of blocks of 4: one prompt fed, then
+    a second that begins like it."""
+    params, tok = load_trained()
+    pool = kv_cache.BlockPool(params, 64, 4)
+    prompts = ("mia was sad. tom gave her a hug.", "mia was tired.")
+    sequences = []
+    for prompt in prompts:
+        ids = tok.encode(prompt)
+        sequences.append(pool.sequence(ids))
+        kv_cache.feed(params, sequences[-1], ids)
+    shared = set(sequences[0].table) & set(sequences[1].table)
+
+    def tokens(block):
+        return ", ".join("space" if tok.vocab[t] == " " else tok.vocab[t]
+                         for t in pool.blocks[block][0])
+    lines = ["flowchart LR", '    subgraph tables["block tables"]']
+    for name, prompt, seq in zip("AB", prompts, sequences):
+        lines.append(f'        {name}["{prompt}<br/>blocks {", ".join(map(str, seq.table))}"]')
+    lines += ["    end", '    subgraph pool["BlockPool: blocks of 4 positions"]']
+    for block in sorted(set(sequences[0].table) | set(sequences[1].table)):
+        lines.append(f'        P{block}["{block}: {tokens(block)}<br/>(refs {pool.refs[block]})"]')
+    lines.append("    end")
+    for name, seq in zip("AB", sequences):
+        lines += [f"    {name} --> P{block}" for block in seq.table]
+    return lines, shared
+
+
+def lesson_words(text):
+    """The words of the lesson (sections 1 to 14), without its code blocks, tables,
+    indented formula blocks, comments and link targets."""
+    lesson = text[text.index("### 1. "):text.index("## Part 2")]
+    lesson = re.sub(r"^```.*?^```$", "", lesson, flags=re.M | re.S)
+    kept = [line for line in lesson.splitlines()
+            if not line.startswith(("|", "    ", "<!--"))]
+    prose = re.sub(r"\]\([^)]*\)", "]", "\n".join(kept))
+    return [word for word in prose.split() if re.search(r"[A-Za-z0-9]", word)]
+
+
+class Examples(unittest.TestCase):
+
+    def test_every_example_prints_what_the_readme_shows(self):
+        """Each fenced block whose first line is "$ python3 ..." is run from the lab's
+        folder; training logs (python3 train.py) are one real run's and are tied to
+        best.json by test_the_readme_quotes_the_checkpoint_figures instead."""
+        examples = [(line, block[0], block[1:]) for line, _, block in fenced_blocks(readme())
+                    if block and block[0].startswith("$ python3 ")
+                    and not block[0].startswith("$ python3 train.py")]
+        self.assertGreaterEqual(len(examples), 2)
+        for line, command, shown in examples:
+            with self.subTest(command=command):
+                done = subprocess.run([sys.executable, *shlex.split(command[len("$ python3 "):])],
+                                      cwd=HERE, capture_output=True, text=True, timeout=120)
+                found = mismatch(shown, (done.stdout + done.stderr).splitlines())
+                if found:
+                    self.fail(f"README.md line {line}, `{command}`: {found}.\n{ON_PURPOSE}: "
+                              f"run the command and copy what it prints.")
+
+    def test_the_summary_shown_is_what_trace_kv_prints_for_the_recorded_run(self):
+        text = readme()
+        block = next(lines for _, _, lines in fenced_blocks(text) if lines[0] == "Exactness")
+        printed = trace_kv.summary(lab_json(trace_kv.TRACE), lab_json(trace_kv.TIMES))
+        printed += f"The full record: {trace_kv.TRACE} (or python3 trace_kv.py --json)"
+        self.assertEqual(block, printed.splitlines(),
+                         f"the summary in README.md is not what trace_kv.py prints for "
+                         f"kv-trace.json and kv-time.json. {ON_PURPOSE}.")
+
+    def test_section_5_shows_the_row_side_by_side_from_the_real_source(self):
+        wanted = the_row_side_by_side()
+        blocks = [lines for _, kind, lines in fenced_blocks(readme()) if kind == "diff"]
+        if wanted not in blocks:
+            self.fail(f"section 5's diff is generated from model.forward and "
+                      f"kv_cache.forward_step, which changed. {ON_PURPOSE}: the new diff is\n"
+                      + "\n".join(wanted))
+        changed = [line for line in wanted[2:] if line[:1] in "+-"]
+        keys = [line for line in changed if line[1:].startswith("keys, values =")]
+        self.assertEqual(len(keys), 2)   # where the keys and values come from: the one line
+
+    def test_the_block_table_diagram_is_a_real_pool(self):
+        wanted, shared = block_table_diagram()
+        self.assertTrue(shared)          # the second prompt reuses the first's full blocks
+        blocks = [lines for _, kind, lines in fenced_blocks(readme()) if kind == "mermaid"]
+        if wanted not in blocks:
+            self.fail(f"section 16's block tables are not what a real pool holds. "
+                      f"{ON_PURPOSE}: the diagram is\n" + "\n".join(wanted))
+
+    def test_the_readme_shows_the_real_code(self):
+        excerpts = re.findall(r"<!-- excerpt: (\w+)\.(\w+) -->\n```python\n(.*?)```", readme(),
+                              re.DOTALL)
+        self.assertGreaterEqual(len(excerpts), 2)
+        for module, function, code in excerpts:
+            with self.subTest(excerpt=f"{module}.{function}"):
+                self.assertTrue(code in inspect.getsource(getattr(sys.modules[module], function)),
+                                f"README.md's excerpt of {module}.{function} is not in its "
+                                f"source any more. {ON_PURPOSE}: copy the lines again.")
+
+    def test_the_lesson_is_at_most_2500_words(self):
+        words = len(lesson_words(readme()))
+        self.assertLessEqual(words, 2500, "the lesson (sections 1 to 14, without code, "
+                                          "tables and formulas) has grown past 2,500 words")
+        self.assertIn(f"{words:,} words", readme())   # the README says its own length
+
+    def test_the_lesson_counts_its_words_without_code_tables_and_formulas(self):
+        text = ("### 1. One\n\nTwo words, [a link](https://x.y/z).\n\n```python\nx = 1\n```\n"
+                "| a | table |\n    a formula\n<!-- a comment -->\n- a list `item`\n## Part 2\n")
+        self.assertEqual(lesson_words(text),
+                         ["1.", "One", "Two", "words,", "[a", "link].", "a", "list", "`item`"])
+
+    def test_a_line_shown_must_match_except_times_and_elided_lines(self):
+        printed = ["uncached: 198 rows, 0.067 s", "a", "b", "c", "identical: yes"]
+        self.assertIsNone(mismatch(["uncached: 198 rows, 1.234 s", "...", "identical: yes"],
+                                   printed))
+        self.assertIn("line 1", mismatch(["uncached: 225 rows, 0.067 s", "..."], printed))
+        self.assertIn("prints more", mismatch(printed[:3], printed))
+        self.assertIn("does not print", mismatch(["...", "identical: NO"], printed))
+
+
+class RecordedFigures(unittest.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        cls.record = lab_json(trace_kv.TRACE)
+
+    def test_the_readme_quotes_the_recorded_times(self):
+        """The times of section 7 and 8 are kv-time.json's, the run of the last --write."""
+        t, text = lab_json(trace_kv.TIMES), readme()
+        figures = [f"| 60 greedy stories | {t['uncached_seconds']:.3f} s | {t['cached_seconds']:.3f} s |",
+                   f"| per row | {t['uncached_microseconds_per_row']} µs | "
+                   f"{t['cached_microseconds_per_row']} µs |",
+                   f"| speed-up | | **{t['speedup']}x** |", f"The speed-up ({t['speedup']}x)",
+                   f"{t['python']} (the other core idle)", t["machine"],
+                   f"**{t['cache_bytes_full_context']:,} bytes** ("
+                   f"{t['cache_bytes_per_position']:,} bytes per position"]
+        figures += [f"| {e['uncached_seconds']:.4f} | {e['cached_seconds']:.4f} | {e['speedup']}x |"
+                    for e in t["cost_by_length"]]
+        for figure in figures:
+            with self.subTest(figure=figure):
+                self.assertTrue(figure in text, f"not in README.md. {ON_PURPOSE}.")
+
+    def test_the_readme_quotes_the_recorded_figures(self):
+        text = readme()
+        chunks = self.record["one_pass_prefill"]["positions_compared_by_chunk"]
+        self.assertEqual(len(set(chunks.values()) - {chunks["whole prompt"]}), 1)
+        for figure in readme_figures(self.record):
+            with self.subTest(figure=figure):
+                self.assertTrue(figure in text, "not in README.md")   # not the whole text
+
+    def test_the_readme_quotes_the_checkpoint_figures(self):
+        meta = lab_json("best.json")["meta"]
+        val, baseline = meta["val_loss"], meta["unigram_baseline"]
+        text = readme()
+        for figure in (f"| {baseline:.4f} nats per token |",
+                       f"| {val:.4f} nats per token, {val / baseline:.1%} of the baseline |",
+                       f"best validation loss {val:.4f} = {val / baseline:.1%} of the unigram "
+                       f"baseline (epoch {meta['epoch']})"):
+            with self.subTest(figure=figure):
+                self.assertTrue(figure in text, f"not in README.md. {ON_PURPOSE}.")
+
+
+def readme_figures(r):
+    """Every figure of the record r that README.md quotes, as it is written there."""
+    sharing = r["prefix_sharing"]
+    every_row = r["every_row_of_every_story"]
+    quoted = [f"{count:,}" for count in r["work"].values()] + [
+        f"every position of the {every_row['stories']} stories (60 greedy, 60 sampled): "
+        f"{every_row['positions']:,} rows of 96 logits | **{every_row['largest_logit_gap']}**",
+        f"bit for bit ({every_row['positions']:,} positions)",
+        f"which generated {r['generated_tokens']:,} tokens ({r['greedy_ended_with_newline']} of "
+        f"60 ended with a newline)",
+        f"over all {r['positions_checked']} positions of the first test story",
+        f"| rows (positions run through the model) | {r['work']['uncached_rows']:,} | "
+        f"{r['work']['cached_rows']:,} | {r['rows_ratio']}x |",
+        f"| attention scores | {r['work']['uncached_scores']:,} | {r['work']['cached_scores']:,} "
+        f"| {r['scores_ratio']}x |",
+        f"close to the rows ratio ({r['rows_ratio']}x)",
+        f"**{r['largest_logit_gap_first_story']}**",
+        f"**{r['greedy_identical']} of {r['stories']}**",
+        f"**{r['sampled_identical']} of {r['stories']}**",
+        f"All {sharing['identical']} of {sharing['runs']} results are identical",
+        f"{sharing['prompt_rows_with_sharing']:,} rows instead of "
+        f"{sharing['prompt_rows_without_sharing']:,} ("
+        f"{sharing['prompt_rows_without_sharing'] - sharing['prompt_rows_with_sharing']:,} "
+        f"rows saved)",
+        repr(r["sums_in_another_order"]["largest_logit_gap_first_story"]),
+    ] + [text.rstrip("\n") for text in r["greedy_examples"]] + [
+        f"| {e['positions']} | {e['uncached_rows']:,} | {e['cached_rows']:,} | "
+        f"{e['uncached_scores']:,} | {e['cached_scores']:,} |" for e in r["cost_by_length"]]
+    quoted += [f"    {kind} [{', '.join(str(e[key]) for e in r['cost_by_length'])}]"
+               for kind, key in (("bar", "uncached_rows"), ("line", "cached_rows"))]
+    quoted += trace_kv.summary(r, None).splitlines()   # all but the times of one run
+    one_pass, paged = r["one_pass_prefill"], r["paged"]
+    chunks = one_pass["positions_compared_by_chunk"]
+    sharing = paged["prefix_sharing_blocks_of_4"]
+    quoted += [
+        f"**{one_pass['largest_logit_gap']}** largest gap, {chunks['1']:,} positions for "
+        f"each chunk size",
+        f"{chunks['whole prompt']:,} positions; **{one_pass['greedy_identical']} of 60** "
+        f"stories identical",
+        f"{one_pass['prompt_calls_one_token_at_a_time']:,} one token at a time; "
+        f"{one_pass['prompt_calls_one_pass']} in one pass",
+        f"which hold {paged['positions_held']:,}\npositions at their end",
+        f"share {sharing['blocks_shared']} blocks, so their prompts cost "
+        f"{sharing['prompt_rows_with_sharing']:,} rows instead of "
+        f"{sharing['prompt_rows_without_sharing']:,}",
+        f"**{sharing['greedy_identical']} of 60** greedy stories continued from the pool"]
+    quoted += [f" | {slots:,} | {paged['wasted_share'][way]:.1%} |"
+               for way, slots in paged["slots_reserved"].items()]
+    for rung in r["ladder"]["rungs"]:
+        size, kept = rung["bytes_per_position"], rung["positions_kept"]
+        quoted.append(f"| {rung['cache']} | {'—' if size is None else f'{size:g}'} | "
+                      f"{'all' if kept is None else kept} | {rung['largest_logit_gap']!r} | "
+                      f"{rung['greedy_stories_changed']} | {rung['sampled_stories_changed']} |")
+    for kind in ("greedy", "sampled"):
+        q = r["story_quality"][kind]
+        quoted.append(f"{q['agreeing']} of {q['pronouns_referring_to_the_name']} "
+                      f"({q['agreeing_share']:.1%})")
+    greedy, sampled = r["story_quality"]["greedy"], r["story_quality"]["sampled"]
+    quoted.append(f"| {greedy['stories_of_corpus_words_only']} of 60 | "
+                  f"{sampled['stories_of_corpus_words_only']} of 60 |")
+    for opening, counts in greedy["agreeing_by_opening"].items():
+        other = sampled["agreeing_by_opening"][opening]
+        quoted.append(f"| {counts['agreeing']} of {counts['pronouns']} | {other['agreeing']} "
+                      f"of {other['pronouns']} |")
+    for key, label, bold in (("agreeing", "pronouns that agree", "**"),
+                             ("wrong", "pronouns with the wrong gender", "")):
+        cells = [(f"{bold}{w['mean_weight_on_the_name']}{bold} | {w['even_share']}"
+                  if w["pronouns"] else "— | —") + f" | {w['pronouns']}"
+                 for w in (greedy["attention_on_the_name"][key],
+                           sampled["attention_on_the_name"][key])]
+        quoted.append(f"| {label} | {' | '.join(cells)} |")
+    people = [q["pronouns_referring_to_a_person"] for q in (greedy, sampled)]
+    quoted.append(" | ".join(f"{p['agreeing']} of {p['pronouns']}" for p in people))
+    quoted += [story.rstrip("\n") for story in greedy["stories_with_a_wrong_pronoun"]
+               + greedy["first_three_right_where_only_the_name_tells"]]
+    attention = r["attention_to_position_0"]
+    quoted += [f"(of {r['ladder']['stories']})", f"**{attention['mean_weight']}**",
+               f"even share ({attention['even_share']})"]
+    return quoted
+
+
+if __name__ == "__main__":
+    unittest.main()
