@@ -42,7 +42,7 @@ def fenced_blocks(text):
             for found in re.finditer(r"^```(\w*)\n(.*?)^```$", text, re.M | re.S)]
 
 
-def mismatch(shown, printed):
+def mismatch(shown, printed, source="the command"):
     """None if the lines printed match the lines shown, else the first line that does not:
     times are not compared, and a line "..." in shown stands for any number of lines."""
     shown = [TIMES.sub("<seconds>", line) for line in shown]
@@ -55,15 +55,15 @@ def mismatch(shown, printed):
         if skipping:
             found = next((i for i in range(at, len(printed)) if printed[i] == line), None)
             if found is None:
-                return f"the README shows {line!r}, which the command does not print after line {at}"
+                return f"the README shows {line!r}, which {source} does not give after line {at}"
             at, skipping = found + 1, False
         elif at >= len(printed) or printed[at] != line:
             got = printed[at] if at < len(printed) else "(nothing more)"
-            return f"line {at + 1}: the README shows {line!r}, the command prints {got!r}"
+            return f"line {at + 1}: the README shows {line!r}, {source} gives {got!r}"
         else:
             at += 1
     if not skipping and at < len(printed):
-        return f"the command prints more than the README shows, from line {at + 1}: {printed[at]!r}"
+        return f"{source} gives more than the README shows, from line {at + 1}: {printed[at]!r}"
     return None
 
 
@@ -159,8 +159,9 @@ class Examples(unittest.TestCase):
         blocks = [lines for _, kind, lines in fenced_blocks(readme()) if kind == "diff"]
         if wanted not in blocks:
             self.fail(f"section 5's diff is generated from model.forward and "
-                      f"kv_cache.forward_step, which changed. {ON_PURPOSE}: the new diff is\n"
-                      + "\n".join(wanted))
+                      f"kv_cache.forward_step, which changed: {mismatch(blocks[0], wanted, 'the source')}. "
+                      f"{ON_PURPOSE}: the_row_side_by_side() in test_readme.py gives the "
+                      f"new diff")
         changed = [line for line in wanted[2:] if line[:1] in "+-"]
         keys = [line for line in changed if line[1:].startswith("keys, values =")]
         self.assertEqual(len(keys), 2)   # where the keys and values come from: the one line
@@ -170,8 +171,9 @@ class Examples(unittest.TestCase):
         self.assertTrue(shared)          # the second prompt reuses the first's full blocks
         blocks = [lines for _, kind, lines in fenced_blocks(readme()) if kind == "mermaid"]
         if wanted not in blocks:
-            self.fail(f"section 16's block tables are not what a real pool holds. "
-                      f"{ON_PURPOSE}: the diagram is\n" + "\n".join(wanted))
+            self.fail(f"section 16's block tables are not what a real pool holds: "
+                      f"{mismatch(blocks[-1], wanted, 'a real pool')}. {ON_PURPOSE}: block_table_diagram() "
+                      f"in test_readme.py gives the new diagram")
 
     def test_the_readme_shows_the_real_code(self):
         excerpts = re.findall(r"<!-- excerpt: (\w+)\.(\w+) -->\n```python\n(.*?)```", readme(),
@@ -200,8 +202,8 @@ class Examples(unittest.TestCase):
         self.assertIsNone(mismatch(["uncached: 198 rows, 1.234 s", "...", "identical: yes"],
                                    printed))
         self.assertIn("line 1", mismatch(["uncached: 225 rows, 0.067 s", "..."], printed))
-        self.assertIn("prints more", mismatch(printed[:3], printed))
-        self.assertIn("does not print", mismatch(["...", "identical: NO"], printed))
+        self.assertIn("gives more", mismatch(printed[:3], printed))
+        self.assertIn("does not give", mismatch(["...", "identical: NO"], printed))
 
 
 class RecordedFigures(unittest.TestCase):
