@@ -1,8 +1,8 @@
 """Generation without a cache: for every new token, run the whole model on every token
-so far and use only the last row of scores. Simple, and it redoes all the work for the
+so far and use only the last row's logits. Simple, and it redoes all the work for the
 opening at every step. kv_cache.py keeps that work instead.
 
-    python3 generate.py "mia found a shell at the beach." [--temperature T] [--top-k K]
+    python3 generate.py "zoe went to the park." [--temperature T] [--top-k K]
                         [--seed S] [--max-new-tokens N]
 
 A prompt is lowercase letters, spaces, commas and periods: the stories' alphabet.
@@ -18,7 +18,7 @@ from bpe import Tokenizer
 from train import CONFIG
 
 PROMPT_HELP = ("the opening to continue, in lowercase letters, spaces, commas and periods "
-               '(the stories\' alphabet), e.g. "mia found a shell at the beach."')
+               '(the stories\' alphabet), e.g. "zoe went to the park."')
 
 
 def load_trained(folder=checkpoint.LAB):

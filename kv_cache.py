@@ -5,7 +5,9 @@ and value are computed they never change, however many tokens follow. The uncach
 generator (generate.py) recomputes them all at every step; here each step computes one
 new row, appends its key and value to the cache, and attends over the cache.
 
-    python3 kv_cache.py "mia found a shell at the beach."    (--help lists the flags)
+    python3 kv_cache.py "zoe went to the park."       compares the two generators
+    python3 kv_cache.py --show "mia was sad."   shows the cached one step by step
+    (--help lists the flags)
 """
 import argparse
 import contextlib
@@ -121,7 +123,7 @@ def forward_step(params, cache, token_id, position):
 
 def feed(params, cache, ids):
     """Feed the tokens of ids that the cache does not hold yet, one forward_step each
-    (positions len(cache) to len(ids) - 1); their rows of logits, in order."""
+    (positions len(cache) to len(ids) - 1); the logits of each, in order."""
     return [forward_step(params, cache, ids[position], position)
             for position in range(_held_prefix(cache, ids), len(ids))]
 
@@ -251,7 +253,7 @@ def prefill(params, cache, token_ids, start):
 
 def prefill_in_chunks(params, cache, ids, size):
     """Feed the tokens of ids that the cache does not hold yet, size at a time, one
-    prefill call per chunk (servers call it chunked prefill); their rows of logits."""
+    prefill call per chunk (servers call it chunked prefill); the logits of each."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"chunk size must be an int >= 1, got {size!r}")
     return [logits for first in range(_held_prefix(cache, ids), len(ids), size)

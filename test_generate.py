@@ -346,7 +346,7 @@ class CommandLineTest(unittest.TestCase):
         self.assertEqual(done.returncode, 0)
         help_text = " ".join(done.stdout.split())
         self.assertIn("in lowercase letters, spaces, commas and periods", help_text)
-        self.assertIn('e.g. "mia found a shell at the beach."', help_text)
+        self.assertIn('e.g. "zoe went to the park."', help_text)
 
     def test_a_capital_letter_is_refused_with_the_fix(self):
         self.assert_one_line_error(self.run_cli("Mia found a shell."),

@@ -1024,15 +1024,25 @@ class Misuse(unittest.TestCase):
                      "the cache (length, tokens, keys, values)")
 
     def test_reusing_a_cache_for_a_new_prompt(self):
-        other = TOK.encode(OPENINGS[1])
+        """Section 11: a cache filled with "mia was tired." and a second opening."""
+        first, second = TOK.encode("mia was tired."), TOK.encode("tom was sad.")
+        self.cache = prefill(first)
+        self.assertEqual(len(first), 8)
         # Starting the new prompt at position 0 is refused...
-        self.assertRefused(f"expected position {len(self.ids)}, got 0",
-                           token_id=other[0], position=0)
+        self.assertRefused("expected position 8, got 0", token_id=second[0], position=0)
+        # ...and so are feed and generate_cached, which check the tokens the cache holds...
+        before = snapshot(self.cache)
+        with self.assertRaisesRegex(ValueError, "the cache holds 8 tokens that do not begin ids"):
+            feed(PARAMS, self.cache, second)
+        with self.assertRaisesRegex(ValueError, "the cache is not a prefix of the prompt: at "
+                                                "position 0 it holds 'mia', the prompt has 'tom'"):
+            generate_cached(PARAMS, TOK, "tom was sad.", cache=self.cache)
+        assert_equal(self, snapshot(self.cache), before, "the cache after the refusals")
         # ...but carrying on from where the old prompt ended is a valid call with wrong
-        # scores: the new tokens attend to the old prompt's keys and values.
-        continued = [forward_step(PARAMS, self.cache, t, len(self.ids) + i)
-                     for i, t in enumerate(other)]
-        assert_changed(self, continued, cached_rows(PARAMS, other), "the rows of the reused cache")
+        # logits: the new tokens attend to the old prompt's keys and values.
+        continued = [forward_step(PARAMS, self.cache, t, 8 + i) for i, t in enumerate(second)]
+        assert_changed(self, continued, cached_rows(PARAMS, second),
+                       "the rows of the reused cache")
 
     def test_tokens_out_of_order(self):
         n = len(self.ids)
