@@ -161,7 +161,7 @@ def causal(i):
 
 def band(window, sinks=0):
     """A mask of another shape: position i attends to the first sinks positions and to
-    the last window ones, i-window+1..i (what kv_cache.WindowCache keeps)."""
+    the last window ones, i-window+1..i (what serving.WindowCache keeps)."""
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be an int >= 1, got {window!r}")
     if isinstance(sinks, bool) or not isinstance(sinks, int) or not 0 <= sinks < window:

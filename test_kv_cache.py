@@ -9,7 +9,6 @@ import math
 import os
 import random
 import re
-import struct
 import subprocess
 import sys
 import tempfile
@@ -30,15 +29,17 @@ from train import corpus_rules, split_stories, story_agreement
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+PARAMS, TOK = load_trained()
+with open(os.path.join(HERE, "corpus.txt"), encoding="utf-8") as corpus:
+    _, _, STORIES = split_stories(corpus.read())
+OPENINGS = trace_kv.openings(STORIES)
+
+
 def setUpModule():
     """Every test here runs from another folder than the lab's, as a learner might."""
-    global PARAMS, TOK, STORIES, OPENINGS, ELSEWHERE
+    global ELSEWHERE
     ELSEWHERE = tempfile.TemporaryDirectory()
     os.chdir(ELSEWHERE.name)
-    PARAMS, TOK = load_trained()
-    with open(os.path.join(HERE, "corpus.txt"), encoding="utf-8") as f:
-        _, _, STORIES = split_stories(f.read())
-    OPENINGS = trace_kv.openings(STORIES)
 
 
 def tearDownModule():
@@ -54,7 +55,7 @@ def lab_file(name):
 NEXT = object()   # stands for "the cache's next position" in Misuse.assertRefused
 
 
-def prefill(ids):
+def filled_cache(ids):
     """A new cache of the trained model holding the keys and values of ids."""
     cache = KVCache(PARAMS)
     feed(PARAMS, cache, ids)
@@ -178,13 +179,13 @@ def generation_difference(params, prompt, settings, cached, uncached):
     return f"generate_cached({prompt!r}, {settings}) differs from generate: {how},\n{why}"
 
 
-def assert_same_generation(test, params, prompt, settings, generator="generate_cached",
-                           **cached_only):
-    """kv_cache.generate_cached(...) (or another generator of kv_cache) == generate(...)
-    for these settings, or a failure saying where the stories part and which value of
-    which row differs."""
+def assert_same_generation(test, params, prompt, settings, generator=None, **cached_only):
+    """kv_cache.generate_cached(...) (or another generator) == generate(...) for these
+    settings, or a failure saying where the stories part and which value of which row
+    differs."""
     uncached = generate.generate(params, TOK, prompt, **settings)
-    cached = getattr(kv_cache, generator)(params, TOK, prompt, **settings, **cached_only)
+    generator = generator or kv_cache.generate_cached   # looked up now: a test may patch it
+    cached = generator(params, TOK, prompt, **settings, **cached_only)
     if cached != uncached:
         test.fail(generation_difference(params, prompt, settings, cached, uncached))
     return cached
@@ -448,12 +449,6 @@ def is_scaled_score(node):
     return isinstance(node, ast.BinOp) and call_to(node.left, "dot")
 
 
-def is_causal_slice(node):
-    """[:i + 1]: positions 0..i."""
-    return (isinstance(node, ast.Slice) and node.lower is None
-            and isinstance(node.upper, ast.BinOp) and isinstance(node.upper.op, ast.Add))
-
-
 NO_SCALE = replacing(is_scaled_score, lambda node: node.left)
 PREVIOUS_POSITION = replacing(
     lambda node: isinstance(node, ast.Subscript) and parameter(node.value, "pos_emb"),
@@ -476,11 +471,6 @@ EMBEDDINGS_SWAPPED = replacing(
     lambda node: (call_to(node, "add") and isinstance(node.args[0], ast.Subscript)
                   and parameter(node.args[0].value, "tok_emb")),
     lambda node: call("add", node.args[1], node.args[0]))
-SQUARE_MASK = replacing(is_causal_slice, lambda node: ast.Slice(upper=ast.BinOp(   # [:i - start + 1]
-    ast.BinOp(node.upper.left, ast.Sub(), ast.Name("start", ast.Load())), ast.Add(),
-    node.upper.right)))
-NO_MASK = replacing(lambda node: isinstance(node, ast.Subscript) and is_causal_slice(node.slice),
-                    lambda node: node.value)
 UNCHANGED = lambda tree: 1   # the real function, compiled again
 
 
@@ -593,363 +583,6 @@ class Teeth(unittest.TestCase):
                       "kv_cache.forward_step", str(skipped.exception))
 
 
-def chunked_rows(params, ids, size, cache=None):
-    """The logits of every position of ids, prefilled size tokens at a time, through a
-    new cache unless one is given."""
-    return kv_cache.prefill_in_chunks(params, KVCache(params) if cache is None else cache,
-                                      ids, size)
-
-
-def pool_snapshot(pool):
-    return (copy.deepcopy(pool.blocks), list(pool.refs), dict(pool.index))
-
-
-class OnePassPrefill(unittest.TestCase):
-    """Several new tokens in one call, the causal mask offset by what the cache holds."""
-
-    CHUNKS = (1, 2, 4, 8, model.CONTEXT)   # the last: the whole input in one pass
-
-    def test_every_chunk_size_gives_the_rows_of_the_full_pass(self):
-        longest = [t for story in STORIES for t in TOK.encode(story)][:model.CONTEXT]
-        for ids in [TOK.encode(story) for story in STORIES[:3]] + [longest]:
-            full, _ = model.forward(PARAMS, ids)
-            for size in self.CHUNKS:
-                with self.subTest(tokens=len(ids), chunk=size):
-                    assert_same_rows(self, chunked_rows(PARAMS, ids, size), full)
-
-    def test_a_mix_of_chunks_and_single_steps(self):
-        ids = TOK.encode(STORIES[1])
-        cache = KVCache(PARAMS)
-        rows = kv_cache.prefill(PARAMS, cache, ids[:5], 0)
-        rows += [forward_step(PARAMS, cache, ids[i], i) for i in range(5, 8)]
-        rows += kv_cache.prefill(PARAMS, cache, ids[8:15], 8)
-        rows += feed(PARAMS, cache, ids[:17])
-        rows += chunked_rows(PARAMS, ids, 3, cache)
-        assert_same_rows(self, rows, cached_rows(PARAMS, ids))
-
-    def test_every_chunk_size_on_random_models(self):
-        for index in range(0, 200, 10):
-            params, prompt, _, label = RandomModels.case(index)
-            ids = TOK.encode(prompt)
-            full, _ = model.forward(params, ids)
-            for size in self.CHUNKS:
-                with self.subTest(chunk=size, **label):
-                    assert_same_rows(self, chunked_rows(params, ids, size), full)
-
-    def test_one_pass_generation_matches_uncached(self):
-        for prompt in OPENINGS[:3]:
-            for settings in ({}, {"temperature": 1.0, "seed": 4},
-                             {"temperature": 1.0, "top_k": 3, "seed": 5}):
-                assert_same_generation(self, PARAMS, prompt, settings, "generate_one_pass")
-
-    def test_one_pass_generation_makes_one_call_for_the_prompt(self):
-        calls = []
-        real = kv_cache.prefill
-
-        def counting(params, cache, token_ids, start):
-            calls.append(len(token_ids))
-            return real(params, cache, token_ids, start)
-        with mock.patch.object(kv_cache, "prefill", counting):
-            result = kv_cache.generate_one_pass(PARAMS, TOK, OPENINGS[0])
-        self.assertEqual(calls, [len(TOK.encode(OPENINGS[0]))] + [1] * (len(result["steps"]) - 1))
-
-    def test_chunks_need_a_size_and_the_cache_s_own_sequence(self):
-        ids = TOK.encode(OPENINGS[0])
-        for size in (0, -1, 2.0, True, None):
-            with self.subTest(size=size), self.assertRaisesRegex(ValueError, "chunk size"):
-                kv_cache.prefill_in_chunks(PARAMS, KVCache(PARAMS), ids, size)
-        other = prefill(TOK.encode(OPENINGS[1])[:3])
-        for attempt in (lambda: kv_cache.prefill_in_chunks(PARAMS, other, ids, 4),
-                        lambda: feed(PARAMS, other, ids)):
-            with self.assertRaisesRegex(ValueError, "do not begin ids"):
-                attempt()
-
-    def test_refusals_leave_the_cache_unchanged(self):
-        ids = TOK.encode(OPENINGS[0])
-        cache = prefill(ids)
-        n = len(ids)
-        cases = [((copy.deepcopy(PARAMS), [5], n), "different parameters"),
-                 ((PARAMS, [5], n - 1), f"expected start {n}, got {n - 1}"),
-                 ((PARAMS, [5], 0), f"expected start {n}, got 0"),
-                 ((PARAMS, [5], float(n)), f"expected start {n}, got {float(n)!r}"),
-                 ((PARAMS, [], n), "token_ids must be a non-empty list"),
-                 ((PARAMS, 5, n), "token_ids must be a non-empty list"),
-                 ((PARAMS, [5] * (model.CONTEXT - n + 1), n),
-                  f"beyond the {model.CONTEXT} positions"),
-                 ((PARAMS, [5, model.VOCAB_SIZE], n), "token_ids[1] = 96 is outside the vocabulary"),
-                 ((PARAMS, [5, True], n), "token_ids[1] = True is outside the vocabulary")]
-        for (params, token_ids, start), fragment in cases:
-            before = snapshot(cache)
-            with self.subTest(fragment=fragment):
-                with self.assertRaises(ValueError) as caught:
-                    kv_cache.prefill(params, cache, token_ids, start)
-                self.assertIn(fragment, str(caught.exception))
-                assert_equal(self, snapshot(cache), before,
-                             "the cache (length, tokens, keys, values)")
-
-    def test_a_wrong_mask_is_caught(self):
-        """The square mask (new position start + i sees 0..i) and no mask (every new
-        position sees the whole chunk), planted in the real source of prefill."""
-        ids = TOK.encode(STORIES[0])
-        full, _ = model.forward(PARAMS, ids)
-        masks = {"square": SQUARE_MASK, "none": NO_MASK,
-                 "offset (the real one, recompiled)": UNCHANGED}
-        for name, mistake in masks.items():
-            planted = plant(kv_cache, "prefill", mistake)
-            if planted is None:
-                self.skipTest(f"the planting site of the {name} mask is gone from "
-                              f"kv_cache.prefill: an edit removed the slice [:i + 1]")
-            with self.subTest(mask=name), mock.patch.object(kv_cache, "prefill", planted):
-                rows = chunked_rows(PARAMS, ids, 4)
-                if name.startswith("offset"):
-                    assert_same_rows(self, rows, full)
-                else:
-                    assert_changed(self, rows, full, f"the rows with the {name} mask")
-
-
-class Paged(unittest.TestCase):
-    """A pool of blocks shared by sequences: forks, prefix reuse, free, refusals."""
-
-    def setUp(self):
-        self.ids = TOK.encode(STORIES[0])
-
-    def test_a_paged_sequence_gives_the_rows_of_a_kv_cache(self):
-        expected = cached_rows(PARAMS, self.ids)
-        for size in (1, 3, 4, 16, model.CONTEXT):
-            pool = kv_cache.BlockPool(PARAMS, model.CONTEXT, size)
-            assert_same_rows(self, feed(PARAMS, pool.sequence(), self.ids), expected,
-                             f"blocks of {size}, fed one token at a time: the rows")
-            assert_same_rows(self, chunked_rows(PARAMS, self.ids, 5, pool.sequence()),
-                             expected, f"blocks of {size}, prefilled 5 at a time: the rows")
-
-    def test_generation_from_a_paged_sequence_equals_a_fresh_run_and_frees_its_copy(self):
-        pool = kv_cache.BlockPool(PARAMS, 40, 4)
-        prompt = OPENINGS[0]
-        seq = pool.sequence()
-        feed(PARAMS, seq, TOK.encode(prompt))
-        free = pool.free_blocks()
-        for settings in ({}, {"temperature": 1.0, "seed": 2}):
-            assert_same_generation(self, PARAMS, prompt, settings, cache=seq)
-            self.assertEqual(pool.free_blocks(), free)
-
-    def test_a_fork_shares_full_blocks_and_copies_the_last_one(self):
-        pool = kv_cache.BlockPool(PARAMS, 40, 4)
-        parent = pool.sequence()
-        feed(PARAMS, parent, self.ids[:10])        # blocks of 4, 4 and 2 positions
-        fork = parent.copy()
-        self.assertEqual(fork.table[:2], parent.table[:2])
-        self.assertNotEqual(fork.table[2], parent.table[2])
-        self.assertEqual([pool.refs[b] for b in parent.table], [2, 2, 1])
-        before = parent.tokens, parent.keys, parent.values
-        feed(PARAMS, fork, self.ids[:10] + TOK.encode(" tom ran"))
-        self.assertEqual(parent.tokens, before[0])
-        assert_same_rows(self, parent.keys + parent.values, before[1] + before[2])
-        rows = feed(PARAMS, parent, self.ids)
-        assert_same_rows(self, rows, cached_rows(PARAMS, self.ids)[10:])
-        assert_same_rows(self, fork.keys, prefill(self.ids[:10] + TOK.encode(" tom ran")).keys)
-
-    def test_crop_copies_a_shared_block_it_cuts(self):
-        pool = kv_cache.BlockPool(PARAMS, 40, 4)
-        parent = pool.sequence()
-        feed(PARAMS, parent, self.ids[:8])
-        fork = parent.copy()
-        fork.crop(6)
-        self.assertEqual(fork.tokens, self.ids[:6])
-        self.assertNotEqual(fork.table[1], parent.table[1])
-        self.assertEqual(parent.tokens, self.ids[:8])
-        assert_same_rows(self, feed(PARAMS, fork, self.ids), cached_rows(PARAMS, self.ids)[6:])
-
-    def test_prefix_reuse_takes_full_blocks_and_equals_a_fresh_run(self):
-        pool = kv_cache.BlockPool(PARAMS, 60, 4)
-        first, second = TOK.encode("mia was sad. tom gave her a hug."), TOK.encode("mia was tired.")
-        feed(PARAMS, pool.sequence(first), first)
-        seq = pool.sequence(second)
-        shared = len(seq)
-        self.assertEqual(shared, 4 * (len(os.path.commonprefix([first, second])) // 4))
-        self.assertGreater(shared, 0)
-        assert_same_rows(self, feed(PARAMS, seq, second), cached_rows(PARAMS, second)[shared:])
-        assert_same_rows(self, seq.keys, prefill(second).keys)
-        self.assertEqual(len(pool.sequence(first)), 4 * (len(first) // 4))   # only full blocks
-
-    def test_free_returns_the_blocks_nobody_else_holds(self):
-        pool = kv_cache.BlockPool(PARAMS, 20, 4)
-        parent = pool.sequence()
-        feed(PARAMS, parent, self.ids[:10])
-        fork = parent.copy()
-        self.assertEqual(pool.free_blocks(), 20 - 4)
-        parent.free()
-        self.assertEqual(pool.free_blocks(), 20 - 3)   # the fork still holds the full two
-        fork.free()
-        self.assertEqual(pool.free_blocks(), 20)
-        self.assertEqual(pool.index, {})
-
-    def assert_refused(self, pool, attempt, fragment):
-        """attempt raises a ValueError naming fragment, and the pool is as it was."""
-        before = pool_snapshot(pool)
-        with self.assertRaises(ValueError) as caught:
-            attempt()
-        self.assertIn(fragment, str(caught.exception))
-        self.assertEqual(pool_snapshot(pool), before)
-
-    def test_crop_into_a_shared_block_of_a_full_pool_uses_the_block_it_frees(self):
-        pool = kv_cache.BlockPool(PARAMS, 2, 2)
-        first = pool.sequence()
-        feed(PARAMS, first, self.ids[:3])          # blocks of 2 and 1: the pool is full
-        second = pool.sequence(self.ids[:2])       # shares the first block
-        first.crop(1)                              # frees the second block, copies the first
-        self.assertEqual((first.tokens, second.tokens), (self.ids[:1], self.ids[:2]))
-        self.assertEqual(pool.refs, [1, 1])
-        assert_same_rows(self, feed(PARAMS, first, self.ids[:2]), cached_rows(PARAMS, self.ids[:2])[1:])
-
-    def test_refusals_leave_the_pool_unchanged(self):
-        pool = kv_cache.BlockPool(PARAMS, 3, 4)
-        seq = pool.sequence()
-        feed(PARAMS, seq, self.ids[:10])   # blocks of 4, 4 and 2: two free slots, no free block
-        self.assert_refused(pool, lambda: kv_cache.prefill(PARAMS, seq, self.ids[10:13], 10),
-                            "the pool is out of blocks: it has 3 blocks of 4 positions, 0 free, "
-                            "and 1 more are needed")
-        self.assert_refused(pool, seq.copy, "out of blocks")   # it needs its own last block
-        feed(PARAMS, seq, self.ids[:12])   # now every block is full
-        self.assert_refused(pool, lambda: forward_step(PARAMS, seq, self.ids[12], 12),
-                            "out of blocks")
-        self.assertEqual(seq.tokens, self.ids[:12])
-        seq.free()
-        for attempt in (lambda: forward_step(PARAMS, seq, 5, 0), lambda: feed(PARAMS, seq, [5]),
-                        seq.copy, lambda: seq.crop(0), lambda: seq.extend([5], [[0.0]], [[0.0]])):
-            self.assert_refused(pool, attempt, "this sequence was freed")
-        for blocks, size in ((0, 4), (3, 0), (3, 2.0), (True, 4), (3, None)):
-            with self.subTest(blocks=blocks, block_size=size):
-                with self.assertRaisesRegex(ValueError, "must be an int >= 1"):
-                    kv_cache.BlockPool(PARAMS, blocks, size)
-
-
-class Lossy(unittest.TestCase):
-    """Where a cache gives exactness up on purpose: compact formats and a sliding window."""
-
-    VECTOR = [0.75, -1.5, 0.1, 3.0, -0.2, 1e-3, 2.5, -3.0, 0.0, 1.2, -0.7, 0.33, 2.0, -2.9,
-              0.05, 1.0]
-
-    def test_each_format_round_trips_as_its_numbers_allow(self):
-        unpack = kv_cache._unpack
-        stored = {fmt: kv_cache._pack(fmt, self.VECTOR) for fmt in kv_cache.FORMATS}
-        self.assertEqual(unpack("float64", stored["float64"]), self.VECTOR)
-        self.assertEqual(unpack("float32", stored["float32"]),
-                         [struct.unpack("f", struct.pack("f", x))[0] for x in self.VECTOR])
-        self.assertEqual(unpack("float16", stored["float16"]),
-                         [struct.unpack("e", struct.pack("e", x))[0] for x in self.VECTOR])
-        for fmt, top in (("int8", 127), ("int4", 7)):
-            scale = stored[fmt][1][0]
-            self.assertEqual(scale, struct.unpack("f", struct.pack("f", 3.0 / top))[0])
-            back = unpack(fmt, stored[fmt])
-            with self.subTest(fmt=fmt):
-                self.assertEqual([round(y / scale) * scale for y in back], back)   # on levels
-                self.assertLessEqual(max(abs(x - y) for x, y in zip(self.VECTOR, back)),
-                                     scale / 2 * 1.0001)
-        # Ties go to the even level: 0.5 and 1.5 of a scale of 1.0 become 0 and 2.
-        self.assertEqual(unpack("int4", kv_cache._pack("int4", [7.0, 0.5, 1.5, -0.5])),
-                         [7.0, 0.0, 2.0, 0.0])
-
-    def test_each_format_measures_its_bytes(self):
-        ids = TOK.encode(OPENINGS[0])
-        expected = {"float64": 2 * 16 * 8, "float32": 2 * 16 * 4, "float16": 2 * 16 * 2,
-                    "int8": 2 * (16 + 4), "int4": 2 * (8 + 4)}
-        for fmt in kv_cache.FORMATS:
-            cache = kv_cache.QuantizedCache(PARAMS, fmt)
-            feed(PARAMS, cache, ids)
-            with self.subTest(fmt=fmt):
-                self.assertEqual(cache.bytes_per_position(), expected[fmt])
-
-    def test_a_float64_array_cache_is_exact(self):
-        longest = [t for story in STORIES for t in TOK.encode(story)][:model.CONTEXT]
-        for ids in (TOK.encode(STORIES[0]), longest):
-            assert_same_rows(self, feed(PARAMS, kv_cache.QuantizedCache(PARAMS, "float64"), ids),
-                             cached_rows(PARAMS, ids))
-        assert_same_generation(self, PARAMS, OPENINGS[0], {},
-                               cache=kv_cache.QuantizedCache(PARAMS, "float64"))
-
-    def test_lower_precision_changes_the_scores(self):
-        ids = TOK.encode(STORIES[0])
-        exact = cached_rows(PARAMS, ids)
-        for fmt in kv_cache.FORMATS[1:]:
-            with self.subTest(fmt=fmt):
-                assert_changed(self, feed(PARAMS, kv_cache.QuantizedCache(PARAMS, fmt), ids),
-                               exact, f"the rows through a {fmt} cache")
-
-    def test_the_window_cache_equals_the_band_masked_full_pass(self):
-        longest = [t for story in STORIES for t in TOK.encode(story)][:model.CONTEXT]
-        self.assertEqual(len(longest), model.CONTEXT)
-        for window in (8, 16, 32):
-            for sinks in (0, 4):
-                reference, _ = model.forward(PARAMS, longest, model.band(window, sinks))
-                cache = kv_cache.WindowCache(PARAMS, window, sinks)
-                label = f"window {window}, sinks {sinks}"
-                assert_same_rows(self, feed(PARAMS, cache, longest), reference,
-                                 f"{label}: the rows")
-                self.assertEqual(len(cache.keys), window + sinks, label)
-                assert_changed(self, reference, cached_rows(PARAMS, longest),
-                               f"{label}: the band-masked rows")
-
-    def test_copy_and_crop_on_the_new_caches(self):
-        ids = TOK.encode(STORIES[0])
-        for make in (lambda: kv_cache.QuantizedCache(PARAMS, "int8"),
-                     lambda: kv_cache.WindowCache(PARAMS, 16, 4)):
-            with self.subTest(cache=type(make()).__name__):
-                alone = feed(PARAMS, make(), ids)
-                cache = make()
-                feed(PARAMS, cache, ids[:10])
-                fork = cache.copy()
-                assert_same_rows(self, feed(PARAMS, fork, ids), alone[10:])
-                self.assertEqual(len(cache), 10)
-                cache.crop(6)
-                assert_same_rows(self, feed(PARAMS, cache, ids), alone[6:])
-        window = kv_cache.WindowCache(PARAMS, 8, 2)
-        feed(PARAMS, window, ids[:12])
-        with self.assertRaisesRegex(ValueError, "the window has dropped positions 2 to 3"):
-            window.crop(5)
-        window.crop(2)
-        assert_same_rows(self, feed(PARAMS, window, ids), feed(PARAMS, kv_cache.WindowCache(
-            PARAMS, 8, 2), ids)[2:])
-
-    def test_a_window_cache_is_fed_one_token_at_a_time(self):
-        cache = kv_cache.WindowCache(PARAMS, 8, 2)
-        feed(PARAMS, cache, TOK.encode(OPENINGS[0]))
-        before = (list(cache.tokens), cache.keys)
-        with self.assertRaisesRegex(ValueError, "prefill needs a cache that keeps every "
-                                                "position, and a WindowCache drops some"):
-            kv_cache.prefill(PARAMS, cache, [5, 6], len(cache))
-        assert_equal(self, (list(cache.tokens), cache.keys), before, "the window cache")
-
-    def test_what_a_format_cannot_store_is_refused(self):
-        for fmt, vector, fragment in (("float16", [70000.0] + [0.0] * 15, "beyond float16"),
-                                      ("int4", [1.0, 2.0, 3.0], "cannot be stored")):
-            with self.subTest(fmt=fmt), self.assertRaisesRegex(ValueError, fragment):
-                kv_cache._pack(fmt, vector)
-        with self.assertRaisesRegex(ValueError, "no position yet"):
-            kv_cache.QuantizedCache(PARAMS, "int8").bytes_per_position()
-
-    def test_a_window_cache_holding_the_whole_prompt_says_so(self):
-        ids = TOK.encode(STORIES[0])
-        cache = kv_cache.WindowCache(PARAMS, 8)
-        feed(PARAMS, cache, ids)
-        with self.assertRaisesRegex(ValueError, "holds the whole prompt and cannot give its "
-                                                "last position back"):
-            generate_cached(PARAMS, TOK, TOK.decode(ids), cache=cache)
-
-    def test_bad_formats_and_windows_are_refused(self):
-        with self.assertRaisesRegex(ValueError, "unknown cache format 'int2'; the formats are "
-                                                "float64, float32, float16, int8, int4"):
-            kv_cache.QuantizedCache(PARAMS, "int2")
-        for window, sinks, fragment in ((0, 0, "window must be an int >= 1"),
-                                        (8.0, 0, "window must be an int >= 1"),
-                                        (True, 0, "window must be an int >= 1"),
-                                        (8, -1, "sinks must be an int from 0 to window - 1"),
-                                        (8, 8, "sinks must be an int from 0 to window - 1"),
-                                        (8, 2.0, "sinks must be an int from 0 to window - 1")):
-            with self.subTest(window=window, sinks=sinks):
-                with self.assertRaisesRegex(ValueError, fragment):
-                    kv_cache.WindowCache(PARAMS, window, sinks)
-
-
 class Work(unittest.TestCase):
 
     def setUp(self):
@@ -1010,7 +643,7 @@ class Misuse(unittest.TestCase):
 
     def setUp(self):
         self.ids = TOK.encode(OPENINGS[0])
-        self.cache = prefill(self.ids)
+        self.cache = filled_cache(self.ids)
 
     def assertRefused(self, fragment, *, params=None, token_id=5, position=NEXT, cache=None):
         """The call is refused with fragment in the message, leaving the cache as it was."""
@@ -1026,7 +659,7 @@ class Misuse(unittest.TestCase):
     def test_reusing_a_cache_for_a_new_prompt(self):
         """Section 11: a cache filled with "mia was tired." and a second opening."""
         first, second = TOK.encode("mia was tired."), TOK.encode("tom was sad.")
-        self.cache = prefill(first)
+        self.cache = filled_cache(first)
         self.assertEqual(len(first), 8)
         # Starting the new prompt at position 0 is refused...
         self.assertRefused("expected position 8, got 0", token_id=second[0], position=0)
@@ -1116,25 +749,25 @@ class Reuse(unittest.TestCase):
         self.ids = TOK.encode(self.prompt)
 
     def test_a_fork_never_changes_its_parent_or_sibling(self):
-        parent = prefill(self.ids)
+        parent = filled_cache(self.ids)
         before = snapshot(parent)
         left, right = parent.copy(), parent.copy()
         for fork, more in ((left, TOK.encode(" she")), (right, TOK.encode(" tom ran"))):
             for token_id in more:
                 forward_step(PARAMS, fork, token_id, len(fork))
-            assert_equal(self, snapshot(fork), snapshot(prefill(self.ids + more)), "the fork")
+            assert_equal(self, snapshot(fork), snapshot(filled_cache(self.ids + more)), "the fork")
         assert_equal(self, snapshot(parent), before, "the parent")
 
     def test_crop_rewinds_the_sequence(self):
-        cache = prefill(self.ids)
+        cache = filled_cache(self.ids)
         cache.crop(3)
-        assert_equal(self, snapshot(cache), snapshot(prefill(self.ids[:3])), "the cropped cache")
+        assert_equal(self, snapshot(cache), snapshot(filled_cache(self.ids[:3])), "the cropped cache")
         # Feeding the rest again gives the very rows of an uncropped run.
         rows = [forward_step(PARAMS, cache, t, 3 + i) for i, t in enumerate(self.ids[3:])]
         assert_same_rows(self, rows, cached_rows(PARAMS, self.ids)[3:])
 
     def test_crop_refuses_a_bad_length(self):
-        cache = prefill(self.ids)
+        cache = filled_cache(self.ids)
         before = snapshot(cache)
         for length in (-1, len(self.ids) + 1, 2.0, True, None, "2"):
             with self.subTest(length=length):
@@ -1146,7 +779,7 @@ class Reuse(unittest.TestCase):
     def test_generation_from_a_cache_equals_a_fresh_run(self):
         """An empty cache, one holding part of the prompt, and one holding all of it."""
         for held in (0, 1, len(self.ids) - 1, len(self.ids)):
-            cache = prefill(self.ids[:held])
+            cache = filled_cache(self.ids[:held])
             before = snapshot(cache)
             for settings in ({}, {"temperature": 1.0, "seed": 3},
                              {"temperature": 1.0, "top_k": 3, "seed": 4}):
@@ -1156,7 +789,7 @@ class Reuse(unittest.TestCase):
 
     def test_a_cache_feeds_only_the_prompt_tokens_it_lacks(self):
         for held, fed in ((0, len(self.ids)), (3, len(self.ids) - 3), (len(self.ids), 1)):
-            cache = prefill(self.ids[:held])
+            cache = filled_cache(self.ids[:held])
             calls = []
             real = kv_cache.forward_step
 
@@ -1168,8 +801,8 @@ class Reuse(unittest.TestCase):
             self.assertEqual(calls, list(range(len(self.ids) - fed, len(self.ids))))
 
     def test_generation_refuses_a_cache_it_cannot_continue(self):
-        other = prefill(TOK.encode(OPENINGS[1]))
-        longer = prefill(self.ids + TOK.encode(" she"))
+        other = filled_cache(TOK.encode(OPENINGS[1]))
+        longer = filled_cache(self.ids + TOK.encode(" she"))
         foreign = KVCache(copy.deepcopy(PARAMS))
         position = next(i for i, (a, b) in enumerate(zip(other.tokens, self.ids)) if a != b)
         for cache, fragment in ((other, f"not a prefix of the prompt: at position {position}"),
@@ -1189,7 +822,7 @@ class Reuse(unittest.TestCase):
         running = []
         for prompt in prompts:
             ids = TOK.encode(prompt)
-            cache = prefill(ids[:-1])
+            cache = filled_cache(ids[:-1])
             logits = forward_step(PARAMS, cache, ids[-1], len(ids) - 1)
             running.append({"ids": ids, "cache": cache, "logits": logits})
         for _ in range(12):
@@ -1276,21 +909,6 @@ class RecordedFigures(unittest.TestCase):
             self.assertEqual(counted["uncached_rows"], entry["uncached_rows"])
             self.assertEqual(counted["cached_rows"], entry["cached_rows"])
             self.assertEqual(entry, {"positions": length, **trace_kv.work(1, length - 1)})
-
-    def test_slots_reserved_are_what_a_real_pool_takes(self):
-        """The record's slots per block size, by formula, against a pool that holds the
-        first five greedy stories."""
-        stories = []
-        for prompt in OPENINGS[:5]:
-            result = generate_cached(PARAMS, TOK, prompt)
-            stories.append(trace_kv.story_ids(TOK, prompt, result)[:-1])
-        for size in trace_kv.BLOCK_SIZES:
-            pool = kv_cache.BlockPool(PARAMS, 5 * model.CONTEXT, size)
-            for ids in stories:
-                feed(PARAMS, pool.sequence(), ids)
-            with self.subTest(block_size=size):
-                self.assertEqual((5 * model.CONTEXT - pool.free_blocks()) * size,
-                                 sum(math.ceil(len(ids) / size) * size for ids in stories))
 
     def test_prefix_sharing_saves_the_recorded_rows(self):
         sharing = self.record["prefix_sharing"]

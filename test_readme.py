@@ -17,6 +17,7 @@ import unittest
 
 import kv_cache
 import model
+import serving
 import trace_kv
 from generate import load_trained
 
@@ -91,7 +92,7 @@ def block_table_diagram():
     """Section 16's Mermaid picture, from a real pool of blocks of 4: one prompt fed, then
     a second that begins like it."""
     params, tok = load_trained()
-    pool = kv_cache.BlockPool(params, 64, 4)
+    pool = serving.BlockPool(params, 64, 4)
     prompts = ("mia was sad. tom gave her a hug.", "mia was tired.")
     sequences = []
     for prompt in prompts:

@@ -25,10 +25,11 @@ from operator import add
 
 import kv_cache
 import model
+import serving
 from checkpoint import LAB, add_folder_flag, run_command, write_atomically
 from generate import generate, load_trained
-from kv_cache import (FORMATS, BlockPool, KVCache, QuantizedCache, WindowCache, feed,
-                      generate_cached, prefill_in_chunks, work)
+from kv_cache import KVCache, feed, generate_cached, work
+from serving import FORMATS, BlockPool, QuantizedCache, WindowCache, prefill_in_chunks
 from train import corpus_rules, split_stories, story_agreement
 
 TRACE, TIMES = "kv-trace.json", "kv-time.json"
@@ -175,8 +176,8 @@ def one_pass_prefill(params, tok, prompts, greedy, full_rows):
             positions[str(size)] += len(ids)
     identical, positions["whole prompt"], prompt_calls = 0, 0, 0
     for prompt, result, rows in zip(prompts, greedy, full_rows):
-        with recording(kv_cache, "prefill") as calls:
-            identical += kv_cache.generate_one_pass(params, tok, prompt) == result
+        with recording(serving, "prefill") as calls:
+            identical += serving.generate_one_pass(params, tok, prompt) == result
         fed = [logits for call in calls for logits in call]   # the prompt, then one per step
         gap = max(gap, largest_gap(fed, rows))
         positions["whole prompt"] += len(fed)
