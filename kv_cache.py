@@ -232,15 +232,19 @@ def show_steps(params, tok, prompt, settings):
     with watching(forward_step) as steps:
         result = generate_cached(params, tok, prompt, *settings)
     first_choice = len(tok.encode(prompt)) - 1    # the last prompt position chooses first
-    print(f"One line per forward_step: the token fed at each position. Up to position "
-          f"{first_choice}\nthe prompt fills the cache (prefill); from there each row's "
-          f"logits choose the\nnext token, which is fed next (decode). held: the keys and "
-          f"values in the cache,\none more each step. attention: the row's weight on each "
-          f"held position, one\ncharacter a position, from {SHADES[0]!r} (least) to "
-          f"{SHADES[-1]!r} (most). Without the cache,\nevery row of a line's positions "
-          f"0..pos is computed again for that choice\n(uncached: the triangle the lines "
-          f"draw); with it only the last one (cached:\nthe triangle's right edge, a line)."
-          f"\n")
+    print(f"One printed line per forward_step, that is, per row the cached generator\n"
+          f"computes. pos, token: the position and the token fed there; positions 0 to "
+          f"{first_choice}\nare the prompt (prefill), and from {first_choice} on each row's "
+          f"logits choose the next\ntoken (chose), fed at the next position (decode). held: "
+          f"the keys and values\nin the cache, one more each step. uncached: the rows the "
+          f"generator without a\ncache computes for the same choice, positions 0 to pos "
+          f"again ('-': it computes\nnothing before the prompt is whole); cached: 1. "
+          f"attention: the row's weight on\neach held position, one character a position, "
+          f"scaled to the row's largest\n({SHADES[-1]!r}; {SHADES[0]!r} is under a ninth of "
+          f"it).\n")
+    if not steps:
+        print("(no row was computed: nothing was generated)\n")
+        return
     print(f"{'pos':>3} {'token':<8} {'held':>4} {'uncached':>8} {'cached':>6}  {'chose':<8} "
           f"attention to positions 0..pos")
     for position, step in enumerate(steps):
@@ -262,7 +266,8 @@ def main(argv=None):
     parser.add_argument("--show", action="store_true",
                         help="watch the cached generator step by step: each position fed, "
                              "the cache growing, the rows each generator computes and the "
-                             "new row's attention")
+                             "new row's attention (a line is 45 characters plus one per "
+                             "position: 80 columns hold 35 positions)")
     args = parser.parse_args(argv)
     settings = (args.max_new_tokens, args.temperature, args.top_k, args.seed)
     try:
