@@ -120,7 +120,8 @@ def forward_step(params, cache, token_id, position):
 
 def feed(params, cache, ids):
     """Feed the tokens of ids that the cache does not hold yet, one forward_step each
-    (positions len(cache) to len(ids) - 1); the logits of each, in order."""
+    (positions len(cache) to len(ids) - 1); the logits of each, in order. A refused step
+    leaves the positions fed before it in the cache, each whole."""
     return [forward_step(params, cache, ids[position], position)
             for position in range(_held_prefix(cache, ids), len(ids))]
 

@@ -9,6 +9,7 @@ the lesson's, bit for bit, with ==.
 import math
 import struct
 from array import array
+from collections import OrderedDict
 
 import generate
 import model
@@ -64,7 +65,8 @@ def prefill(params, cache, token_ids, start):
 
 def prefill_in_chunks(params, cache, ids, size):
     """Feed the tokens of ids that the cache does not hold yet, size at a time, one
-    prefill call per chunk (servers call it chunked prefill); the logits of each."""
+    prefill call per chunk (servers call it chunked prefill); the logits of each. A
+    refused chunk (a pool out of blocks) leaves the chunks before it in the cache."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"chunk size must be an int >= 1, got {size!r}")
     return [logits for first in range(_held_prefix(cache, ids), len(ids), size)
@@ -84,12 +86,26 @@ def generate_one_pass(params, tok, prompt, max_new_tokens=60, temperature=0.0, t
                                   seed)
 
 
+class Block:
+    """One block of a pool: the tokens, keys and values of up to block_size positions; how
+    many block tables hold it; and, once it is full, its place in the prefix index: the
+    tokens of every position from 0 to its end, which its keys and values depend on."""
+
+    def __init__(self):
+        self.tokens, self.keys, self.values = [], [], []
+        self.ref_count = 0
+        self.prefix = None
+
+
 class BlockPool:
     """Room for the keys and values of a fixed number of blocks of block_size positions
     each, shared by the sequences made from it, as vLLM's PagedAttention keeps its cache.
-    Each sequence has a block table (the blocks holding its positions, in order); a full
-    block can be in several tables at once, counted in refs, and is found again by its
-    tokens and the block before it (the prefix index)."""
+    Each sequence has a block table (the blocks holding its positions, in order) and only
+    asks the pool: the pool alone takes, shares and releases blocks, counts the tables
+    holding each, and keeps the prefix index, where a full block can be found again by
+    the tokens it and every block before it hold. A full block nobody holds stays in the
+    index, on the free list, until a new block is needed: the least recently released
+    goes first (a prefix cache that outlives requests)."""
 
     def __init__(self, params, blocks, block_size):
         model.check_shapes(params)
@@ -99,163 +115,199 @@ class BlockPool:
         self.params = params
         self.columns = model.columns(params)
         self.block_size = block_size
-        self.blocks = [None] * blocks   # a block: ([tokens], [keys], [values]); None if free
-        self.refs = [0] * blocks        # how many block tables hold each block
-        self.index = {}                 # (previous block, its tokens) -> a full block
-        self.indexed_as = {}            # a full block -> its key in index
+        self.blocks = [Block() for _ in range(blocks)]
+        self.prefix_index = {}   # tokens of positions 0 to a full block's end -> block ids
+        self.free_list = OrderedDict.fromkeys(range(blocks))   # the next one taken first
+        self.prefix_hits = self.evictions = 0
+
+    @property
+    def ref_counts(self):
+        """How many block tables hold each block."""
+        return [block.ref_count for block in self.blocks]
 
     def free_blocks(self):
-        return self.refs.count(0)
+        """Blocks no table holds: empty, or full and cached until they are needed."""
+        return len(self.free_list)
 
     def sequence(self, ids=()):
-        """A new sequence starting with the longest run of full blocks in the pool whose
-        tokens begin ids (prefix reuse): feed it the rest of ids."""
+        """A new sequence starting with the longest run of full blocks in the pool that
+        hold the first tokens of ids (prefix reuse): feed it the rest of ids."""
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"ids must be a list of token IDs, got {type(ids).__name__}")
+        if ids:
+            model.check_ids(ids)
         seq = PagedSequence(self)
-        previous = None
-        for first in range(0, len(ids) - len(ids) % self.block_size, self.block_size):
-            block = self.index.get((previous, tuple(ids[first:first + self.block_size])))
-            if block is None:
+        for end in range(self.block_size, len(ids) + 1, self.block_size):
+            found = self.prefix_index.get(tuple(ids[:end]))
+            if not found:
                 break
-            self.refs[block] += 1
-            seq.table.append(block)
-            previous = block
+            self.share(found[0])
+            seq.table.append(found[0])
+            seq.length = end
+            self.prefix_hits += 1
         return seq
 
-    def _check_room(self, blocks, freed=0):
-        """Refuse to go on if blocks more are needed than are free (or are about to be)."""
-        if blocks > self.free_blocks() + freed:
+    def check_room(self, blocks):
+        """Refuse to go on if more blocks are needed than are free."""
+        if blocks > self.free_blocks():
             raise ValueError(f"the pool is out of blocks: it has {len(self.blocks)} blocks of "
                              f"{self.block_size} positions, {self.free_blocks()} free, and "
                              f"{blocks} more are needed; free a sequence or make a larger pool")
 
-    def _take(self, tokens=(), keys=(), values=()):
-        """A free block, holding copies of the given positions."""
-        block = self.refs.index(0)
-        self.blocks[block] = (list(tokens), list(keys), list(values))
-        self.refs[block] = 1
-        return block
+    def take(self, tokens=(), keys=(), values=()):
+        """A free block for one table, holding copies of the given positions; a cached
+        block taken for it leaves the prefix index (it is evicted)."""
+        self.check_room(1)
+        block_id, _ = self.free_list.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.prefix is not None:
+            self._unindex(block_id)
+            self.evictions += 1
+        block.tokens, block.keys, block.values = list(tokens), list(keys), list(values)
+        block.ref_count = 1
+        return block_id
 
-    def _release(self, block):
-        self.refs[block] -= 1
-        if self.refs[block] == 0:
-            self.blocks[block] = None
-            self._unindex(block)
+    def share(self, block_id):
+        """One more table holds the block (a cached block leaves the free list)."""
+        if self.blocks[block_id].ref_count == 0:
+            del self.free_list[block_id]
+        self.blocks[block_id].ref_count += 1
 
-    def _unindex(self, block):
-        key = self.indexed_as.pop(block, None)
-        if key is not None:
-            del self.index[key]
+    def release(self, block_id):
+        """One table less holds the block. When none does, a full block stays findable at
+        the back of the free list; any other is emptied and goes to its front."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_list[block_id] = None
+            if block.prefix is None:
+                block.tokens, block.keys, block.values = [], [], []
+                self.free_list.move_to_end(block_id, last=False)
+
+    def append(self, block_id, token_id, k, v, prefix):
+        """One more position in a block that one table holds; prefix: the tokens of its
+        sequence so far, under which the block is indexed when it fills up."""
+        block = self.blocks[block_id]
+        block.tokens.append(token_id)
+        block.keys.append(k)
+        block.values.append(v)
+        if len(block.tokens) == self.block_size:
+            block.prefix = tuple(prefix)
+            self.prefix_index.setdefault(block.prefix, []).append(block_id)
+
+    def truncate(self, block_id, length):
+        """Keep the first length positions of a block that one table holds."""
+        block = self.blocks[block_id]
+        del block.tokens[length:], block.keys[length:], block.values[length:]
+        self._unindex(block_id)   # no longer full
+
+    def _unindex(self, block_id):
+        block = self.blocks[block_id]
+        if block.prefix is not None:
+            holders = self.prefix_index[block.prefix]
+            holders.remove(block_id)
+            if not holders:
+                del self.prefix_index[block.prefix]
+            block.prefix = None
 
 
 class PagedSequence(KVCache):
     """One sequence whose positions live in a BlockPool's blocks. To forward_step and
     prefill it is a cache like any other: tokens, keys and values read as lists over its
-    positions, and new positions go into its last block or into new ones."""
+    positions, and new positions go into its last block or into new ones. A fork shares
+    every block, the partly filled last one too, until one of them writes there: then the
+    writer first takes a copy of it (copy on write)."""
 
     def __init__(self, pool):
         self.pool = pool
         self.params = pool.params
         self.columns = pool.columns
         self.table = []        # block ids, in position order
-        self.freed = False
+        self.length = 0        # positions held: all of the table's blocks but the last,
+        self.freed = False     # and the first length % block_size of the last (or all)
 
     def _check_live(self):
         if self.freed:
             raise ValueError("this sequence was freed and its blocks returned to the pool; "
                              "start a new one with pool.sequence()")
 
-    def _blocks(self):
+    def _held(self, part):
         self._check_live()
-        return [self.pool.blocks[block] for block in self.table]
+        return [item for block_id in self.table
+                for item in getattr(self.pool.blocks[block_id], part)][:self.length]
 
     @property
     def tokens(self):
-        return [t for block in self._blocks() for t in block[0]]
+        return self._held("tokens")
 
     @property
     def keys(self):
-        return [k for block in self._blocks() for k in block[1]]
+        return self._held("keys")
 
     @property
     def values(self):
-        return [v for block in self._blocks() for v in block[2]]
+        return self._held("values")
 
     def __len__(self):
-        return sum(len(block[0]) for block in self._blocks())
+        self._check_live()
+        return self.length
 
-    def _room_in_last_block(self):
-        """Free slots of the last block, which only this sequence may write to."""
-        if not self.table:
-            return 0
-        return self.pool.block_size - len(self.pool.blocks[self.table[-1]][0])
+    def _in_last_block(self):
+        """How many of this sequence's positions its last block holds (0 without one)."""
+        return self.length - (len(self.table) - 1) * self.pool.block_size if self.table else 0
 
     def extend(self, token_ids, keys, values):
-        """Keep several more positions: the last block first, then new blocks; a block
-        that fills up joins the prefix index. Refused, with nothing changed, when the pool
-        lacks the blocks."""
+        """Keep several more positions: the last block first (after copying it, if another
+        table holds it too), then new blocks; a block that fills up joins the prefix
+        index. Refused, with nothing changed, when the pool lacks the blocks."""
         self._check_live()
-        size = self.pool.block_size
-        room = self._room_in_last_block()
-        self.pool._check_room(math.ceil(max(0, len(token_ids) - room) / size))
+        size, pool = self.pool.block_size, self.pool
+        room = size - self._in_last_block() if self.table else 0
+        shared_last = bool(0 < room and token_ids and pool.blocks[self.table[-1]].ref_count > 1)
+        pool.check_room(math.ceil(max(0, len(token_ids) - room) / size) + shared_last)
+        if shared_last:
+            last = pool.blocks[self.table[-1]]
+            kept = self._in_last_block()
+            copied = pool.take(last.tokens[:kept], last.keys[:kept], last.values[:kept])
+            pool.release(self.table[-1])
+            self.table[-1] = copied
+        tokens = self.tokens
         for token_id, k, v in zip(token_ids, keys, values):
-            if self._room_in_last_block() == 0:
-                self.table.append(self.pool._take())
-            block = self.pool.blocks[self.table[-1]]
-            block[0].append(token_id)
-            block[1].append(k)
-            block[2].append(v)
-            if len(block[0]) == size:
-                previous = self.table[-2] if len(self.table) > 1 else None
-                key = (previous, tuple(block[0]))
-                if key not in self.pool.index:
-                    self.pool.index[key] = self.table[-1]
-                    self.pool.indexed_as[self.table[-1]] = key
+            if self._in_last_block() in (0, size):
+                self.table.append(pool.take())
+            tokens.append(token_id)
+            pool.append(self.table[-1], token_id, k, v, tokens)
+            self.length += 1
 
     def copy(self):
-        """A fork: a new sequence sharing this one's full blocks, with its own copy of a
-        partly filled last block (copy on write)."""
+        """A fork: a new sequence holding the same blocks, each shared until written."""
         self._check_live()
-        partial = 0 < self._room_in_last_block() < self.pool.block_size
-        self.pool._check_room(1 if partial else 0)
         fork = PagedSequence(self.pool)
-        fork.table = list(self.table)
-        for block in fork.table[:-1] if partial else fork.table:
-            self.pool.refs[block] += 1
-        if partial:
-            fork.table[-1] = self.pool._take(*self.pool.blocks[self.table[-1]])
+        fork.table, fork.length = list(self.table), self.length
+        for block_id in fork.table:
+            self.pool.share(block_id)
         return fork
 
     def _forget_from(self, length):
-        """Return the blocks past length. The block that length cuts in two (if any)
-        keeps its first positions; if another table shares it, this sequence gets its own
-        copy of them instead (copy on write)."""
+        """Release the blocks past length, the last first (so that the pool evicts a
+        sequence's tail before its start). A block that length cuts in two keeps its
+        first positions if only this table holds it; if another does, it stays as it is
+        (this sequence reads only its first positions, and copies it before writing)."""
         kept_blocks = math.ceil(length / self.pool.block_size)
-        dropped = self.table[kept_blocks:]
-        in_last_block = length - (kept_blocks - 1) * self.pool.block_size
-        cut = self.table[kept_blocks - 1] if length and in_last_block < len(
-            self.pool.blocks[self.table[kept_blocks - 1]][0]) else None
-        copy_needed = cut is not None and self.pool.refs[cut] > 1
-        freed = sum(self.pool.refs[block] == 1 for block in dropped)
-        self.pool._check_room(1 if copy_needed else 0, freed)
-        for block in dropped:
-            self.pool._release(block)
-        self.table = self.table[:kept_blocks]
-        if cut is None:
-            return
-        tokens, keys, values = (part[:in_last_block] for part in self.pool.blocks[cut])
-        if copy_needed:
-            self.pool._release(cut)
-            self.table[-1] = self.pool._take(tokens, keys, values)
-        else:
-            self.pool.blocks[cut] = (tokens, keys, values)
-            self.pool._unindex(cut)   # no longer full
+        for block_id in reversed(self.table[kept_blocks:]):
+            self.pool.release(block_id)
+        self.table, self.length = self.table[:kept_blocks], length
+        if self.table and self.pool.blocks[self.table[-1]].ref_count == 1:
+            cut = self._in_last_block()
+            if cut < len(self.pool.blocks[self.table[-1]].tokens):
+                self.pool.truncate(self.table[-1], cut)
 
     def free(self):
-        """End the sequence: its blocks go back to the pool unless another table holds them."""
-        for block in self.table:
-            self.pool._release(block)
-        self.table = []
-        self.freed = True
+        """End the sequence: its blocks go back to the pool unless another table holds
+        them (the last block first). Freeing it again does nothing."""
+        if not self.freed:
+            self._forget_from(0)
+            self.freed = True
 
 
 FORMATS = ("float64", "float32", "float16", "int8", "int4")
@@ -263,25 +315,39 @@ FORMATS = ("float64", "float32", "float16", "int8", "int4")
 
 def _pack(fmt, vector):
     """One key or value as fmt stores it: a tuple of arrays or bytes (for int8 and int4,
-    the levels and their scale)."""
-    if fmt in ("float64", "float32"):
-        return (array("d" if fmt == "float64" else "f", vector),)
-    if fmt == "float16":
+    the levels and their scale). Refused, before anything is stored, if fmt cannot hold
+    a number of it (or, for int8 and int4, its scale) as a finite number."""
+    if not all(map(math.isfinite, vector)):
+        raise ValueError(f"{fmt} cannot store a vector holding {_first_bad(vector)!r}")
+    if fmt == "float64":
+        return (array("d", vector),)
+    if fmt in ("float32", "float16"):
+        code, largest = ("f", "3.4e38") if fmt == "float32" else ("e", "65504")
         try:
-            return (struct.pack(f"<{len(vector)}e", *vector),)
+            packed = struct.pack(f"<{len(vector)}{code}", *vector)
         except OverflowError:
-            raise ValueError(f"a number of {vector} is beyond float16's largest, 65504; "
+            raise ValueError(f"a number of {vector} is beyond {fmt}'s largest, {largest}; "
                              f"use a wider format") from None
+        return (array("f", vector),) if fmt == "float32" else (packed,)
     if fmt == "int4" and len(vector) % 2:
         raise ValueError(f"int4 packs two numbers a byte, so a vector of {len(vector)} "
                          f"cannot be stored")
     top = 127 if fmt == "int8" else 7
-    scale = array("f", [max(map(abs, vector)) / top])   # kept as a 32-bit float
+    try:   # the scale is kept as a 32-bit float
+        struct.pack("<f", max(map(abs, vector)) / top)
+    except OverflowError:
+        raise ValueError(f"the scale of {vector} is beyond float32's largest, 3.4e38, so "
+                         f"{fmt} cannot store it; use float64") from None
+    scale = array("f", [max(map(abs, vector)) / top])
     levels = [max(-top, min(top, round(x / scale[0]))) if scale[0] else 0 for x in vector]
     if fmt == "int8":
         return (array("b", levels), scale)
     pairs = zip(levels[::2], levels[1::2])   # each level + 8 is 1..15: four bits
     return (bytes((low + 8) | ((high + 8) << 4) for low, high in pairs), scale)
+
+
+def _first_bad(vector):
+    return next(x for x in vector if not math.isfinite(x))
 
 
 def _unpack(fmt, stored):

@@ -103,13 +103,13 @@ def block_table_diagram():
 
     def tokens(block):
         return ", ".join("space" if tok.vocab[t] == " " else tok.vocab[t]
-                         for t in pool.blocks[block][0])
+                         for t in pool.blocks[block].tokens)
     lines = ["flowchart LR", '    subgraph tables["block tables"]']
     for name, prompt, seq in zip("AB", prompts, sequences):
         lines.append(f'        {name}["{prompt}<br/>blocks {", ".join(map(str, seq.table))}"]')
     lines += ["    end", '    subgraph pool["BlockPool: blocks of 4 positions"]']
     for block in sorted(set(sequences[0].table) | set(sequences[1].table)):
-        lines.append(f'        P{block}["{block}: {tokens(block)}<br/>(refs {pool.refs[block]})"]')
+        lines.append(f'        P{block}["{block}: {tokens(block)}<br/>(refs {pool.ref_counts[block]})"]')
     lines.append("    end")
     for name, seq in zip("AB", sequences):
         lines += [f"    {name} --> P{block}" for block in seq.table]

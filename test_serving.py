@@ -41,7 +41,11 @@ def chunked_rows(params, ids, size, cache=None):
 
 
 def pool_snapshot(pool):
-    return (copy.deepcopy(pool.blocks), list(pool.refs), dict(pool.index))
+    """Everything a pool holds: each block's positions, count and index key, the prefix
+    index, the free list in order, and the counts of hits and evictions."""
+    return ([(b.tokens, b.keys, b.values, b.ref_count, b.prefix) for b in pool.blocks],
+            {key: list(ids) for key, ids in pool.prefix_index.items()}, list(pool.free_list),
+            pool.prefix_hits, pool.evictions)
 
 
 class OnePassPrefill(unittest.TestCase):
@@ -172,32 +176,39 @@ class Paged(unittest.TestCase):
             assert_same_generation(self, PARAMS, prompt, settings, cache=seq)
             self.assertEqual(pool.free_blocks(), free)
 
-    def test_a_fork_shares_full_blocks_and_copies_the_last_one(self):
+    def test_a_fork_shares_every_block_until_one_side_writes(self):
         pool = serving.BlockPool(PARAMS, 40, 4)
         parent = pool.sequence()
         feed(PARAMS, parent, self.ids[:10])        # blocks of 4, 4 and 2 positions
+        free = pool.free_blocks()
         fork = parent.copy()
+        self.assertEqual((fork.table, pool.free_blocks()), (parent.table, free))   # no block
+        self.assertEqual([pool.ref_counts[b] for b in parent.table], [2, 2, 2])
+        before = snapshot(parent)
+        feed(PARAMS, fork, self.ids[:10] + TOK.encode(" tom ran"))   # copies the last block
         self.assertEqual(fork.table[:2], parent.table[:2])
         self.assertNotEqual(fork.table[2], parent.table[2])
-        self.assertEqual([pool.refs[b] for b in parent.table], [2, 2, 1])
-        before = parent.tokens, parent.keys, parent.values
-        feed(PARAMS, fork, self.ids[:10] + TOK.encode(" tom ran"))
-        self.assertEqual(parent.tokens, before[0])
-        assert_same_rows(self, parent.keys + parent.values, before[1] + before[2])
-        rows = feed(PARAMS, parent, self.ids)
+        self.assertEqual([pool.ref_counts[b] for b in parent.table], [2, 2, 1])
+        assert_equal(self, snapshot(parent), before, "the parent")
+        rows = feed(PARAMS, parent, self.ids)      # writes in place: the block is its own now
+        self.assertEqual(pool.ref_counts[parent.table[2]], 1)
         assert_same_rows(self, rows, cached_rows(PARAMS, self.ids)[10:])
-        assert_same_rows(self, fork.keys, filled_cache(self.ids[:10] + TOK.encode(" tom ran")).keys)
+        assert_equal(self, snapshot(fork),
+                     snapshot(filled_cache(self.ids[:10] + TOK.encode(" tom ran"))), "the fork")
 
-    def test_crop_copies_a_shared_block_it_cuts(self):
+    def test_crop_into_a_shared_block_copies_it_only_when_it_writes(self):
         pool = serving.BlockPool(PARAMS, 40, 4)
         parent = pool.sequence()
         feed(PARAMS, parent, self.ids[:8])
         fork = parent.copy()
+        free = pool.free_blocks()
         fork.crop(6)
-        self.assertEqual(fork.tokens, self.ids[:6])
-        self.assertNotEqual(fork.table[1], parent.table[1])
+        self.assertEqual((fork.tokens, fork.table, pool.free_blocks()),
+                         (self.ids[:6], parent.table, free))
         self.assertEqual(parent.tokens, self.ids[:8])
         assert_same_rows(self, feed(PARAMS, fork, self.ids), cached_rows(PARAMS, self.ids)[6:])
+        self.assertNotEqual(fork.table[1], parent.table[1])
+        self.assertEqual(parent.tokens, self.ids[:8])
 
     def test_prefix_reuse_takes_full_blocks_and_equals_a_fresh_run(self):
         pool = serving.BlockPool(PARAMS, 60, 4)
@@ -211,17 +222,77 @@ class Paged(unittest.TestCase):
         assert_same_rows(self, seq.keys, filled_cache(second).keys)
         self.assertEqual(len(pool.sequence(first)), 4 * (len(first) // 4))   # only full blocks
 
-    def test_free_returns_the_blocks_nobody_else_holds(self):
-        pool = serving.BlockPool(PARAMS, 20, 4)
-        parent = pool.sequence()
-        feed(PARAMS, parent, self.ids[:10])
-        fork = parent.copy()
-        self.assertEqual(pool.free_blocks(), 20 - 4)
-        parent.free()
-        self.assertEqual(pool.free_blocks(), 20 - 3)   # the fork still holds the full two
-        fork.free()
-        self.assertEqual(pool.free_blocks(), 20)
-        self.assertEqual(pool.index, {})
+    def test_freed_full_blocks_stay_findable_until_a_new_block_needs_them(self):
+        pool = serving.BlockPool(PARAMS, 10, 4)
+        seq = pool.sequence()
+        feed(PARAMS, seq, self.ids[:10])             # full blocks 0 and 1, then 2 positions
+        seq.free()
+        self.assertEqual(pool.free_blocks(), 10)     # a freed pool is entirely free
+        again = pool.sequence(self.ids[:10])
+        self.assertEqual((len(again), pool.prefix_hits), (8, 2))   # found after the free
+        assert_same_rows(self, feed(PARAMS, again, self.ids[:12]),
+                         cached_rows(PARAMS, self.ids[:12])[8:])
+        again.free()   # the free list: the 7 empty blocks, then 2, 1 and 0 (tail first)
+        others = [pool.take() for _ in range(7)]     # the empty blocks go first
+        self.assertEqual(pool.evictions, 0)
+        for evicted, findable in ((1, 8), (2, 4), (3, 0)):   # then the least recent, the tail
+            others.append(pool.take())
+            probe = pool.sequence(self.ids[:12])
+            self.assertEqual((pool.evictions, len(probe)), (evicted, findable))
+            probe.free()
+        for block_id in others:
+            pool.release(block_id)
+        self.assertEqual(pool.free_blocks(), 10)
+
+    def test_any_full_block_is_findable_whichever_sequence_filled_it(self):
+        pool = serving.BlockPool(PARAMS, 10, 4)
+        first, second = pool.sequence(), pool.sequence()
+        feed(PARAMS, first, self.ids[:8])
+        feed(PARAMS, second, self.ids[:8])           # the same tokens, in blocks of its own
+        self.assertEqual(len(pool.prefix_index[tuple(self.ids[:8])]), 2)
+        first.free()
+        while pool.evictions < 2:                    # the first sequence's blocks go
+            pool.take()
+        self.assertEqual(pool.sequence(self.ids[:8]).table, second.table)
+
+    def test_sequence_checks_its_ids_like_forward_step(self):
+        pool = serving.BlockPool(PARAMS, 10, 4)
+        feed(PARAMS, pool.sequence(), [1, 0, 5, 6])
+        for ids, fragment in (([1.0, False, 5, 6, 7], "ids[0] = 1.0 is outside the vocabulary"),
+                              ([5, 96], "ids[1] = 96 is outside the vocabulary"),
+                              ([500], "ids[0] = 500"), ("mia", "ids must be a list"),
+                              ([5] * 65, "beyond the 64 positions")):
+            with self.subTest(ids=ids):
+                self.assert_refused(pool, lambda: pool.sequence(ids), fragment)
+
+    def test_a_refused_continuation_names_the_pool_and_leaks_nothing(self):
+        """A pool of one block of 3, held by a sequence of 3 tokens: continuing its prompt
+        needs a copy of that block, and there is no room."""
+        pool = serving.BlockPool(PARAMS, 1, 3)
+        seq = pool.sequence()
+        feed(PARAMS, seq, TOK.encode("tom ran"))
+        before, held = pool_snapshot(pool), snapshot(seq)
+        with self.assertRaisesRegex(ValueError, "the pool is out of blocks: it has 1 blocks "
+                                                "of 3 positions, 0 free, and 1 more"):
+            generate_cached(PARAMS, TOK, "tom ran", cache=seq)
+        assert_equal(self, pool_snapshot(pool), before, "the pool")
+        assert_equal(self, snapshot(seq), held, "the sequence")
+        seq.free()
+        self.assertEqual(pool.free_blocks(), 1)
+
+    def test_feed_and_chunked_prefill_keep_what_was_fed_before_a_refusal(self):
+        """Each position joins whole or not at all: a refusal in the middle of an input
+        leaves the positions fed before it, as its docstring says, and feeding the rest
+        later gives the rows of one run."""
+        for fill in (lambda seq, ids: feed(PARAMS, seq, ids),
+                     lambda seq, ids: serving.prefill_in_chunks(PARAMS, seq, ids, 4)):
+            pool = serving.BlockPool(PARAMS, 2, 4)
+            seq = pool.sequence()
+            with self.assertRaisesRegex(ValueError, "out of blocks"):
+                fill(seq, self.ids[:12])
+            self.assertEqual(seq.tokens, self.ids[:8])
+            assert_equal(self, snapshot(seq), snapshot(filled_cache(self.ids[:8])),
+                         "the sequence")
 
     def assert_refused(self, pool, attempt, fragment):
         """attempt raises a ValueError naming fragment, and the pool is as it was."""
@@ -229,17 +300,7 @@ class Paged(unittest.TestCase):
         with self.assertRaises(ValueError) as caught:
             attempt()
         self.assertIn(fragment, str(caught.exception))
-        self.assertEqual(pool_snapshot(pool), before)
-
-    def test_crop_into_a_shared_block_of_a_full_pool_uses_the_block_it_frees(self):
-        pool = serving.BlockPool(PARAMS, 2, 2)
-        first = pool.sequence()
-        feed(PARAMS, first, self.ids[:3])          # blocks of 2 and 1: the pool is full
-        second = pool.sequence(self.ids[:2])       # shares the first block
-        first.crop(1)                              # frees the second block, copies the first
-        self.assertEqual((first.tokens, second.tokens), (self.ids[:1], self.ids[:2]))
-        self.assertEqual(pool.refs, [1, 1])
-        assert_same_rows(self, feed(PARAMS, first, self.ids[:2]), cached_rows(PARAMS, self.ids[:2])[1:])
+        assert_equal(self, pool_snapshot(pool), before, "the pool")
 
     def test_refusals_leave_the_pool_unchanged(self):
         pool = serving.BlockPool(PARAMS, 3, 4)
@@ -248,7 +309,10 @@ class Paged(unittest.TestCase):
         self.assert_refused(pool, lambda: serving.prefill(PARAMS, seq, self.ids[10:13], 10),
                             "the pool is out of blocks: it has 3 blocks of 4 positions, 0 free, "
                             "and 1 more are needed")
-        self.assert_refused(pool, seq.copy, "out of blocks")   # it needs its own last block
+        fork = seq.copy()                  # takes no block...
+        self.assert_refused(pool, lambda: forward_step(PARAMS, fork, self.ids[10], 10),
+                            "out of blocks")   # ...until it writes to the shared last one
+        fork.free()
         feed(PARAMS, seq, self.ids[:12])   # now every block is full
         self.assert_refused(pool, lambda: forward_step(PARAMS, seq, self.ids[12], 12),
                             "out of blocks")
@@ -361,11 +425,23 @@ class Lossy(unittest.TestCase):
 
     def test_what_a_format_cannot_store_is_refused(self):
         for fmt, vector, fragment in (("float16", [70000.0] + [0.0] * 15, "beyond float16"),
+                                      ("float32", [1e39] + [0.0] * 15, "beyond float32"),
+                                      ("int8", [1e300] + [0.0] * 15, "the scale of"),
+                                      ("int4", [-1e300] + [0.0] * 15, "the scale of"),
+                                      ("float64", [float("nan")] * 16, "holding nan"),
+                                      ("int8", [float("inf")] * 16, "holding inf"),
                                       ("int4", [1.0, 2.0, 3.0], "cannot be stored")):
             with self.subTest(fmt=fmt), self.assertRaisesRegex(ValueError, fragment):
                 serving._pack(fmt, vector)
         with self.assertRaisesRegex(ValueError, "no position yet"):
             serving.QuantizedCache(PARAMS, "int8").bytes_per_position()
+        huge = dict(PARAMS, ln1_g=[1e41] * model.WIDTH)   # keys and values near 1e41
+        for fmt in ("float32", "int8"):
+            cache = serving.QuantizedCache(huge, fmt)
+            with self.subTest(through="forward_step", fmt=fmt):
+                with self.assertRaisesRegex(ValueError, "float32's largest"):
+                    forward_step(huge, cache, 5, 0)
+                self.assertEqual((len(cache), cache.tokens), (0, []))
 
     def test_a_window_cache_holding_the_whole_prompt_says_so(self):
         ids = TOK.encode(STORIES[0])
