@@ -78,30 +78,49 @@ def check_request(tok, prompt, max_new_tokens, temperature, top_k, seed):
     return ids
 
 
-def generate_with(next_logits, tok, ids, max_new_tokens, temperature, top_k, seed):
-    """The generation loop from the prompt's token IDs (checked by check_request), given
-    next_logits(ids): the scores for the token after ids. generate and
-    kv_cache.generate_cached differ only in the next_logits they pass. Appends to ids."""
-    rng = random.Random(seed)
-    steps = []
-    while True:
-        if len(steps) == max_new_tokens:
-            stopped = "max_new_tokens"
-            break
-        if len(ids) == model.CONTEXT:
-            stopped = "context full"
-            break
-        probs = next_token_probs(next_logits(ids), temperature, top_k)
-        if temperature == 0:
+class Generation:
+    """One generation in progress, from the prompt's token IDs (checked by check_request):
+    the token IDs so far (ids), the chosen steps, its own random numbers, and why it
+    stopped (stopped: None while it goes on). Whoever computes the logits for the token
+    after ids hands them to choose()."""
+
+    def __init__(self, tok, ids, max_new_tokens, temperature, top_k, seed):
+        self.tok, self.ids, self.steps = tok, ids, []
+        self.max_new_tokens, self.temperature, self.top_k = max_new_tokens, temperature, top_k
+        self.rng = random.Random(seed)
+        self.stopped = self._stop_reason()
+
+    def choose(self, logits):
+        """Choose the next token from the logits for the token after ids, and append it."""
+        probs = next_token_probs(logits, self.temperature, self.top_k)
+        if self.temperature == 0:
             token_id = probs.index(1.0)
         else:
-            token_id = rng.choices(range(len(probs)), weights=probs)[0]
-        ids.append(token_id)
-        steps.append({"token": tok.vocab[token_id], "probability": round(probs[token_id], 4)})
-        if token_id == tok.ids["\n"]:
-            stopped = "end of story"
-            break
-    return {"text": tok.decode(ids), "steps": steps, "stopped": stopped}
+            token_id = self.rng.choices(range(len(probs)), weights=probs)[0]
+        self.ids.append(token_id)
+        self.steps.append({"token": self.tok.vocab[token_id],
+                           "probability": round(probs[token_id], 4)})
+        self.stopped = ("end of story" if token_id == self.tok.ids["\n"]
+                        else self._stop_reason())
+
+    def _stop_reason(self):
+        if len(self.steps) == self.max_new_tokens:
+            return "max_new_tokens"
+        if len(self.ids) == model.CONTEXT:
+            return "context full"
+        return None
+
+    def result(self):
+        return {"text": self.tok.decode(self.ids), "steps": self.steps, "stopped": self.stopped}
+
+
+def generate_with(next_logits, tok, ids, max_new_tokens, temperature, top_k, seed):
+    """The generation loop, given next_logits(ids): the logits for the token after ids.
+    generate and kv_cache.generate_cached differ only in the next_logits they pass."""
+    generation = Generation(tok, ids, max_new_tokens, temperature, top_k, seed)
+    while not generation.stopped:
+        generation.choose(next_logits(generation.ids))
+    return generation.result()
 
 
 def generate(params, tok, prompt, max_new_tokens=60, temperature=0.0, top_k=None, seed=0):
