@@ -9,11 +9,11 @@ the lesson's, bit for bit, with ==.
 import math
 import struct
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import generate
 import model
-from kv_cache import KVCache, _check_owner, _held_prefix
+from kv_cache import KVCache, _check_owner, _held_prefix, forward_step
 from model import SCALE, add, dot, layernorm, linear, relu, softmax_row
 
 
@@ -137,15 +137,22 @@ class BlockPool:
         if ids:
             model.check_ids(ids)
         seq = PagedSequence(self)
-        for end in range(self.block_size, len(ids) + 1, self.block_size):
-            found = self.prefix_index.get(tuple(ids[:end]))
-            if not found:
-                break
-            self.share(found[0])
-            seq.table.append(found[0])
-            seq.length = end
-            self.prefix_hits += 1
+        for block_id in self.find(ids):
+            self.share(block_id)
+            seq.table.append(block_id)
+        seq.length = len(seq.table) * self.block_size
+        self.prefix_hits += len(seq.table)
         return seq
+
+    def find(self, ids):
+        """The longest run of cached full blocks holding the first tokens of ids."""
+        found = []
+        for end in range(self.block_size, len(ids) + 1, self.block_size):
+            holders = self.prefix_index.get(tuple(ids[:end]))
+            if not holders:
+                break
+            found.append(holders[0])
+        return found
 
     def check_room(self, blocks):
         """Refuse to go on if more blocks are needed than are free."""
@@ -256,16 +263,21 @@ class PagedSequence(KVCache):
         """How many of this sequence's positions its last block holds (0 without one)."""
         return self.length - (len(self.table) - 1) * self.pool.block_size if self.table else 0
 
+    def blocks_needed(self, positions):
+        """How many blocks keeping that many more positions takes from the pool."""
+        self._check_live()
+        room = self.pool.block_size - self._in_last_block() if self.table else 0
+        copy = 0 < room and positions and self.pool.blocks[self.table[-1]].ref_count > 1
+        return math.ceil(max(0, positions - room) / self.pool.block_size) + bool(copy)
+
     def extend(self, token_ids, keys, values):
         """Keep several more positions: the last block first (after copying it, if another
         table holds it too), then new blocks; a block that fills up joins the prefix
         index. Refused, with nothing changed, when the pool lacks the blocks."""
-        self._check_live()
         size, pool = self.pool.block_size, self.pool
+        pool.check_room(self.blocks_needed(len(token_ids)))
         room = size - self._in_last_block() if self.table else 0
-        shared_last = bool(0 < room and token_ids and pool.blocks[self.table[-1]].ref_count > 1)
-        pool.check_room(math.ceil(max(0, len(token_ids) - room) / size) + shared_last)
-        if shared_last:
+        if 0 < room and token_ids and pool.blocks[self.table[-1]].ref_count > 1:
             last = pool.blocks[self.table[-1]]
             kept = self._in_last_block()
             copied = pool.take(last.tokens[:kept], last.keys[:kept], last.values[:kept])
@@ -473,3 +485,111 @@ class WindowCache(KVCache):
 
     def _forget_from(self, length):
         del self.tokens[length:], self.sink_keys[length:], self.sink_values[length:]
+
+
+def serve(params, tok, requests, pool, max_batch):
+    """Run requests (each a dict of generate.generate's keyword arguments, prompt
+    included) to completion from one pool, with continuous batching as servers do: at
+    each step every running request chooses one token and is fed it (one decode row); a
+    waiting request is admitted, its tokens prefilled in one pass, as soon as the batch
+    and the pool have room; a finished one leaves at once. When a running request needs
+    a block and none is free, the most recently admitted one is preempted by recompute:
+    its blocks are freed, and when it is admitted again its prompt and the tokens it had
+    chosen are prefilled again (its random numbers go on where they were: none is drawn
+    twice). Returns (results, counts): each result exactly generate.generate's for its
+    request, in request order, and what serving did."""
+    if not isinstance(pool, BlockPool) or pool.params is not params:
+        raise ValueError("pool must be a BlockPool made for these params")
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
+    if not isinstance(requests, (list, tuple)):
+        raise ValueError(f"requests must be a list of dicts, got {type(requests).__name__}")
+    served = [_Served(params, tok, index, request, pool)
+              for index, request in enumerate(requests)]    # every request checked first
+    waiting = deque(request for request in served if not request.generation.stopped)
+    running = []
+    counts = dict.fromkeys(("steps", "rows", "recomputed_rows", "preemptions", "peak_blocks",
+                            "prefix_hits"), 0)
+    while waiting or running:
+        while waiting and len(running) < max_batch and waiting[0].admit(counts):
+            running.append(waiting.popleft())
+        counts["steps"] += 1
+        for request in list(running):
+            if request not in running:
+                continue                        # preempted earlier in this step
+            request.generation.choose(request.logits)
+            if request.generation.stopped:
+                running.remove(request)
+                request.seq.free()
+                continue
+            while not request.decode(counts):
+                victim = running.pop()          # the most recently admitted
+                victim.preempt()
+                waiting.appendleft(victim)
+                counts["preemptions"] += 1
+                if victim is request:
+                    break
+        counts["peak_blocks"] = max(counts["peak_blocks"], len(pool.blocks) - pool.free_blocks())
+    return [request.generation.result() for request in served], counts
+
+
+class _Served:
+    """One request in serve: its generation, its sequence in the pool while admitted, the
+    logits for its next token, and how many of its positions were ever computed."""
+
+    SETTINGS = {"max_new_tokens": 60, "temperature": 0.0, "top_k": None, "seed": 0}
+
+    def __init__(self, params, tok, index, request, pool):
+        if not isinstance(request, dict) or "prompt" not in request \
+                or not set(request) <= {"prompt", *self.SETTINGS}:
+            raise ValueError(f"request {index} must be a dict of generate's keyword arguments "
+                             f"({', '.join(['prompt', *self.SETTINGS])}), got {request!r}")
+        settings = dict(self.SETTINGS, **request)
+        prompt = settings.pop("prompt")
+        try:
+            ids = generate.check_request(tok, prompt, **settings)
+        except ValueError as refused:
+            raise ValueError(f"request {index}: {refused}") from None
+        fed = min(len(ids) + settings["max_new_tokens"], model.CONTEXT) - 1
+        if math.ceil(fed / pool.block_size) > len(pool.blocks):
+            raise ValueError(f"request {index} may need {math.ceil(fed / pool.block_size)} "
+                             f"blocks of {pool.block_size} positions, and the pool has "
+                             f"{len(pool.blocks)}: it could never run; make a larger pool")
+        self.params, self.pool = params, pool
+        self.generation = generate.Generation(tok, ids, **settings)
+        self.seq, self.logits, self.computed = None, None, 0
+
+    def admit(self, counts):
+        """Prefill the tokens so far into a new sequence, in one pass, after the full
+        blocks the pool has cached for them (never the last position: its logits are
+        needed); False, with nothing changed, if the pool lacks room."""
+        ids = self.generation.ids
+        cached = self.pool.find(ids[:-1])
+        cached_free = sum(self.pool.blocks[block_id].ref_count == 0 for block_id in cached)
+        needed = math.ceil(len(ids) / self.pool.block_size) - len(cached)
+        if needed > self.pool.free_blocks() - cached_free:
+            return False
+        self.seq = self.pool.sequence(ids[:-1])
+        start = len(self.seq)
+        self.logits = prefill(self.params, self.seq, ids[start:], start)[-1]
+        counts["rows"] += len(ids) - start
+        counts["recomputed_rows"] += max(0, self.computed - start)
+        counts["prefix_hits"] += len(cached)
+        self.computed = max(self.computed, len(ids))
+        return True
+
+    def decode(self, counts):
+        """Feed the token just chosen (one row); False, with nothing changed, if the pool
+        lacks the block it needs."""
+        if self.seq.blocks_needed(1) > self.pool.free_blocks():
+            return False
+        ids = self.generation.ids
+        self.logits = forward_step(self.params, self.seq, ids[-1], len(ids) - 1)
+        counts["rows"] += 1
+        self.computed = max(self.computed, len(ids))
+        return True
+
+    def preempt(self):
+        """Give the blocks back; the generation keeps its tokens and random numbers."""
+        self.seq.free()
+        self.seq, self.logits = None, None

@@ -5,10 +5,12 @@ import ast
 import copy
 import math
 import os
+import random
 import struct
 import unittest
 from unittest import mock
 
+import generate
 import model
 import serving
 import trace_kv
@@ -16,8 +18,8 @@ from kv_cache import KVCache, feed, forward_step, generate_cached
 import test_kv_cache
 from test_kv_cache import (OPENINGS, PARAMS, STORIES, TOK, UNCHANGED, assert_changed,
                            assert_equal, assert_same_generation, assert_same_rows, cached_rows,
-                           filled_cache, plant, replacing, setUpModule, snapshot,
-                           tearDownModule)
+                           check_every_case, filled_cache, plant, replacing, setUpModule,
+                           snapshot, tearDownModule)
 
 
 def is_causal_slice(node):
@@ -465,6 +467,92 @@ class Lossy(unittest.TestCase):
             with self.subTest(window=window, sinks=sinks):
                 with self.assertRaisesRegex(ValueError, fragment):
                     serving.WindowCache(PARAMS, window, sinks)
+
+class Serve(unittest.TestCase):
+    """Many requests from one pool: continuous batching and preemption by recompute give
+    every request exactly generate.generate's result."""
+
+    def requests(self, count, order_seed):
+        """count of the test openings, greedy, sampled and top-k in turn, in an order
+        shuffled by order_seed."""
+        kinds = ({}, {"temperature": 1.0}, {"temperature": 1.0, "top_k": 3})
+        requests = [dict(kinds[i % 3], prompt=prompt, seed=i)
+                    for i, prompt in enumerate(OPENINGS[:count])]
+        random.Random(order_seed).shuffle(requests)
+        return requests
+
+    def test_every_result_is_generate_s_for_any_pool_batch_and_order(self):
+        requests = self.requests(12, 0)
+        expected = [generate.generate(PARAMS, TOK, **request) for request in requests]
+        # The smallest pool serve takes: room for the longest any request could grow.
+        smallest = max(math.ceil((min(len(TOK.encode(r["prompt"])) + 60, model.CONTEXT) - 1) / 4)
+                       for r in requests)
+        preempted = 0
+
+        def check(case):
+            blocks, max_batch, order = case
+            shuffled = random.Random(order).sample(range(len(requests)), len(requests))
+            pool = serving.BlockPool(PARAMS, blocks, 4)
+            results, counts = serving.serve(PARAMS, TOK, [requests[i] for i in shuffled],
+                                            pool, max_batch)
+            nonlocal preempted
+            preempted += counts["preemptions"]
+            for i, result in zip(shuffled, results):
+                if result != expected[i]:
+                    return f"request {requests[i]} differs: {result['text']!r}"
+            if pool.free_blocks() != blocks:
+                return f"{blocks - pool.free_blocks()} blocks still held after serving"
+            return None
+        cases = [(f"{blocks} blocks, batches of {max_batch}, order {order}",
+                  (blocks, max_batch, order))
+                 for blocks in (smallest, smallest + 3, 2 * smallest, 200)
+                 for max_batch in (1, 3, 12) for order in (0, 1)]
+        check_every_case(self, cases, check)
+        self.assertGreater(preempted, 0)   # the small pools did preempt
+
+    def test_preempted_requests_come_back_with_the_same_result(self):
+        requests = self.requests(9, 2)
+        pool = serving.BlockPool(PARAMS, 16, 4)
+        results, counts = serving.serve(PARAMS, TOK, requests, pool, 9)
+        self.assertGreater(counts["preemptions"], 0)
+        self.assertGreater(counts["recomputed_rows"], 0)
+        for request, result in zip(requests, results):
+            with self.subTest(**request):
+                self.assertEqual(result, generate.generate(PARAMS, TOK, **request))
+
+    def test_counts_add_up(self):
+        requests = self.requests(6, 3)
+        results, counts = serving.serve(PARAMS, TOK, requests, serving.BlockPool(PARAMS, 200, 4),
+                                        6)
+        fed = sum(len(TOK.encode(r["prompt"])) + len(result["steps"]) - 1
+                  for r, result in zip(requests, results))
+        self.assertEqual((counts["preemptions"], counts["recomputed_rows"]), (0, 0))
+        self.assertEqual(counts["rows"], fed - 4 * counts["prefix_hits"])
+        self.assertEqual(counts["steps"], max(len(r["steps"]) for r in results))
+        one_at_a_time = serving.serve(PARAMS, TOK, requests, serving.BlockPool(PARAMS, 200, 4),
+                                      1)[1]
+        self.assertEqual(one_at_a_time["steps"], sum(len(r["steps"]) for r in results))
+
+    def test_bad_requests_and_settings_are_refused_before_anything_runs(self):
+        for requests, max_batch, fragment in (
+                ([{"prompt": "mia was sad."}], 0, "max_batch must be an int >= 1"),
+                ([{"prompt": "mia was sad."}], True, "max_batch must be an int >= 1"),
+                ("mia was sad.", 1, "requests must be a list"),
+                ([{"prompt": "mia"}, {"text": "mia"}], 1, "request 1 must be a dict"),
+                ([{"prompt": "mia", "temprature": 1.0}], 1, "request 0 must be a dict"),
+                ([{"prompt": "Mia"}], 1, "request 0: unknown character 'M'"),
+                ([{"prompt": "mia", "top_k": 0}], 1, "request 0: top_k must be"),
+                ([{"prompt": "mia", "max_new_tokens": 2}, {"prompt": "mia was sad."}], 1,
+                 "request 1 may need 16 blocks of 4 positions, and the pool has 8")):
+            pool = serving.BlockPool(PARAMS, 8 if "may need" in fragment else 16, 4)
+            with self.subTest(fragment=fragment):
+                before = pool_snapshot(pool)
+                with self.assertRaisesRegex(ValueError, fragment):
+                    serving.serve(PARAMS, TOK, requests, pool, max_batch)
+                assert_equal(self, pool_snapshot(pool), before, "the pool")
+        with self.assertRaisesRegex(ValueError, "a BlockPool made for these params"):
+            serving.serve(copy.deepcopy(PARAMS), TOK, [], pool, 1)
+
 
 class RecordedSlots(unittest.TestCase):
 
