@@ -24,7 +24,7 @@ import trace_kv
 from generate import load_trained
 from kv_cache import KVCache, feed, forward_step, generate_cached
 from trace_kv import never_ending
-from train import corpus_rules, split_stories, story_agreement
+from train import split_stories
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -843,46 +843,6 @@ class RecordedFigures(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.record = json.loads(lab_file(trace_kv.TRACE))
-
-    def test_story_quality_counts_each_kind_of_pronoun(self):
-        stories = ["mia lost her red ball. she found it under the bed.\n",   # a clue; right
-                   "emma went to the park. he saw a duck there.\n",          # only the name; wrong
-                   "tom went to the zoo. he saw a lion there.\n",            # only the name; right
-                   "zoe made a hat for her friend. she said thank you.\n"]   # the friend's; wrong
-        even = [[[1 / (p + 1)] * (p + 1) for p in range(len(TOK.encode(s)))] for s in stories]
-        openings = [story[:story.index(". ") + 1] for story in stories]
-        results = {kind: [{"text": story, "steps": [
-            {"token": TOK.vocab[t]} for t in TOK.encode(story[len(opening):])]}
-            for story, opening in zip(stories, openings)] for kind in ("greedy", "sampled")}
-        results["weights"] = {"greedy": even, "sampled": even}
-        quality = trace_kv.story_quality(TOK, lab_file("corpus.txt"), openings,
-                                         results)["greedy"]
-        self.assertEqual((quality["pronouns_referring_to_the_name"], quality["agreeing"]), (3, 2))
-        self.assertEqual(quality["agreeing_by_opening"], {
-            "with a pronoun": {"pronouns": 1, "agreeing": 1},
-            "with only the name": {"pronouns": 2, "agreeing": 1}})
-        self.assertEqual(quality["pronouns_referring_to_a_person"], {"pronouns": 1, "agreeing": 0})
-        self.assertEqual(quality["stories_with_a_wrong_pronoun"], [stories[1], stories[3]])
-        self.assertEqual(quality["first_three_right_where_only_the_name_tells"], [stories[2]])
-
-    def test_attention_on_the_name_is_read_where_each_pronoun_was_chosen(self):
-        """Made-up rows of weights: position p puts p / 100 on position 0 (the name) and
-        1.0 on every other, so each pronoun's figure shows which row and positions it read.
-        Here the model wrote "and" letter by letter, where the text's own encoding has one
-        token: the tokens it saw, not the text, decide which row chose "he"."""
-        story = "mia was sad. tom gave her a hug, and he smiled.\n"
-        seen = (TOK.encode("mia was sad. tom gave her a hug, ") + [TOK.ids[c] for c in "and"]
-                + TOK.encode(" he smiled.\n"))
-        self.assertEqual(len(seen), len(TOK.encode(story)) + 2)
-        rows = [[p / 100] + [1.0] * p for p in range(len(seen))]
-        her = len(TOK.encode("mia was sad. tom gave "))       # the token index of "her"
-        he = len(TOK.encode("mia was sad. tom gave her a hug, ")) + 4
-        score = story_agreement(story, corpus_rules(lab_file("corpus.txt")))
-        self.assertEqual(trace_kv.attention_on_the_name(TOK, [seen], [score], [rows]), {
-            "agreeing": {"pronouns": 1, "mean_weight_on_the_name": round((her - 1) / 100, 4),
-                         "even_share": round(1 / her, 4)},
-            "wrong": {"pronouns": 1, "mean_weight_on_the_name": round((he - 1) / 100, 4),
-                      "even_share": round(1 / he, 4)}})
 
     def test_cost_by_length_matches_instrumented_runs(self):
         never_ends = never_ending(PARAMS, TOK)

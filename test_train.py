@@ -218,6 +218,7 @@ class StoryAgreementTest(unittest.TestCase):
     def setUpClass(cls):
         cls.text = read("corpus.txt")
         cls.rules = train.corpus_rules(cls.text)
+        cls.tok = Tokenizer.load(os.path.join(HERE, "tokenizer.json"))
         cls.tiny = train.corpus_rules(
             "mia found a shell. she took it home.\n"
             "tom made a cake for his mom. she said thank you.\n"
@@ -225,6 +226,47 @@ class StoryAgreementTest(unittest.TestCase):
             "ana lost her hat. she found it.\n"
             "it began to rain. tom ran home with his dog.\n"
             "it began to rain. mia ran home with her cat.\n")
+
+    def test_story_quality_counts_each_kind_of_pronoun(self):
+        stories = ["mia lost her red ball. she found it under the bed.\n",   # a clue; right
+                   "emma went to the park. he saw a duck there.\n",          # only the name; wrong
+                   "tom went to the zoo. he saw a lion there.\n",            # only the name; right
+                   "zoe made a hat for her friend. she said thank you.\n"]   # the friend's; wrong
+        even = [[[1 / (p + 1)] * (p + 1) for p in range(len(self.tok.encode(s)))]
+                for s in stories]
+        openings = [story[:story.index(". ") + 1] for story in stories]
+        results = {kind: [{"text": story, "steps": [
+            {"token": self.tok.vocab[t]} for t in self.tok.encode(story[len(opening):])]}
+            for story, opening in zip(stories, openings)] for kind in ("greedy", "sampled")}
+        results["weights"] = {"greedy": even, "sampled": even}
+        quality = train.story_quality(self.tok, self.text, openings,
+                                         results)["greedy"]
+        self.assertEqual((quality["pronouns_referring_to_the_name"], quality["agreeing"]), (3, 2))
+        self.assertEqual(quality["agreeing_by_opening"], {
+            "with a pronoun": {"pronouns": 1, "agreeing": 1},
+            "with only the name": {"pronouns": 2, "agreeing": 1}})
+        self.assertEqual(quality["pronouns_referring_to_a_person"], {"pronouns": 1, "agreeing": 0})
+        self.assertEqual(quality["stories_with_a_wrong_pronoun"], [stories[1], stories[3]])
+        self.assertEqual(quality["first_three_right_where_only_the_name_tells"], [stories[2]])
+
+    def test_attention_on_the_name_is_read_where_each_pronoun_was_chosen(self):
+        """Made-up rows of weights: position p puts p / 100 on position 0 (the name) and
+        1.0 on every other, so each pronoun's figure shows which row and positions it read.
+        Here the model wrote "and" letter by letter, where the text's own encoding has one
+        token: the tokens it saw, not the text, decide which row chose "he"."""
+        story = "mia was sad. tom gave her a hug, and he smiled.\n"
+        seen = (self.tok.encode("mia was sad. tom gave her a hug, ")
+                + [self.tok.ids[c] for c in "and"] + self.tok.encode(" he smiled.\n"))
+        self.assertEqual(len(seen), len(self.tok.encode(story)) + 2)
+        rows = [[p / 100] + [1.0] * p for p in range(len(seen))]
+        her = len(self.tok.encode("mia was sad. tom gave "))       # the token index of "her"
+        he = len(self.tok.encode("mia was sad. tom gave her a hug, ")) + 4
+        score = train.story_agreement(story, self.rules)
+        self.assertEqual(train.attention_on_the_name(self.tok, [seen], [score], [rows]), {
+            "agreeing": {"pronouns": 1, "mean_weight_on_the_name": round((her - 1) / 100, 4),
+                         "even_share": round(1 / her, 4)},
+            "wrong": {"pronouns": 1, "mean_weight_on_the_name": round((he - 1) / 100, 4),
+                      "even_share": round(1 / he, 4)}})
 
     def score(self, story):
         result = train.story_agreement(story, self.rules)

@@ -17,6 +17,8 @@ import random
 import re
 import sys
 import time
+from itertools import accumulate
+from math import fsum
 
 import checkpoint
 import model
@@ -125,6 +127,82 @@ def story_agreement(story, rules):
     return {"name": name, "pronouns": len(referring),
             "agreeing": sum(agrees for _, agrees in referring), "unknown_words": unknown,
             "referring": referring, "about_people": about_people, "clue_in_opening": clue}
+
+
+def story_ids(tok, prompt, result):
+    """The token IDs of a generated story: the prompt's, then each chosen token's (the
+    text itself may encode differently: BPE can merge across what was chosen)."""
+    return tok.encode(prompt) + [tok.ids[step["token"]] for step in result["steps"]]
+
+
+def story_quality(tok, corpus, prompts, results):
+    """How well the greedy and the sampled stories keep the corpus's rules
+    (story_agreement): pronouns that refer to the opening's name and agree with its
+    gender, also split by whether the opening holds a pronoun too or only the name tells
+    the gender; pronouns that refer to a person word (sister, dad) and agree with it;
+    stories whose continuation uses only words of the corpus; the stories with a wrong
+    pronoun, and the first three that keep every rule where only the name tells; and how
+    much the model looked at the name where it chose its pronouns."""
+    rules = corpus_rules(corpus)
+    quality = {}
+    for kind in ("greedy", "sampled"):
+        stories = [r["text"] for r in results[kind]]
+        scores = [story_agreement(story, rules) for story in stories]
+        ids = [story_ids(tok, prompt, r) for prompt, r in zip(prompts, results[kind])]
+        right = [all(agrees for _, agrees in sc["referring"] + sc["about_people"])
+                 for sc in scores]
+        overall = _count([pronoun for sc in scores for pronoun in sc["referring"]])
+        quality[kind] = {
+            "pronouns_referring_to_the_name": overall["pronouns"],
+            "agreeing": overall["agreeing"],
+            "agreeing_share": round(overall["agreeing"] / overall["pronouns"], 4),
+            "agreeing_by_opening": {
+                opening: _count([pronoun for sc in scores if sc["clue_in_opening"] == clue
+                                 for pronoun in sc["referring"]])
+                for opening, clue in (("with a pronoun", True), ("with only the name", False))},
+            "pronouns_referring_to_a_person": _count(
+                [pronoun for sc in scores for pronoun in sc["about_people"]]),
+            "stories_of_corpus_words_only": sum(not sc["unknown_words"] for sc in scores),
+            "stories_with_a_wrong_pronoun": [story for story, ok in zip(stories, right)
+                                             if not ok],
+            "first_three_right_where_only_the_name_tells": [
+                story for story, sc, ok in zip(stories, scores, right)
+                if ok and sc["referring"] and not sc["clue_in_opening"]
+                and not sc["unknown_words"]][:3],
+            "attention_on_the_name": attention_on_the_name(tok, ids, scores,
+                                                           results["weights"][kind])}
+    return quality
+
+
+def _count(pronouns):
+    """How many pronouns, and how many of them agree: pronouns as story_agreement lists
+    them, (where, agrees)."""
+    return {"pronouns": len(pronouns), "agreeing": sum(agrees for _, agrees in pronouns)}
+
+
+def attention_on_the_name(tok, ids, scores, weights):
+    """At each pronoun that refers to a story's name (scores: each story's
+    story_agreement), the attention weight that the position choosing it (the one
+    before it) put on the name's tokens, and the share an even spread over the positions
+    it attends would give them; each averaged over the pronouns that agree with the name
+    and over those that do not. ids: each story's token IDs as the model saw them;
+    weights: each story's rows of attention weights, from a full pass over them."""
+    found = {True: [], False: []}
+    for story_tokens, score, rows in zip(ids, scores, weights):
+        starts = list(accumulate((len(tok.vocab[t]) for t in story_tokens), initial=0))
+        for offset, agrees in score["referring"]:
+            row, name_tokens = rows[starts.index(offset) - 1], starts.index(len(score["name"]))
+            found[agrees].append((fsum(row[:name_tokens]), name_tokens / len(row)))
+    return {("agreeing" if agrees else "wrong"): {
+                "pronouns": len(pairs),
+                "mean_weight_on_the_name": rounded_mean([weight for weight, _ in pairs]),
+                "even_share": rounded_mean([even for _, even in pairs])}
+            for agrees, pairs in found.items()}
+
+
+def rounded_mean(values):
+    """The mean of values to 4 places; None for no values."""
+    return round(fsum(values) / len(values), 4) if values else None
 
 
 def mean_loss(params, sequences):
