@@ -487,7 +487,7 @@ class WindowCache(KVCache):
         del self.tokens[length:], self.sink_keys[length:], self.sink_values[length:]
 
 
-def serve(params, tok, requests, pool, max_batch):
+def serve(params, tok, requests, pool, max_batch, log=None):
     """Run requests (each a dict of generate.generate's keyword arguments, prompt
     included) to completion from one pool, with continuous batching as servers do: at
     each step every running request chooses one token and is fed it (one decode row); a
@@ -497,7 +497,9 @@ def serve(params, tok, requests, pool, max_batch):
     its blocks are freed, and when it is admitted again its prompt and the tokens it had
     chosen are prefilled again (its random numbers go on where they were: none is drawn
     twice). Returns (results, counts): each result exactly generate.generate's for its
-    request, in request order, and what serving did."""
+    request, in request order, and what serving did. log(step, request index, event), if
+    given, is told each "prefill", "decode", "preempted" and "finished" as it happens."""
+    log = log or (lambda step, index, event: None)
     if not isinstance(pool, BlockPool) or pool.params is not params:
         raise ValueError("pool must be a BlockPool made for these params")
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
@@ -513,6 +515,7 @@ def serve(params, tok, requests, pool, max_batch):
     while waiting or running:
         while waiting and len(running) < max_batch and waiting[0].admit(counts):
             running.append(waiting.popleft())
+            log(counts["steps"] + 1, running[-1].index, "prefill")
         counts["steps"] += 1
         for request in list(running):
             if request not in running:
@@ -521,14 +524,18 @@ def serve(params, tok, requests, pool, max_batch):
             if request.generation.stopped:
                 running.remove(request)
                 request.seq.free()
+                log(counts["steps"], request.index, "finished")
                 continue
             while not request.decode(counts):
                 victim = running.pop()          # the most recently admitted
                 victim.preempt()
                 waiting.appendleft(victim)
                 counts["preemptions"] += 1
+                log(counts["steps"], victim.index, "preempted")
                 if victim is request:
                     break
+            else:
+                log(counts["steps"], request.index, "decode")
         counts["peak_blocks"] = max(counts["peak_blocks"], len(pool.blocks) - pool.free_blocks())
     return [request.generation.result() for request in served], counts
 
@@ -555,7 +562,7 @@ class _Served:
             raise ValueError(f"request {index} may need {math.ceil(fed / pool.block_size)} "
                              f"blocks of {pool.block_size} positions, and the pool has "
                              f"{len(pool.blocks)}: it could never run; make a larger pool")
-        self.params, self.pool = params, pool
+        self.params, self.pool, self.index = params, pool, index
         self.generation = generate.Generation(tok, ids, **settings)
         self.seq, self.logits, self.computed = None, None, 0
 

@@ -223,9 +223,24 @@ class Exactness(unittest.TestCase):
         self.assertGreater(every_row["positions"], 60 * 2 * 20)
         self.assertEqual(record["greedy_identical"], record["stories"])
         self.assertEqual(record["sampled_identical"], record["stories"])
+        for name, runs in (("prefix_cache", ("small pool", "ample pool")),
+                           ("many_requests", ("small pool", "ample pool"))):
+            for run in runs:
+                served = record[name][run]
+                self.assertEqual(served["identical"], 60 if name == "prefix_cache" else 120)
+                self.assertEqual(served["largest_logit_gap_of_choosing_rows"], 0.0)
+        self.assertGreater(record["many_requests"]["small pool"]["preemptions"], 0)
         self.assertEqual(trace_kv.differing_keys(record, json.loads(lab_file(trace_kv.TRACE))),
                          [], "kv-trace.json differs from this run in these keys; after a "
                              "change on purpose, python3 trace_kv.py --write records the new run")
+
+    def test_the_record_is_the_same_for_any_number_of_workers(self):
+        """On the first four openings: one process, or two sharing the stages."""
+        alone, _ = trace_kv.run(workers=1, stories=4)
+        shared, timing = trace_kv.run(workers=2, stories=4)
+        self.assertEqual(timing["workers"], 2)
+        self.assertEqual(trace_kv.differing_keys(alone, shared), [])
+        self.assertEqual(json.dumps(alone), json.dumps(shared))   # byte for byte, in order
 
     def test_every_cached_row_equals_the_full_forward_pass(self):
         longest = [t for story in STORIES for t in TOK.encode(story)][:model.CONTEXT]
@@ -987,7 +1002,7 @@ class Summary(unittest.TestCase):
         out, err = self.run_main()
         self.assertTrue(out.startswith("Exactness\n"), out)
         self.assertIn("The full record: ", out)
-        self.assertIn("about 25 s", err)
+        self.assertIn("about 15 s on 2 cores", err)
         out, _ = self.run_main("--json")
         self.assertEqual(json.loads(out), self.record)
         out, _ = self.run_main("--check")

@@ -20,6 +20,7 @@ import model
 import serving
 import trace_kv
 from generate import load_trained
+from train import split_stories
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ON_PURPOSE = ("If you changed the code or retrained on purpose, this is expected: bring "
@@ -116,6 +117,31 @@ def block_table_diagram():
     return lines, shared
 
 
+def serving_timeline():
+    """Section 19's picture, from a real run of serving.serve: four openings, batches of up
+    to four, a pool of 16 blocks of 4. One line per request, one character per step: P
+    admitted (its tokens prefilled), . a decode row, x preempted, - waiting, * finished."""
+    params, tok = load_trained()
+    with open(os.path.join(HERE, "corpus.txt"), encoding="utf-8") as f:
+        prompts = trace_kv.openings(split_stories(f.read())[2])[:4]
+    events = {}
+    _, counts = serving.serve(params, tok, [{"prompt": p} for p in prompts],
+                              serving.BlockPool(params, 16, 4), 4,
+                              lambda step, index, event: events.setdefault(
+                                  (index, step), set()).add(event))
+    lines = []
+    for index, prompt in enumerate(prompts):
+        marks, finished = "", False
+        for step in range(1, counts["steps"] + 1):
+            happened = events.get((index, step), set())
+            marks += ("*" if "finished" in happened else "x" if "preempted" in happened
+                      else "P" if "prefill" in happened else "." if happened
+                      else " " if finished else "-")
+            finished = finished or "finished" in happened
+        lines.append(f"{prompt:<{max(map(len, prompts))}}  {marks.rstrip()}")
+    return lines, counts
+
+
 def lesson_words(text):
     """The words of the lesson (sections 1 to 14), without its code blocks, tables,
     indented formula blocks, comments and link targets."""
@@ -176,6 +202,15 @@ class Examples(unittest.TestCase):
                       f"{mismatch(blocks[-1], wanted, 'a real pool')}. {ON_PURPOSE}: block_table_diagram() "
                       f"in test_readme.py gives the new diagram")
 
+    def test_the_serving_timeline_is_a_real_run(self):
+        wanted, counts = serving_timeline()
+        self.assertGreater(counts["preemptions"], 0)   # the picture shows one
+        blocks = [lines for _, kind, lines in fenced_blocks(readme()) if kind == "text"]
+        if wanted not in blocks:
+            self.fail(f"section 19's timeline is not what serving.serve does: "
+                      f"{mismatch(blocks[0] if blocks else [], wanted, 'a real run')}. "
+                      f"{ON_PURPOSE}: serving_timeline() in test_readme.py gives the new one")
+
     def test_the_readme_shows_the_real_code(self):
         excerpts = re.findall(r"<!-- excerpt: (\w+)\.(\w+) -->\n```python\n(.*?)```", readme(),
                               re.DOTALL)
@@ -220,7 +255,8 @@ class RecordedFigures(unittest.TestCase):
                    f"| per row | {t['uncached_microseconds_per_row']} µs | "
                    f"{t['cached_microseconds_per_row']} µs |",
                    f"| speed-up | | **{t['speedup']}x** |", f"The speed-up ({t['speedup']}x)",
-                   f"{t['python']} (the other core idle)", t["machine"],
+                   f"Python {t['python']}, {t['workers']} workers", t["machine"],
+                   f"the steps took {t['forward_step_over_its_fsum_calls']} times as long",
                    f"**{t['cache_bytes_full_context']:,} bytes** ("
                    f"{t['cache_bytes_per_position']:,} bytes per position"]
         figures += [f"| {e['uncached_seconds']:.4f} | {e['cached_seconds']:.4f} | {e['speedup']}x |"
@@ -324,8 +360,38 @@ def readme_figures(r):
     quoted.append(" | ".join(f"{p['agreeing']} of {p['pronouns']}" for p in people))
     quoted += [story.rstrip("\n") for story in greedy["stories_with_a_wrong_pronoun"]
                + greedy["first_three_right_where_only_the_name_tells"]]
+    rung = {entry["cache"]: entry for entry in r["ladder"]["rungs"]}
+
+    def changed(name):
+        return rung[name]["greedy_stories_changed"]
+    quoted += [f"changed {changed('int4')} greedy stories and "
+               f"{rung['int4']['sampled_stories_changed']} sampled ones",
+               f"with 8 positions kept, {changed('window 8, sinks 0')} of the 60 greedy stories",
+               f"16 changed {changed('window 16, sinks 4')} greedy stories where a window of 20 "
+               f"changed {changed('window 20, sinks 0')}",
+               f"window of 8 changed {changed('window 8, sinks 4')} where a window of 12 changed "
+               f"{changed('window 12, sinks 0')}"]
+    held = r["prefix_cache"]["positions_held_in_all"]
+    for run, label in (("small pool", f"small: far less than the 60 stories hold ({held:,} "
+                                      f"positions)"), ("ample pool", "ample: nothing is evicted")):
+        c = r["prefix_cache"][run]
+        quoted.append(f"| {label} | {c['blocks']} | {c['prefix_hits']} | {c['rows_saved']} | "
+                      f"{c['rows']:,} | {c['evictions']} | **{c['identical']} of 60** | "
+                      f"**{c['largest_logit_gap_of_choosing_rows']}** |")
+    many = r["many_requests"]
+    for run in ("small pool", "ample pool"):
+        c = many[run]
+        quoted.append(f"({c['blocks']:,} blocks) | {c['steps']} | {c['rows']:,} | "
+                      f"{c['recomputed_rows']} | {c['preemptions']} | {c['peak_blocks']} | "
+                      f"{c['prefix_hits']} | **{c['identical']} of 120** | "
+                      f"**{c['largest_logit_gap_of_choosing_rows']}** |")
+    quoted += [f"batches of up to {many['max_batch']}, every", f"a batch of {many['max_batch']} starts",
+               f"takes {many['static_batching_steps']} steps for the same requests; continuous "
+               f"batching, {many['ample pool']['steps']}",
+               f"recomputes {many['small pool']['recomputed_rows']} rows"]
     attention = r["attention_to_position_0"]
-    quoted += [f"(of {r['ladder']['stories']})", f"**{attention['mean_weight']}**",
+    quoted += [f"(of {r['ladder']['stories']})", f"on all {r['ladder']['stories']} openings",
+               f"**{attention['mean_weight']}**",
                f"even share ({attention['even_share']})"]
     return quoted
 

@@ -1,7 +1,7 @@
 """The lab's experiment: run the uncached and the cached generator on the openings of
 the 60 test stories, prove they agree bit for bit, and count the work each one does.
 
-    python3 trace_kv.py            runs it (about 25 s) and prints a summary
+    python3 trace_kv.py            runs it (about 15 s on 2 cores, 30 s on 1) and prints a summary
     python3 trace_kv.py --json     prints the whole record instead, as JSON
     python3 trace_kv.py --check    also fails if the record differs from kv-trace.json
     python3 trace_kv.py --write    rewrites kv-trace.json and kv-time.json (timing more)
@@ -19,18 +19,21 @@ import os
 import platform
 import sys
 import time
+from collections import namedtuple
+from concurrent.futures import ProcessPoolExecutor
 from itertools import accumulate
 from math import fsum
 from operator import add
+from types import SimpleNamespace
 
 import kv_cache
 import model
 import serving
 from checkpoint import LAB, add_folder_flag, run_command, write_atomically
-from generate import generate, load_trained
+from generate import Generation, generate, load_trained
 from kv_cache import KVCache, feed, generate_cached, work
 from serving import FORMATS, BlockPool, QuantizedCache, WindowCache, prefill_in_chunks
-from train import rounded_mean, split_stories, story_ids, story_quality
+from train import positive_int, rounded_mean, split_stories, story_ids, story_quality
 
 TRACE, TIMES = "kv-trace.json", "kv-time.json"
 LENGTHS = (8, 16, 32, 64)
@@ -38,7 +41,8 @@ CHUNKS = (1, 2, 4, 8)             # one-pass prefill, tokens per call
 BLOCK_SIZES = (4, 8, 16)          # paged cache, positions per block
 # (window, sinks); 12 and 20 keep as many positions as 8 and 16 with 4 sinks
 WINDOWS = ((8, 0), (8, 4), (12, 0), (16, 0), (16, 4), (20, 0), (32, 0), (32, 4))
-LADDER_STORIES = 15               # the ladder's share of the openings, to stay inside 30 s
+PREFIX_CACHE_BLOCKS = 64          # Part 3: a pool far smaller than the 60 stories together
+MAX_BATCH, SMALL_POOL = 8, 24     # Part 3: serving 120 requests, preempting in a small pool
 
 
 def openings(stories):
@@ -87,45 +91,32 @@ def recording(module, name):
         yield results
 
 
-def compare_on_openings(params, tok, prompts, progress):
-    """Both generators on every prompt, greedy and sampled (temperature 1.0, seed = the
-    prompt's index): the uncached results, how many cached ones are identical, how every
-    row the cached path computed compares with the uncached path's last full pass over
-    the same tokens, the work, and the greedy seconds of each path; also the rows of each
-    greedy story's last full pass. progress(done, total) is called after each prompt."""
-    results = {"greedy": [], "sampled": [], "greedy_full_rows": [],
-               "weights": {"greedy": [], "sampled": []}}
-    identical = {"greedy": 0, "sampled": 0}
-    every_row = {"stories": 0, "positions": 0, "largest_logit_gap": 0.0}
-    seconds = {"uncached": 0.0, "cached": 0.0}
-    total = dict.fromkeys(work(1, 1), 0)
-    for index, prompt in enumerate(prompts):
-        for kind, settings in (("greedy", {}), ("sampled", {"temperature": 1.0, "seed": index})):
-            start = time.perf_counter()
-            with recording(model, "forward") as full_passes:
-                uncached = generate(params, tok, prompt, **settings)
-            middle = time.perf_counter()
-            with recording(kv_cache, "forward_step") as cached_rows:
-                cached = generate_cached(params, tok, prompt, **settings)
-            end = time.perf_counter()
-            results[kind].append(uncached)
-            results["weights"][kind].append(full_passes[-1][1].weights)
-            identical[kind] += cached == uncached
-            # The last full pass ran on every token the cache was fed, unless the two
-            # stories part: then only the rows before that point had the same input.
-            same = _common_start(story_ids(tok, prompt, cached), story_ids(tok, prompt, uncached))
-            gap = largest_gap(cached_rows[:same], full_passes[-1][0][:same])
-            every_row["stories"] += 1
-            every_row["positions"] += same
-            every_row["largest_logit_gap"] = max(every_row["largest_logit_gap"], gap)
-            if kind == "greedy":
-                results["greedy_full_rows"].append(full_passes[-1][0])
-                seconds["uncached"] += middle - start
-                seconds["cached"] += end - middle
-                for key, count in work(len(tok.encode(prompt)), len(uncached["steps"])).items():
-                    total[key] += count
-        progress(index + 1, len(prompts))
-    return results, identical, every_row, total, seconds
+def compare_one(index):
+    """Both generators on opening index, greedy and sampled (temperature 1.0, seed =
+    index): for each, the uncached result, whether the cached one is identical, how many
+    positions the cached path computed on the same input as the uncached path's last full
+    pass and the largest gap between their logits, that full pass's rows and attention
+    weights; and the greedy seconds of each path."""
+    params, tok, prompt = _LAB.params, _LAB.tok, _LAB.prompts[index]
+    one = {"seconds": {}}
+    for kind, settings in (("greedy", {}), ("sampled", {"temperature": 1.0, "seed": index})):
+        start = time.perf_counter()
+        with recording(model, "forward") as full_passes:
+            uncached = generate(params, tok, prompt, **settings)
+        middle = time.perf_counter()
+        with recording(kv_cache, "forward_step") as cached_rows:
+            cached = generate_cached(params, tok, prompt, **settings)
+        end = time.perf_counter()
+        rows, saved = full_passes[-1]
+        # The last full pass ran on every token the cache was fed, unless the two
+        # stories part: then only the rows before that point had the same input.
+        same = _common_start(story_ids(tok, prompt, cached), story_ids(tok, prompt, uncached))
+        one[kind] = {"result": uncached, "identical": cached == uncached, "positions": same,
+                     "gap": largest_gap(cached_rows[:same], rows[:same]),
+                     "full_rows": rows, "weights": saved.weights}
+        if kind == "greedy":
+            one["seconds"] = {"uncached": middle - start, "cached": end - middle}
+    return one
 
 
 def sums_in_another_order():
@@ -136,9 +127,10 @@ def sums_in_another_order():
         add, reversed(list(terms)), 0.0))
 
 
-def share_prefixes(params, tok, prompts, greedy, sampled):
+def share_prefixes(greedy, sampled):
     """Prefill each opening once and continue it three ways (greedy, sampled, top-k 3)
     from that cache; each must equal the run without a shared cache."""
+    params, tok, prompts = _LAB.params, _LAB.tok, _LAB.prompts
     identical, without, shared = 0, 0, 0
     for index, prompt in enumerate(prompts):
         ids = tok.encode(prompt)
@@ -156,10 +148,11 @@ def share_prefixes(params, tok, prompts, greedy, sampled):
             "prompt_rows_without_sharing": without, "prompt_rows_with_sharing": shared}
 
 
-def one_pass_prefill(params, tok, prompts, greedy, full_rows):
+def one_pass_prefill(greedy, full_rows):
     """The openings prefilled in chunks of 1, 2, 4 and 8 tokens, one pass per chunk, and
     the greedy stories generated with the whole prompt in one pass: every row against the
     uncached full pass, every result against the uncached one."""
+    params, tok, prompts = _LAB.params, _LAB.tok, _LAB.prompts
     positions, gap = {}, 0.0
     for size in CHUNKS:
         positions[str(size)] = 0
@@ -183,11 +176,12 @@ def one_pass_prefill(params, tok, prompts, greedy, full_rows):
             "prompt_calls_one_pass": prompt_calls}
 
 
-def paged(params, tok, prompts, greedy):
+def paged(greedy):
     """Slots a cache reserves for the 60 greedy stories: one per position held, a whole
     context per story (a static cache), or whole blocks; then the openings prefilled into
     one pool of blocks of 4, sharing the full blocks of common prefixes, each continued
     greedily from its sequence."""
+    params, tok, prompts = _LAB.params, _LAB.tok, _LAB.prompts
     # A story's cache holds every position but the last chosen token, never fed back.
     held = [len(story_ids(tok, p, r)) - 1 for p, r in zip(prompts, greedy)]
     reserved = {"static, 64 per story": model.CONTEXT * len(held)}
@@ -210,44 +204,46 @@ def paged(params, tok, prompts, greedy):
                 "prompt_rows_with_sharing": rows_with, "greedy_identical": identical}}
 
 
-def ladder(params, tok, prompts, greedy, sampled, full_rows):
-    """From exact to lossy, on the first LADDER_STORIES openings: for each way of keeping
-    the cache, its bytes per position (measured, for the compact formats) or the positions
-    it keeps (for a window), the largest logit gap against the exact rows over every
-    position of the greedy stories (their tokens fed through that cache), and how many
-    greedy and sampled stories change their text (a greedy story changes where a fed row's
-    best token is not the next one; a sampled one is generated again through that cache)."""
-    prompts, greedy, sampled = (items[:LADDER_STORIES] for items in (prompts, greedy, sampled))
-    stories = [story_ids(tok, p, r) for p, r in zip(prompts, greedy)]
-    rungs = [("float64 array", lambda: QuantizedCache(params, "float64"), None)]
-    rungs.append(("exact lists, sums in another order", lambda: KVCache(params),
-                  sums_in_another_order))
-    rungs += [(fmt, lambda fmt=fmt: QuantizedCache(params, fmt), None) for fmt in FORMATS[1:]]
-    rungs += [(f"window {w}, sinks {s}", lambda w=w, s=s: WindowCache(params, w, s), None)
-              for w, s in WINDOWS]
-    table = []
-    for name, make, context in rungs:
-        gap = 0.0
-        greedy_changed = sampled_changed = 0
-        with context() if context else contextlib.nullcontext():
-            for index, (prompt, ids, rows) in enumerate(zip(prompts, stories, full_rows)):
-                cache = make()
-                fed = feed(params, cache, ids[:-1])
-                gap = max(gap, largest_gap(fed, rows))
-                chosen = range(len(tok.encode(prompt)) - 1, len(fed))   # rows that chose
-                greedy_changed += any(fed[p].index(max(fed[p])) != ids[p + 1] for p in chosen)
-                again = generate_cached(params, tok, prompt, temperature=1.0, seed=index,
-                                        cache=make())
-                sampled_changed += again["text"] != sampled[index]["text"]
-        table.append({
-            "cache": name,
+RUNGS = (("float64 array", "float64"), ("exact lists, sums in another order", "reordered"),
+         *((fmt, fmt) for fmt in FORMATS[1:]),
+         *((f"window {w}, sinks {s}", (w, s)) for w, s in WINDOWS))
+
+
+def ladder_rung(rung, greedy, sampled, full_rows):
+    """One way of keeping the cache (RUNGS[rung]), on every opening: its bytes per
+    position (measured, for the compact formats) or the positions it keeps (for a
+    window), the largest logit gap against the exact rows over every position of the
+    greedy stories (their tokens fed through that cache), and how many greedy and sampled
+    stories change their text (a greedy story changes where a fed row's best token is not
+    the next one; a sampled one is generated again through that cache)."""
+    params, tok, prompts = _LAB.params, _LAB.tok, _LAB.prompts
+    name, kind = RUNGS[rung]
+
+    def make():
+        if kind == "reordered":
+            return KVCache(params)
+        if isinstance(kind, tuple):
+            return WindowCache(params, *kind)
+        return QuantizedCache(params, kind)
+    gap = 0.0
+    greedy_changed = sampled_changed = 0
+    with sums_in_another_order() if kind == "reordered" else contextlib.nullcontext():
+        for index, (prompt, result, rows) in enumerate(zip(prompts, greedy, full_rows)):
+            ids = story_ids(tok, prompt, result)
+            cache = make()
+            fed = feed(params, cache, ids[:-1])
+            gap = max(gap, largest_gap(fed, rows))
+            chosen = range(len(tok.encode(prompt)) - 1, len(fed))   # rows that chose
+            greedy_changed += any(fed[p].index(max(fed[p])) != ids[p + 1] for p in chosen)
+            again = generate_cached(params, tok, prompt, temperature=1.0, seed=index,
+                                    cache=make())
+            sampled_changed += again["text"] != sampled[index]["text"]
+    return {"cache": name,
             "bytes_per_position": cache.bytes_per_position()
             if isinstance(cache, QuantizedCache) else None,
-            "positions_kept": cache.window + cache.sinks if isinstance(cache, WindowCache)
-            else None,
+            "positions_kept": sum(kind) if isinstance(kind, tuple) else None,
             "largest_logit_gap": gap, "greedy_stories_changed": greedy_changed,
-            "sampled_stories_changed": sampled_changed})
-    return {"stories": len(prompts), "rungs": table}
+            "sampled_stories_changed": sampled_changed}
 
 
 def attention_to_position_0(weights):
@@ -322,37 +318,181 @@ def cache_bytes(params, ids):
             + sum(sys.getsizeof(r) + sum(sys.getsizeof(x) for x in r) for r in rows))
 
 
-def run(full_timing=False, folder=LAB, progress=None):
-    """Both generators on the 60 test openings: (record, timing). The timing holds the
-    seconds of both generators; with full_timing (what --write records) also a row's
-    share of fsum, each length's seconds and the cache's bytes, which take runs of their
-    own. progress(stage, done, total), if given, is told how far the run is."""
-    progress = progress or (lambda stage, done, total: None)
+def reordered_sums(greedy):
+    """The cached path with every sum added term by term, last term first: the largest
+    logit gap on the first test story, and the greedy stories still identical."""
+    params, tok, first_story = _LAB.params, _LAB.tok, _LAB.tok.encode(_LAB.test[0])
+    full, _ = model.forward(params, first_story)
+    with sums_in_another_order():
+        reordered = feed(params, KVCache(params), first_story)
+        identical = sum(generate_cached(params, tok, prompt) == result
+                        for prompt, result in zip(_LAB.prompts, greedy))
+    return {"largest_logit_gap_first_story": largest_gap(full, reordered),
+            "greedy_identical": identical}
+
+
+def choosing_rows(requests, results, full_rows, pool, max_batch):
+    """serving.serve on the requests (each result expected in results, each with the rows
+    of its uncached last full pass in full_rows), recording the logits every request
+    chose a token with: (counts, the results identical, the largest gap between those
+    logits and the full pass's row for the same position)."""
+    chosen = []
+
+    def keeping(real):
+        def choose(generation, logits):
+            chosen.append((generation, len(generation.ids) - 1, logits))
+            return real(generation, logits)
+        return choose
+    with replaced(Generation, "choose", keeping):
+        served, counts = serving.serve(_LAB.params, _LAB.tok, requests, pool, max_batch)
+    rows = {tuple(story_ids(_LAB.tok, request["prompt"], result)): full
+            for request, result, full in zip(requests, results, full_rows)}
+    gap = max(largest_gap([logits], [rows[tuple(generation.ids)][position]])
+              for generation, position, logits in chosen if tuple(generation.ids) in rows)
+    return counts, sum(s == r for s, r in zip(served, results)), gap
+
+
+def prefix_cache(greedy, full_rows):
+    """The greedy openings served one after another, each freed when done: the full
+    blocks of finished requests stay cached until a block is needed, and a later request
+    that begins with the same tokens takes them instead of computing those rows again.
+    From a pool of PREFIX_CACHE_BLOCKS blocks of 4, far fewer than the stories hold
+    together, and from one large enough never to evict."""
+    requests = [{"prompt": prompt} for prompt in _LAB.prompts]
+    record = {"positions_held_in_all": sum(len(story_ids(_LAB.tok, p, r)) - 1
+                                           for p, r in zip(_LAB.prompts, greedy))}
+    for name, blocks in (("small pool", PREFIX_CACHE_BLOCKS),
+                         ("ample pool", len(requests) * 16)):
+        pool = BlockPool(_LAB.params, blocks, 4)
+        counts, identical, gap = choosing_rows(requests, greedy, full_rows, pool, 1)
+        record[name] = {"blocks": blocks, "prefix_hits": counts["prefix_hits"],
+                        "rows_saved": 4 * counts["prefix_hits"], "rows": counts["rows"],
+                        "evictions": pool.evictions, "identical": identical,
+                        "largest_logit_gap_of_choosing_rows": gap}
+    return record
+
+
+def many_requests(greedy, sampled, full_rows):
+    """The 60 greedy and the 60 sampled openings as 120 requests, served in that order
+    with batches of up to MAX_BATCH: from a pool of SMALL_POOL blocks of 4, which forces
+    preemptions, and from an ample one; and the steps static batching takes for the same
+    requests (each batch of MAX_BATCH starts together and waits for its longest)."""
+    requests = ([{"prompt": prompt} for prompt in _LAB.prompts]
+                + [{"prompt": prompt, "temperature": 1.0, "seed": index}
+                   for index, prompt in enumerate(_LAB.prompts)])
+    results = greedy + sampled
+    record = {"requests": len(requests), "max_batch": MAX_BATCH}
+    for name, blocks in (("small pool", SMALL_POOL), ("ample pool", len(requests) * 16)):
+        counts, identical, gap = choosing_rows(requests, results, full_rows,
+                                               BlockPool(_LAB.params, blocks, 4), MAX_BATCH)
+        record[name] = dict(counts, blocks=blocks, identical=identical,
+                            largest_logit_gap_of_choosing_rows=gap)
+    lengths = [len(result["steps"]) for result in results]
+    record["static_batching_steps"] = sum(max(lengths[first:first + MAX_BATCH])
+                                          for first in range(0, len(lengths), MAX_BATCH))
+    return record
+
+
+_LAB = None   # what every stage reads, loaded once in each process by _load
+
+
+def _load(folder, stories=None):
+    """Load the model, the tokenizer and the test openings (the first stories of them,
+    if given) from folder into _LAB."""
+    global _LAB
     params, tok = load_trained(folder)
     with open(os.path.join(folder, "corpus.txt"), encoding="utf-8") as f:
         corpus = f.read()
     _, _, test = split_stories(corpus)
-    prompts = openings(test)
-    first_story = tok.encode(test[0])
-    full_context = [t for story in test for t in tok.encode(story)][:model.CONTEXT]
+    _LAB = Lab(params, tok, corpus, test, openings(test)[:stories])
+    return _LAB
 
-    results, identical, every_row, total, seconds = compare_on_openings(
-        params, tok, prompts, lambda done, total: progress("both generators", done, total))
-    progress("the other experiments: reordered sums, shared prefixes, Part 2", 0, 1)
-    greedy = results["greedy"]
-    full, _ = model.forward(params, first_story)
-    with sums_in_another_order():
-        reordered = feed(params, KVCache(params), first_story)
-        reordered_identical = sum(generate_cached(params, tok, prompt) == result
-                                  for prompt, result in zip(prompts, greedy))
+
+Lab = namedtuple("Lab", "params tok corpus test prompts")
+
+
+class _Here:
+    """Runs every task in this process, in order, as a process pool would (--workers 1)."""
+
+    def __init__(self, folder, stories):
+        _load(folder, stories)
+
+    def map(self, function, items):
+        return map(function, items)
+
+    def submit(self, function, *args):
+        result = function(*args)
+        return SimpleNamespace(result=lambda: result)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _workers(count, folder, stories):
+    """Where the stages run: count processes (each loads the lab once), or this one."""
+    if count == 1:
+        return _Here(folder, stories)
+    return ProcessPoolExecutor(count, initializer=_load, initargs=(folder, stories))
+
+
+def run(full_timing=False, folder=LAB, progress=None, workers=None, stories=None):
+    """Both generators on the 60 test openings (or the first stories of them, for a
+    quick run), then every other experiment, each a stage of its own that workers
+    processes share (default: one per core): (record, timing). The record is the same
+    for any number of workers. The timing holds the
+    seconds of both generators; with full_timing (what --write records) also a row's
+    share of fsum, each length's seconds and the cache's bytes, timed afterwards in this
+    process alone. progress(stage, done, total), if given, is told how far the run is."""
+    progress = progress or (lambda stage, done, total: None)
+    workers = workers or os.cpu_count() or 1
+    lab = _load(folder, stories)
+    params, tok, prompts = lab.params, lab.tok, lab.prompts
+    with _workers(workers, folder, stories) as pool:
+        compared = []
+        for one in pool.map(compare_one, range(len(prompts))):
+            compared.append(one)
+            progress("both generators", len(compared), len(prompts))
+        greedy, sampled = ([one[kind]["result"] for one in compared]
+                           for kind in ("greedy", "sampled"))
+        full_rows = {kind: [one[kind]["full_rows"] for one in compared]
+                     for kind in ("greedy", "sampled")}
+        stages = {
+            "prefix_sharing": pool.submit(share_prefixes, greedy, sampled),
+            "sums_in_another_order": pool.submit(reordered_sums, greedy),
+            "one_pass_prefill": pool.submit(one_pass_prefill, greedy, full_rows["greedy"]),
+            "paged": pool.submit(paged, greedy),
+            "prefix_cache": pool.submit(prefix_cache, greedy, full_rows["greedy"]),
+            "many_requests": pool.submit(many_requests, greedy, sampled,
+                                         full_rows["greedy"] + full_rows["sampled"]),
+            "ladder": [pool.submit(ladder_rung, rung, greedy, sampled, full_rows["greedy"])
+                       for rung in range(len(RUNGS))]}
+        done = {}
+        for name, stage in stages.items():
+            done[name] = ({"stories": len(prompts), "rungs": [s.result() for s in stage]}
+                          if name == "ladder" else stage.result())
+            progress("the other experiments: Part 2 and Part 3", len(done), len(stages))
+    first_story = tok.encode(lab.test[0])
+    total = dict.fromkeys(work(1, 1), 0)
+    for prompt, result in zip(prompts, greedy):
+        for key, count in work(len(tok.encode(prompt)), len(result["steps"])).items():
+            total[key] += count
     record = {
         "stories": len(prompts),
-        "largest_logit_gap_first_story": largest_gap(full, feed(params, KVCache(params),
-                                                                first_story)),
+        "largest_logit_gap_first_story": largest_gap(model.forward(params, first_story)[0],
+                                                     feed(params, KVCache(params),
+                                                          first_story)),
         "positions_checked": len(first_story),
-        "every_row_of_every_story": every_row,
-        "greedy_identical": identical["greedy"],
-        "sampled_identical": identical["sampled"],
+        "every_row_of_every_story": {
+            "stories": 2 * len(prompts),
+            "positions": sum(one[kind]["positions"] for one in compared
+                             for kind in ("greedy", "sampled")),
+            "largest_logit_gap": max(one[kind]["gap"] for one in compared
+                                     for kind in ("greedy", "sampled"))},
+        "greedy_identical": sum(one["greedy"]["identical"] for one in compared),
+        "sampled_identical": sum(one["sampled"]["identical"] for one in compared),
         "greedy_ended_with_newline": sum(r["stopped"] == "end of story" for r in greedy),
         "generated_tokens": sum(len(r["steps"]) for r in greedy),
         "work": total,
@@ -361,19 +501,17 @@ def run(full_timing=False, folder=LAB, progress=None):
         "cache_floats_per_position": 2 * model.WIDTH,
         "cache_floats_full_context": 2 * model.WIDTH * model.CONTEXT,
         "greedy_examples": [r["text"] for r in greedy[:3]],
-        "story_quality": story_quality(tok, corpus, prompts, results),
-        "prefix_sharing": share_prefixes(params, tok, prompts, greedy, results["sampled"]),
+        "story_quality": story_quality(tok, lab.corpus, prompts, {
+            "greedy": greedy, "sampled": sampled,
+            "weights": {kind: [one[kind]["weights"] for one in compared]
+                        for kind in ("greedy", "sampled")}}),
         "cost_by_length": [{"positions": length, **work(1, length - 1)} for length in LENGTHS],
-        "sums_in_another_order": {"largest_logit_gap_first_story": largest_gap(full, reordered),
-                                  "greedy_identical": reordered_identical},
-        "one_pass_prefill": one_pass_prefill(params, tok, prompts, greedy,
-                                             results["greedy_full_rows"]),
-        "paged": paged(params, tok, prompts, greedy),
-        "ladder": ladder(params, tok, prompts, greedy, results["sampled"],
-                         results["greedy_full_rows"]),
-        "attention_to_position_0": attention_to_position_0(results["weights"]["greedy"]),
+        "attention_to_position_0": attention_to_position_0(
+            [one["greedy"]["weights"] for one in compared]),
+        **done,
     }
-    progress("the other experiments: reordered sums, shared prefixes, Part 2", 1, 1)
+    seconds = {path: fsum(one["seconds"][path] for one in compared)
+               for path in ("uncached", "cached")}
     timing = {
         "uncached_seconds": round(seconds["uncached"], 3),
         "cached_seconds": round(seconds["cached"], 3),
@@ -381,6 +519,7 @@ def run(full_timing=False, folder=LAB, progress=None):
         "uncached_microseconds_per_row":
             round(seconds["uncached"] / total["uncached_rows"] * 1e6, 1),
         "cached_microseconds_per_row": round(seconds["cached"] / total["cached_rows"] * 1e6, 1),
+        "workers": workers,
         "machine": f"{platform.platform()}, {os.cpu_count()} cores",
         "python": platform.python_version(),
     }
@@ -389,6 +528,7 @@ def run(full_timing=False, folder=LAB, progress=None):
         fed = [story_ids(tok, prompt, r)[:-1]              # the last chosen token is never fed
                for prompt, r in zip(prompts, greedy)]
         step_seconds, sum_seconds = fsum_share(params, fed)
+        full_context = [t for story in lab.test for t in tok.encode(story)][:model.CONTEXT]
         memory = cache_bytes(params, full_context)
         timing.update({
             "forward_step_over_its_fsum_calls": round(step_seconds / sum_seconds, 2),
@@ -488,14 +628,17 @@ def show_progress(stage, done, total):
 def main(argv=None):
     parser = argparse.ArgumentParser(
         description="Run the uncached and the cached generator on the openings of the 60 "
-                    "test stories (about 25 s): prove they agree bit for bit, count the work "
-                    "each does, and print a summary.")
+                    "test stories (about 15 s on 2 cores, 30 s on 1): prove they agree bit "
+                    "for bit, count the work each does, and print a summary.")
     parser.add_argument("--json", action="store_true",
                         help="print the whole record as JSON instead of the summary")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--check", action="store_true",
                       help=f"exit non-zero if the record differs from {TRACE}")
     mode.add_argument("--write", action="store_true", help=f"rewrite {TRACE} and {TIMES}")
+    parser.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1,
+                        help="processes to share the experiments (default: one per core, "
+                             f"{os.cpu_count() or 1} here); the record is the same for any")
     add_folder_flag(parser)
     args = parser.parse_args(argv)
     trace, times = (_shown(os.path.join(args.folder, name)) for name in (TRACE, TIMES))
@@ -503,8 +646,9 @@ def main(argv=None):
         # Read the record first, so that a missing one fails before the long run.
         recorded = read_record(os.path.join(args.folder, TRACE)) if args.check else None
         print("Running both generators on the openings of the 60 test stories, greedy and "
-              "sampled, and comparing every row's logits (about 25 s):", file=sys.stderr)
-        record, timing = run(args.write, args.folder, show_progress)
+              "sampled, and comparing every row's logits (about 15 s on 2 cores, 30 s on 1):",
+              file=sys.stderr)
+        record, timing = run(args.write, args.folder, show_progress, args.workers)
     except (OSError, ValueError) as e:
         sys.exit(f"trace_kv.py: error: {e}")
     print(_dumps(record) if args.json else summary(record, timing), end="")
