@@ -263,29 +263,38 @@ class PagedSequence(KVCache):
         """How many of this sequence's positions its last block holds (0 without one)."""
         return self.length - (len(self.table) - 1) * self.pool.block_size if self.table else 0
 
+    def _room_in_last_block(self):
+        return self.pool.block_size - self._in_last_block() if self.table else 0
+
+    def _last_block_is_shared(self):
+        return bool(self.table) and self.pool.blocks[self.table[-1]].ref_count > 1
+
     def blocks_needed(self, positions):
         """How many blocks keeping that many more positions takes from the pool."""
         self._check_live()
-        room = self.pool.block_size - self._in_last_block() if self.table else 0
-        copy = 0 < room and positions and self.pool.blocks[self.table[-1]].ref_count > 1
-        return math.ceil(max(0, positions - room) / self.pool.block_size) + bool(copy)
+        room = self._room_in_last_block()
+        copy = positions > 0 and room > 0 and self._last_block_is_shared()
+        return math.ceil(max(0, positions - room) / self.pool.block_size) + copy
 
     def extend(self, token_ids, keys, values):
-        """Keep several more positions: the last block first (after copying it, if another
-        table holds it too), then new blocks; a block that fills up joins the prefix
-        index. Refused, with nothing changed, when the pool lacks the blocks."""
-        size, pool = self.pool.block_size, self.pool
+        """Keep several more positions: the last block first, then new blocks; a block
+        that fills up joins the prefix index. Before writing into its last block the
+        sequence makes it its own: a copy if another table holds it too, or cut to its
+        own positions if a crop left it longer. Refused, with nothing changed, when the
+        pool lacks the blocks."""
+        pool = self.pool
         pool.check_room(self.blocks_needed(len(token_ids)))
-        room = size - self._in_last_block() if self.table else 0
-        if 0 < room and token_ids and pool.blocks[self.table[-1]].ref_count > 1:
-            last = pool.blocks[self.table[-1]]
-            kept = self._in_last_block()
-            copied = pool.take(last.tokens[:kept], last.keys[:kept], last.values[:kept])
-            pool.release(self.table[-1])
-            self.table[-1] = copied
+        if token_ids and self._room_in_last_block():
+            kept, last = self._in_last_block(), pool.blocks[self.table[-1]]
+            if self._last_block_is_shared():
+                copied = pool.take(last.tokens[:kept], last.keys[:kept], last.values[:kept])
+                pool.release(self.table[-1])
+                self.table[-1] = copied
+            elif len(last.tokens) > kept:
+                pool.truncate(self.table[-1], kept)
         tokens = self.tokens
         for token_id, k, v in zip(token_ids, keys, values):
-            if self._in_last_block() in (0, size):
+            if not self._room_in_last_block():
                 self.table.append(pool.take())
             tokens.append(token_id)
             pool.append(self.table[-1], token_id, k, v, tokens)
@@ -302,17 +311,12 @@ class PagedSequence(KVCache):
 
     def _forget_from(self, length):
         """Release the blocks past length, the last first (so that the pool evicts a
-        sequence's tail before its start). A block that length cuts in two keeps its
-        first positions if only this table holds it; if another does, it stays as it is
-        (this sequence reads only its first positions, and copies it before writing)."""
+        sequence's tail before its start). A block that length cuts in two stays as it is
+        until this sequence writes to it (it reads only its first positions)."""
         kept_blocks = math.ceil(length / self.pool.block_size)
         for block_id in reversed(self.table[kept_blocks:]):
             self.pool.release(block_id)
         self.table, self.length = self.table[:kept_blocks], length
-        if self.table and self.pool.blocks[self.table[-1]].ref_count == 1:
-            cut = self._in_last_block()
-            if cut < len(self.pool.blocks[self.table[-1]].tokens):
-                self.pool.truncate(self.table[-1], cut)
 
     def free(self):
         """End the sequence: its blocks go back to the pool unless another table holds

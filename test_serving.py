@@ -212,6 +212,18 @@ class Paged(unittest.TestCase):
         self.assertNotEqual(fork.table[1], parent.table[1])
         self.assertEqual(parent.tokens, self.ids[:8])
 
+    def test_a_cut_block_left_to_one_sequence_is_cut_before_it_writes(self):
+        """The fork crops into a block it shares; the parent then frees it, so the fork
+        holds it alone, longer than its own positions: it must not write after them."""
+        pool = serving.BlockPool(PARAMS, 40, 4)
+        parent = pool.sequence()
+        feed(PARAMS, parent, self.ids[:8])
+        fork = parent.copy()
+        fork.crop(6)
+        parent.free()
+        assert_same_rows(self, feed(PARAMS, fork, self.ids), cached_rows(PARAMS, self.ids)[6:])
+        assert_equal(self, snapshot(fork), snapshot(filled_cache(self.ids)), "the fork")
+
     def test_prefix_reuse_takes_full_blocks_and_equals_a_fresh_run(self):
         pool = serving.BlockPool(PARAMS, 60, 4)
         first, second = TOK.encode("mia was sad. tom gave her a hug."), TOK.encode("mia was tired.")
