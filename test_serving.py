@@ -308,6 +308,58 @@ class Paged(unittest.TestCase):
             assert_equal(self, snapshot(seq), snapshot(filled_cache(self.ids[:8])),
                          "the sequence")
 
+    def test_random_operations_keep_every_sequence_and_the_pool_consistent(self):
+        """Random runs of new sequences (with prefix reuse), feeds, forks, crops and frees
+        on small pools: after every operation each live sequence holds exactly the
+        tokens, keys and values a KVCache fed the same tokens holds, the pool counts every
+        table holding each block, frees exactly the blocks nobody holds, and indexes only
+        full blocks under the tokens they and the blocks before them hold."""
+        stories = [tuple(TOK.encode(story)) for story in STORIES[:4]]
+        reference = {story: filled_cache(list(story)) for story in stories}
+        rng = random.Random(0)
+        for trial in range(100):
+            pool = serving.BlockPool(PARAMS, rng.randint(3, 16), rng.choice((1, 2, 3, 4)))
+            live = []                                    # [sequence, its story]
+            for _ in range(20):
+                operation = rng.choice(("new", "feed", "feed", "fork", "crop", "free"))
+                pair = rng.choice(live) if live else None
+                try:
+                    if operation == "new" or pair is None:
+                        story = rng.choice(stories)
+                        live.append([pool.sequence(list(story[:rng.randint(0, 20)])), story])
+                    elif operation == "feed":
+                        seq, story = pair
+                        feed(PARAMS, seq, list(story[:rng.randint(len(seq), len(story))]))
+                    elif operation == "fork":
+                        live.append([pair[0].copy(), pair[1]])
+                    elif operation == "crop":
+                        pair[0].crop(rng.randint(0, len(pair[0])))
+                    else:
+                        pair[0].free()
+                        live.remove(pair)
+                except ValueError as refused:
+                    self.assertIn("out of blocks", str(refused))
+                label = f"trial {trial}, after {operation}"
+                for seq, story in live:
+                    held, whole = len(seq), reference[story]
+                    assert_equal(self, (seq.tokens, seq.keys, seq.values),
+                                 (list(story[:held]), whole.keys[:held], whole.values[:held]),
+                                 f"{label}: a sequence")
+                tables = [block for seq, _ in live for block in seq.table]
+                self.assertEqual(pool.ref_counts,
+                                 [tables.count(b) for b in range(len(pool.blocks))], label)
+                self.assertEqual(sorted(pool.free_list),
+                                 [b for b in range(len(pool.blocks)) if b not in tables], label)
+                for prefix, holders in pool.prefix_index.items():
+                    story = next(s for s in stories if s[:len(prefix)] == prefix)
+                    first = len(prefix) - pool.block_size
+                    for block_id in holders:
+                        block = pool.blocks[block_id]
+                        assert_equal(self, (block.prefix, block.tokens, block.keys),
+                                     (prefix, list(prefix[first:]),
+                                      reference[story].keys[first:len(prefix)]),
+                                     f"{label}: an indexed block")
+
     def assert_refused(self, pool, attempt, fragment):
         """attempt raises a ValueError naming fragment, and the pool is as it was."""
         before = pool_snapshot(pool)
