@@ -776,7 +776,8 @@ class Reuse(unittest.TestCase):
     def test_crop_rewinds_the_sequence(self):
         cache = filled_cache(self.ids)
         cache.crop(3)
-        assert_equal(self, snapshot(cache), snapshot(filled_cache(self.ids[:3])), "the cropped cache")
+        assert_equal(self, snapshot(cache), snapshot(filled_cache(self.ids[:3])),
+                     "the cropped cache")
         # Feeding the rest again gives the very rows of an uncropped run.
         rows = [forward_step(PARAMS, cache, t, 3 + i) for i, t in enumerate(self.ids[3:])]
         assert_same_rows(self, rows, cached_rows(PARAMS, self.ids)[3:])
@@ -1043,9 +1044,9 @@ class Playground(unittest.TestCase):
                                                       "of Exactness say where)")
         self.assertEqual([line for line in lines if len(line) > 80], [])
         self.assertNotIn("\x1b", shown.stdout)   # no escape codes: it reads the same piped
-        without_times = [re.sub(r"[\d.]+ s$", "", line) for line in lines[-3:]]
-        self.assertEqual(without_times,
-                         [re.sub(r"[\d.]+ s$", "", line) for line in plain.stdout.splitlines()[-3:]])
+        def without_times(lines):
+            return [re.sub(r"[\d.]+ s$", "", line) for line in lines[-3:]]
+        self.assertEqual(without_times(lines), without_times(plain.stdout.splitlines()))
         result = generate.generate(PARAMS, TOK, prompt)
         ids = trace_kv.story_ids(TOK, prompt, result)[:-1]    # every position fed
         _, saved = model.forward(PARAMS, ids)

@@ -110,7 +110,8 @@ def block_table_diagram():
         lines.append(f'        {name}["{prompt}<br/>blocks {", ".join(map(str, seq.table))}"]')
     lines += ["    end", '    subgraph pool["BlockPool: blocks of 4 positions"]']
     for block in sorted(set(sequences[0].table) | set(sequences[1].table)):
-        lines.append(f'        P{block}["{block}: {tokens(block)}<br/>(refs {pool.ref_counts[block]})"]')
+        lines.append(f'        P{block}["{block}: {tokens(block)}'
+                     f'<br/>(refs {pool.ref_counts[block]})"]')
     lines.append("    end")
     for name, seq in zip("AB", sequences):
         lines += [f"    {name} --> P{block}" for block in seq.table]
@@ -186,7 +187,8 @@ class Examples(unittest.TestCase):
         blocks = [lines for _, kind, lines in fenced_blocks(readme()) if kind == "diff"]
         if wanted not in blocks:
             self.fail(f"section 5's diff is generated from model.forward and "
-                      f"kv_cache.forward_step, which changed: {mismatch(blocks[0], wanted, 'the source')}. "
+                      f"kv_cache.forward_step, which changed: "
+                      f"{mismatch(blocks[0], wanted, 'the source')}. "
                       f"{ON_PURPOSE}: the_row_side_by_side() in test_readme.py gives the "
                       f"new diff")
         changed = [line for line in wanted[2:] if line[:1] in "+-"]
@@ -199,7 +201,8 @@ class Examples(unittest.TestCase):
         blocks = [lines for _, kind, lines in fenced_blocks(readme()) if kind == "mermaid"]
         if wanted not in blocks:
             self.fail(f"section 16's block tables are not what a real pool holds: "
-                      f"{mismatch(blocks[-1], wanted, 'a real pool')}. {ON_PURPOSE}: block_table_diagram() "
+                      f"{mismatch(blocks[-1], wanted, 'a real pool')}. {ON_PURPOSE}: "
+                      f"block_table_diagram() "
                       f"in test_readme.py gives the new diagram")
 
     def test_the_serving_timeline_is_a_real_run(self):
@@ -251,7 +254,8 @@ class RecordedFigures(unittest.TestCase):
     def test_the_readme_quotes_the_recorded_times(self):
         """The times of section 7 and 8 are kv-time.json's, the run of the last --write."""
         t, text = lab_json(trace_kv.TIMES), readme()
-        figures = [f"| 60 greedy stories | {t['uncached_seconds']:.3f} s | {t['cached_seconds']:.3f} s |",
+        figures = [f"| 60 greedy stories | {t['uncached_seconds']:.3f} s | "
+                   f"{t['cached_seconds']:.3f} s |",
                    f"| per row | {t['uncached_microseconds_per_row']} µs | "
                    f"{t['cached_microseconds_per_row']} µs |",
                    f"| speed-up | | **{t['speedup']}x** |", f"The speed-up ({t['speedup']}x)",
@@ -259,7 +263,8 @@ class RecordedFigures(unittest.TestCase):
                    f"the steps took {t['forward_step_over_its_fsum_calls']} times as long",
                    f"**{t['cache_bytes_full_context']:,} bytes** ("
                    f"{t['cache_bytes_per_position']:,} bytes per position"]
-        figures += [f"| {e['uncached_seconds']:.4f} | {e['cached_seconds']:.4f} | {e['speedup']}x |"
+        figures += [f"| {e['uncached_seconds']:.4f} | {e['cached_seconds']:.4f} | "
+                    f"{e['speedup']}x |"
                     for e in t["cost_by_length"]]
         for figure in figures:
             with self.subTest(figure=figure):
@@ -385,7 +390,8 @@ def readme_figures(r):
                       f"{c['recomputed_rows']} | {c['preemptions']} | {c['peak_blocks']} | "
                       f"{c['prefix_hits']} | **{c['identical']} of 120** | "
                       f"**{c['largest_logit_gap_of_choosing_rows']}** |")
-    quoted += [f"batches of up to {many['max_batch']}, every", f"a batch of {many['max_batch']} starts",
+    quoted += [f"batches of up to {many['max_batch']}, every",
+               f"a batch of {many['max_batch']} starts",
                f"takes {many['static_batching_steps']} steps for the same requests; continuous "
                f"batching, {many['ample pool']['steps']}",
                f"recomputes {many['small pool']['recomputed_rows']} rows"]

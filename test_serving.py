@@ -19,7 +19,7 @@ import test_kv_cache
 from test_kv_cache import (OPENINGS, PARAMS, STORIES, TOK, UNCHANGED, assert_changed,
                            assert_equal, assert_same_generation, assert_same_rows, cached_rows,
                            check_every_case, filled_cache, plant, replacing, setUpModule,
-                           snapshot, tearDownModule)
+                           snapshot, tearDownModule)   # the module set-up: run from elsewhere
 
 
 def is_causal_slice(node):
@@ -29,9 +29,9 @@ def is_causal_slice(node):
 
 
 
-SQUARE_MASK = replacing(is_causal_slice, lambda node: ast.Slice(upper=ast.BinOp(   # [:i - start + 1]
+SQUARE_MASK = replacing(is_causal_slice, lambda node: ast.Slice(upper=ast.BinOp(
     ast.BinOp(node.upper.left, ast.Sub(), ast.Name("start", ast.Load())), ast.Add(),
-    node.upper.right)))
+    node.upper.right)))   # [:i + 1] becomes [:i - start + 1]
 NO_MASK = replacing(lambda node: isinstance(node, ast.Subscript) and is_causal_slice(node.slice),
                     lambda node: node.value)
 
@@ -226,7 +226,8 @@ class Paged(unittest.TestCase):
 
     def test_prefix_reuse_takes_full_blocks_and_equals_a_fresh_run(self):
         pool = serving.BlockPool(PARAMS, 60, 4)
-        first, second = TOK.encode("mia was sad. tom gave her a hug."), TOK.encode("mia was tired.")
+        first = TOK.encode("mia was sad. tom gave her a hug.")
+        second = TOK.encode("mia was tired.")
         feed(PARAMS, pool.sequence(first), first)
         seq = pool.sequence(second)
         shared = len(seq)
