@@ -582,8 +582,10 @@ class Serve(unittest.TestCase):
         self.assertGreater(counts["preemptions"], 0)
         self.assertGreater(counts["recomputed_rows"], 0)
         for request, result in zip(requests, results):
-            with self.subTest(**request):
-                self.assertEqual(result, generate.generate(PARAMS, TOK, **request))
+            expected = generate.generate(PARAMS, TOK, **request)
+            if result != expected:
+                self.fail(f"{request} came back as {result['text']!r}, where generate "
+                          f"writes {expected['text']!r}")
 
     def test_counts_add_up(self):
         requests = self.requests(6, 3)

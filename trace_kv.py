@@ -347,8 +347,9 @@ def choosing_rows(requests, results, full_rows, pool, max_batch):
         served, counts = serving.serve(_LAB.params, _LAB.tok, requests, pool, max_batch)
     rows = {tuple(story_ids(_LAB.tok, request["prompt"], result)): full
             for request, result, full in zip(requests, results, full_rows)}
-    gap = max(largest_gap([logits], [rows[tuple(generation.ids)][position]])
-              for generation, position, logits in chosen if tuple(generation.ids) in rows)
+    gap = max((largest_gap([logits], [rows[tuple(generation.ids)][position]])
+               for generation, position, logits in chosen if tuple(generation.ids) in rows),
+              default=None)   # None: no story came out as the uncached one
     return counts, sum(s == r for s, r in zip(served, results)), gap
 
 
