@@ -9,11 +9,11 @@ the lesson's, bit for bit, with ==.
 import math
 import struct
 from array import array
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 
 import generate
 import model
-from kv_cache import KVCache, _check_owner, _held_prefix, forward_step
+from kv_cache import KVCache, _check_owner, _fork_for_prompt, _held_prefix, forward_step
 from model import SCALE, add, dot, layernorm, linear, relu, softmax_row
 
 
@@ -489,6 +489,95 @@ class WindowCache(KVCache):
 
     def _forget_from(self, length):
         del self.tokens[length:], self.sink_keys[length:], self.sink_values[length:]
+
+
+
+class PromptLookup:
+    """The drafter of prompt lookup decoding: the tokens that followed the latest earlier
+    occurrence of the story's last n tokens (n = longest down to 1) in the story itself."""
+
+    def __init__(self, longest=3):
+        self.longest = longest
+
+    def propose(self, ids, lookahead):
+        """Up to lookahead tokens to check after ids; none if nothing matches."""
+        for n in range(min(self.longest, len(ids) - 1), 0, -1):
+            for start in range(len(ids) - n - 1, -1, -1):
+                if ids[start:start + n] == ids[-n:]:
+                    return ids[start + n:start + n + lookahead]
+        return []
+
+
+class NgramDrafter:
+    """A drafter learned from stories (say, the training stories): after the story's last
+    n tokens (n = longest down to 1, the longest seen), the token that most often
+    followed them there (the smallest ID of a tie), drafted one after another."""
+
+    def __init__(self, stories, longest=3):
+        seen = {}
+        for ids in stories:
+            for n in range(1, longest + 1):
+                for start in range(len(ids) - n):
+                    followers = seen.setdefault(tuple(ids[start:start + n]), Counter())
+                    followers[ids[start + n]] += 1
+        self.longest = longest
+        self.next = {gram: min(followers, key=lambda t: (-followers[t], t))
+                     for gram, followers in seen.items()}
+
+    def propose(self, ids, lookahead):
+        """Up to lookahead tokens to check after ids."""
+        story = list(ids)
+        for _ in range(lookahead):
+            grams = (tuple(story[-n:]) for n in range(min(self.longest, len(story)), 0, -1))
+            token = next((self.next[gram] for gram in grams if gram in self.next), None)
+            if token is None:
+                break
+            story.append(token)
+        return story[len(ids):]
+
+
+def generate_speculative(params, tok, prompt, max_new_tokens=60, temperature=0.0,
+                         top_k=None, seed=0, lookahead=4, cache=None, drafter=None):
+    """Same arguments and result as generate.generate, with speculative decoding: after
+    each chosen token, a draft of up to lookahead more (propose) is checked in one call
+    of prefill; the model chooses each next token from the rows in order, with its own
+    random numbers, exactly as it would one at a time, and a drafted token counts only
+    where it is the token chosen. The positions after the first that is not are rolled
+    back with crop. The drafter is prompt lookup in the story unless another is given
+    (anything with propose(ids, lookahead), such as an NgramDrafter). Given a cache that
+    holds the start of the prompt, starts from a copy of it (one that cannot roll back is
+    refused before anything is generated)."""
+    drafter = drafter or PromptLookup()
+    if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 1:
+        raise ValueError(f"lookahead must be an int >= 1, got {lookahead!r}")
+    if cache is None:
+        cache = KVCache(params)
+    elif isinstance(cache, KVCache) and not cache.keeps_every_position:
+        raise ValueError(f"speculative decoding rolls rejected positions back with crop, "
+                         f"and a {type(cache).__name__} drops positions a crop may need; "
+                         f"pass a cache that keeps every position")
+    ids = generate.check_request(tok, prompt, max_new_tokens, temperature, top_k, seed)
+    cache = _fork_for_prompt(params, cache, ids, tok)
+    try:
+        generation = generate.Generation(tok, ids, max_new_tokens, temperature, top_k, seed)
+        if generation.stopped:
+            return generation.result()
+        rows = prefill_in_chunks(params, cache, ids, model.CONTEXT)[-1:]
+        while True:
+            for row in rows:      # each row predicts the token after the one it read
+                drafted = len(cache) - len(ids)   # ids: the story so far, chosen included
+                generation.choose(row)
+                if generation.stopped or drafted <= 0 \
+                        or ids[-1] != cache.tokens[len(ids) - 1]:
+                    break
+            if generation.stopped:
+                return generation.result()
+            cache.crop(len(ids) - 1)              # roll back every position not chosen
+            draft = drafter.propose(ids, min(lookahead, model.CONTEXT - len(ids),
+                                             max_new_tokens - len(generation.steps) - 1))
+            rows = prefill(params, cache, [ids[-1], *draft], len(ids) - 1)
+    finally:
+        cache.free()   # the copy is this call's own
 
 
 def serve(params, tok, requests, pool, max_batch, log=None):

@@ -43,6 +43,8 @@ BLOCK_SIZES = (4, 8, 16)          # paged cache, positions per block
 WINDOWS = ((8, 0), (8, 4), (12, 0), (16, 0), (16, 4), (20, 0), (32, 0), (32, 4))
 PREFIX_CACHE_BLOCKS = 64          # Part 3: a pool far smaller than the 60 stories together
 MAX_BATCH, SMALL_POOL = 8, 24     # Part 3: serving 120 requests, preempting in a small pool
+# Part 3: speculative decoding, by drafter and tokens drafted at a time
+DRAFTS = (("the story so far", 4), *(("training stories", n) for n in (1, 2, 4, 8)))
 
 
 def openings(stories):
@@ -394,6 +396,61 @@ def many_requests(greedy, sampled, full_rows):
     return record
 
 
+def speculative(drafter, lookahead, greedy, sampled, full_rows):
+    """serving.generate_speculative with this lookahead on every opening, greedy and
+    sampled: the stories identical to the uncached ones, the largest gap between the
+    logits each token was chosen with and the uncached full pass's row for the same
+    position, the prefill calls and the rows they computed (rejected ones included)
+    against one call per generated token, and how many drafted tokens were accepted."""
+    params, tok, prompts = _LAB.params, _LAB.tok, _LAB.prompts
+    if drafter == "training stories":
+        train, _, _ = split_stories(_LAB.corpus)
+        chosen_drafter = serving.NgramDrafter([tok.encode(story) for story in train])
+    else:
+        chosen_drafter = serving.PromptLookup()
+    counts = {"drafter": drafter, "lookahead": lookahead, "identical": 0, "model_calls": 0,
+              "model_calls_one_per_token": 0, "rows": 0, "rows_one_at_a_time": 0,
+              "drafted": 0, "accepted": 0}
+    gap = 0.0
+    for index, prompt in enumerate(prompts):
+        for settings, result, rows in (({}, greedy[index], full_rows[index]),
+                                       ({"temperature": 1.0, "seed": index}, sampled[index],
+                                        full_rows[len(prompts) + index])):
+            chosen, calls = [], []
+
+            def keeping_choices(real):
+                def choose(generation, logits):
+                    chosen.append((len(generation.ids) - 1, logits))
+                    return real(generation, logits)
+                return choose
+
+            def keeping_calls(real):
+                def prefill(params, cache, token_ids, start):
+                    calls.append((list(token_ids), start))
+                    return real(params, cache, token_ids, start)
+                return prefill
+            with replaced(Generation, "choose", keeping_choices), \
+                    replaced(serving, "prefill", keeping_calls):
+                again = serving.generate_speculative(params, tok, prompt, lookahead=lookahead,
+                                                     drafter=chosen_drafter, **settings)
+            story = story_ids(tok, prompt, result)
+            counts["identical"] += again == result
+            if again == result:
+                gap = max([gap] + [largest_gap([logits], [rows[position]])
+                                   for position, logits in chosen])
+            for token_ids, start in calls[1:]:    # the first call is the prompt's
+                counts["drafted"] += len(token_ids) - 1
+                counts["accepted"] += next((j for j, token in enumerate(token_ids[1:])
+                                            if story[start + 1 + j:start + 2 + j] != [token]),
+                                           len(token_ids) - 1)
+            counts["model_calls"] += len(calls)
+            counts["model_calls_one_per_token"] += len(result["steps"])
+            counts["rows"] += sum(len(token_ids) for token_ids, _ in calls)
+            counts["rows_one_at_a_time"] += len(story) - 1
+    counts["largest_logit_gap_of_choosing_rows"] = gap
+    return counts
+
+
 _LAB = None   # what every stage reads, loaded once in each process by _load
 
 
@@ -468,12 +525,16 @@ def run(full_timing=False, folder=LAB, progress=None, workers=None, stories=None
             "prefix_cache": pool.submit(prefix_cache, greedy, full_rows["greedy"]),
             "many_requests": pool.submit(many_requests, greedy, sampled,
                                          full_rows["greedy"] + full_rows["sampled"]),
+            "speculative_decoding": [pool.submit(speculative, drafter, lookahead, greedy,
+                                                 sampled, full_rows["greedy"] + full_rows["sampled"])
+                                     for drafter, lookahead in DRAFTS],
             "ladder": [pool.submit(ladder_rung, rung, greedy, sampled, full_rows["greedy"])
                        for rung in range(len(RUNGS))]}
         done = {}
         for name, stage in stages.items():
             done[name] = ({"stories": len(prompts), "rungs": [s.result() for s in stage]}
-                          if name == "ladder" else stage.result())
+                          if name == "ladder" else [s.result() for s in stage]
+                          if isinstance(stage, list) else stage.result())
             progress("the other experiments: Part 2 and Part 3", len(done), len(stages))
     first_story = tok.encode(lab.test[0])
     total = dict.fromkeys(work(1, 1), 0)
