@@ -395,6 +395,16 @@ def readme_figures(r):
                f"takes {many['static_batching_steps']} steps for the same requests; continuous "
                f"batching, {many['ample pool']['steps']}",
                f"recomputes {many['small pool']['recomputed_rows']} rows"]
+    for run in r["speculative_decoding"]:
+        quoted.append(f"| {run['drafter']} | {run['lookahead']} | {run['model_calls']:,} | "
+                      f"{run['rows']:,} | {run['accepted']:,} of {run['drafted']:,} "
+                      f"({run['accepted'] / run['drafted']:.0%}) | **{run['identical']} of 120** "
+                      f"| **{run['largest_logit_gap_of_choosing_rows']}** |")
+    first, files = r["speculative_decoding"][0], r["cache_files"]
+    quoted += [f"({first['model_calls_one_per_token']:,} calls and {first['rows_one_at_a_time']:,} "
+               f"rows one token at a time)",
+               f"take {files['bytes']:,} bytes in files for {files['positions']:,} positions,",
+               f"**{files['bytes_per_position']} bytes per position**"]
     attention = r["attention_to_position_0"]
     quoted += [f"(of {r['ladder']['stories']})", f"on all {r['ladder']['stories']} openings",
                f"**{attention['mean_weight']}**",

@@ -3,10 +3,14 @@ the lossy caches change them, by what they measure; every refusal leaves everyth
 it was. The helpers are test_kv_cache's."""
 import ast
 import copy
+import json
 import math
 import os
 import random
 import struct
+import subprocess
+import sys
+import tempfile
 import unittest
 from unittest import mock
 
@@ -571,8 +575,9 @@ class Serve(unittest.TestCase):
             return None
         cases = [(f"{blocks} blocks, batches of {max_batch}, order {order}",
                   (blocks, max_batch, order))
-                 for blocks in (smallest, smallest + 3, 2 * smallest, 200)
-                 for max_batch in (1, 3, 12) for order in (0, 1)]
+                 for blocks, max_batch, order in (
+                     (smallest, 1, 0), (smallest, 3, 1), (smallest, 12, 0), (smallest, 12, 1),
+                     (smallest + 3, 12, 2), (2 * smallest, 3, 3), (200, 12, 4), (200, 1, 5))]
         check_every_case(self, cases, check)
         self.assertGreater(preempted, 0)   # the small pools did preempt
 
@@ -655,12 +660,14 @@ class Speculative(unittest.TestCase):
                                                                   for story in train])}
 
     def differences(self, prompts=OPENINGS[:6], lookaheads=(1, 4)):
-        """The runs whose result is not generate.generate's, in a few words."""
+        """The runs whose result is not generate.generate's, in a few words (compared with
+        generate_cached's, which is generate's, as test_kv_cache shows, and 4 times
+        cheaper; trace_kv compares with generate's itself on all 60 openings)."""
         found = []
         for index, prompt in enumerate(prompts):
             for settings in ({}, {"temperature": 1.0, "seed": index},
                              {"temperature": 0.8, "top_k": 3, "seed": index}):
-                expected = generate.generate(PARAMS, TOK, prompt, **settings)
+                expected = generate_cached(PARAMS, TOK, prompt, **settings)
                 for name, drafter in self.drafters.items():
                     for lookahead in lookaheads:
                         result = serving.generate_speculative(
@@ -708,10 +715,129 @@ class Speculative(unittest.TestCase):
             with self.subTest(mistake=getattr(mistake, "__name__", "keep a rejected one")), \
                     mock.patch.object(serving, "generate_speculative", planted):
                 try:
-                    found = self.differences(OPENINGS[:4], (4,))
+                    found = self.differences(OPENINGS[:3], (4,))
                 except ValueError:
                     found = ["raises"]
                 self.assertNotEqual(found, [])
+
+
+class CacheFiles(unittest.TestCase):
+    """A cache saved to a file and loaded again, here or in another process, continues
+    exactly; every file that is not a cache of these weights is refused, naming it."""
+
+    def setUp(self):
+        self.folder = tempfile.TemporaryDirectory()
+        self.path = os.path.join(self.folder.name, "cache.json")
+
+    def tearDown(self):
+        self.folder.cleanup()
+
+    def test_a_saved_cache_loads_bit_for_bit_and_continues_exactly(self):
+        ids = TOK.encode(OPENINGS[0])
+        pool = serving.BlockPool(PARAMS, 20, 4)
+        paged = pool.sequence()
+        feed(PARAMS, paged, ids)
+        for cache in (filled_cache(ids), paged):
+            serving.save_cache(cache, self.path)
+            loaded = serving.load_cache(PARAMS, self.path)
+            with self.subTest(cache=type(cache).__name__):
+                assert_equal(self, snapshot(loaded), snapshot(cache), "the loaded cache")
+                self.assertEqual(generate_cached(PARAMS, TOK, OPENINGS[0], cache=loaded),
+                                 generate.generate(PARAMS, TOK, OPENINGS[0]))
+        twin = copy.deepcopy(PARAMS)   # the same weights: the same signature, the same keys
+        self.assertEqual(len(serving.load_cache(twin, self.path)), len(ids))
+
+    def test_a_cache_loaded_in_another_process_continues_every_opening(self):
+        """Greedy for all 60 openings, sampled too for one in six."""
+        for index, prompt in enumerate(OPENINGS):
+            serving.save_cache(filled_cache(TOK.encode(prompt)),
+                               os.path.join(self.folder.name, f"{index}.json"))
+        script = (
+            "import json, sys; sys.path.insert(0, sys.argv[1])\n"
+            "import generate, kv_cache, serving, trace_kv, train\n"
+            "params, tok = generate.load_trained()\n"
+            "prompts = trace_kv.openings(train.split_stories(open(sys.argv[1] + "
+            "'/corpus.txt').read())[2])\n"
+            "print(json.dumps([kv_cache.generate_cached(params, tok, prompt, temperature=t, "
+            "seed=i, cache=serving.load_cache(params, f'{sys.argv[2]}/{i}.json')) "
+            "for i, prompt in enumerate(prompts) for t in ((0.0, 1.0) if i % 6 == 0 else "
+            "(0.0,))]))\n")
+        done = subprocess.run([sys.executable, "-c", script, test_kv_cache.HERE,
+                               self.folder.name], capture_output=True, text=True, timeout=120)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        never_saved = [generate_cached(PARAMS, TOK, prompt, temperature=t, seed=i,
+                                       cache=filled_cache(TOK.encode(prompt)))
+                       for i, prompt in enumerate(OPENINGS)
+                       for t in ((0.0, 1.0) if i % 6 == 0 else (0.0,))]
+        results = json.loads(done.stdout)
+        self.assertEqual(len(results), 70)   # every opening greedy, one in six sampled too
+        for result, expected in zip(results, never_saved):
+            if result != expected:
+                self.fail(f"a loaded cache continued as {result['text']!r}, the never-saved "
+                          f"one as {expected['text']!r}")
+
+    def test_what_is_not_a_cache_of_these_weights_is_refused_naming_the_file(self):
+        serving.save_cache(filled_cache(TOK.encode(OPENINGS[0])), self.path)
+        with open(self.path, encoding="utf-8") as f:
+            good = json.load(f)
+        other = copy.deepcopy(PARAMS)
+        other["b_out"][0] = math.nextafter(other["b_out"][0], math.inf)   # one last bit
+        bad_files = {
+            "not valid JSON": json.dumps(good)[:-40],                        # truncated
+            "not a KV cache file of this lab": json.dumps(dict(good, format="kv-lab-cache-2")),
+            "a corrupted cache file: 15 tokens, 15 keys and 14 values":
+                json.dumps(dict(good, values=good["values"][:-1])),
+            "the key of position 3 is not 16 finite floats":
+                json.dumps(dict(good, keys=good["keys"][:3] + [good["keys"][3][:15]]
+                                + good["keys"][4:])),
+            "token 0 is 96, outside the vocabulary": json.dumps(dict(good, tokens=[96]
+                                                                     + good["tokens"][1:])),
+        }
+        self.assertEqual(len(good["tokens"]), 15)
+        for fragment, text in bad_files.items():
+            with self.subTest(fragment=fragment):
+                with open(self.path, "w", encoding="utf-8") as f:
+                    f.write(text)
+                with self.assertRaises(ValueError) as refused:
+                    serving.load_cache(PARAMS, self.path)
+                self.assertIn(self.path, str(refused.exception))
+                self.assertIn(fragment, str(refused.exception))
+        with open(self.path, "w", encoding="utf-8") as f:
+            json.dump(good, f)
+        with self.assertRaisesRegex(ValueError, "computed with other weights .* stale logits"):
+            serving.load_cache(other, self.path)
+        with self.assertRaisesRegex(ValueError, "not a KV cache file of this lab"):
+            serving.load_cache(PARAMS, os.path.join(test_kv_cache.HERE, "best.json"))
+        with self.assertRaises(FileNotFoundError):
+            serving.load_cache(PARAMS, os.path.join(self.folder.name, "missing.json"))
+        with self.assertRaisesRegex(ValueError, "saves a KVCache or a paged sequence"):
+            serving.save_cache(serving.WindowCache(PARAMS, 8), self.path)
+
+    def test_a_failed_write_keeps_the_previous_file(self):
+        serving.save_cache(filled_cache(TOK.encode(OPENINGS[0])), self.path)
+        with open(self.path, encoding="utf-8") as f:
+            previous = f.read()
+        with mock.patch("checkpoint.os.replace", side_effect=OSError("disk full")), \
+                self.assertRaises(OSError):
+            serving.save_cache(filled_cache(TOK.encode(OPENINGS[1])), self.path)
+        with open(self.path, encoding="utf-8") as f:
+            self.assertEqual(f.read(), previous)
+        self.assertEqual(os.listdir(self.folder.name), ["cache.json"])
+
+    def test_the_command_line_saves_and_continues_and_refuses_in_one_line(self):
+        def run(*args):
+            return subprocess.run([sys.executable, os.path.join(test_kv_cache.HERE, "serving.py"),
+                                   *args], capture_output=True, text=True, timeout=120)
+        saved = run("zoe went to the park.", "--save-cache", self.path)
+        loaded = run("zoe went to the park.", "--load-cache", self.path)
+        for done in (saved, loaded):
+            self.assertEqual(done.returncode, 0, done.stderr)
+            self.assertTrue(done.stdout.endswith("identical to the uncached generator: yes\n"))
+        self.assertIn("continued from 14 positions of", loaded.stdout)
+        refused = run("tom was sad.", "--load-cache", self.path)
+        self.assertEqual((refused.returncode, len(refused.stderr.splitlines())), (1, 1))
+        self.assertIn("the cache is not a prefix of the prompt", refused.stderr)
+        self.assertEqual(run("zoe went to the park.").returncode, 2)   # one flag is required
 
 
 class RecordedSlots(unittest.TestCase):

@@ -18,6 +18,7 @@ import math
 import os
 import platform
 import sys
+import tempfile
 import time
 from collections import namedtuple
 from concurrent.futures import ProcessPoolExecutor
@@ -451,6 +452,23 @@ def speculative(drafter, lookahead, greedy, sampled, full_rows):
     return counts
 
 
+def cache_files(greedy):
+    """The bytes of serving.save_cache's files for the caches of the greedy stories (every
+    position fed), per position: exact floats written as JSON text."""
+    params, tok, prompts = _LAB.params, _LAB.tok, _LAB.prompts
+    positions = written = 0
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "cache.json")
+        for prompt, result in zip(prompts, greedy):
+            cache = KVCache(params)
+            feed(params, cache, story_ids(tok, prompt, result)[:-1])
+            serving.save_cache(cache, path)
+            positions += len(cache)
+            written += os.path.getsize(path)
+    return {"positions": positions, "bytes": written,
+            "bytes_per_position": round(written / positions, 2)}
+
+
 _LAB = None   # what every stage reads, loaded once in each process by _load
 
 
@@ -525,9 +543,11 @@ def run(full_timing=False, folder=LAB, progress=None, workers=None, stories=None
             "prefix_cache": pool.submit(prefix_cache, greedy, full_rows["greedy"]),
             "many_requests": pool.submit(many_requests, greedy, sampled,
                                          full_rows["greedy"] + full_rows["sampled"]),
-            "speculative_decoding": [pool.submit(speculative, drafter, lookahead, greedy,
-                                                 sampled, full_rows["greedy"] + full_rows["sampled"])
-                                     for drafter, lookahead in DRAFTS],
+            "speculative_decoding": [
+                pool.submit(speculative, drafter, lookahead, greedy, sampled,
+                            full_rows["greedy"] + full_rows["sampled"])
+                for drafter, lookahead in DRAFTS],
+            "cache_files": pool.submit(cache_files, greedy),
             "ladder": [pool.submit(ladder_rung, rung, greedy, sampled, full_rows["greedy"])
                        for rung in range(len(RUNGS))]}
         done = {}
