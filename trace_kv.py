@@ -1,10 +1,12 @@
 """The lab's experiment: run the uncached and the cached generator on the openings of
-the 60 test stories, prove they agree bit for bit, and count the work each one does.
+the 60 test stories, prove they agree bit for bit, and count the work each one does; then
+the experiments of Parts 2 and 3, each a stage that the machine's cores share.
 
-    python3 trace_kv.py            runs it (about 15 s on 2 cores, 30 s on 1) and prints a summary
-    python3 trace_kv.py --json     prints the whole record instead, as JSON
-    python3 trace_kv.py --check    also fails if the record differs from kv-trace.json
-    python3 trace_kv.py --write    rewrites kv-trace.json and kv-time.json (timing more)
+    python3 trace_kv.py              runs it (about 20 s on 2 cores, 45 s on 1): a summary
+    python3 trace_kv.py --json       prints the whole record instead, as JSON
+    python3 trace_kv.py --check      also fails if the record differs from kv-trace.json
+    python3 trace_kv.py --write      rewrites kv-trace.json and kv-time.json (timing more)
+    python3 trace_kv.py --workers N  shares the stages among N processes (the same record)
 
 kv-trace.json holds only what any machine reproduces exactly (results and counts);
 kv-time.json holds wall-clock times, which vary, and is never compared. Progress goes to
@@ -710,7 +712,7 @@ def show_progress(stage, done, total):
 def main(argv=None):
     parser = argparse.ArgumentParser(
         description="Run the uncached and the cached generator on the openings of the 60 "
-                    "test stories (about 15 s on 2 cores, 30 s on 1): prove they agree bit "
+                    "test stories (about 20 s on 2 cores, 45 s on 1): prove they agree bit "
                     "for bit, count the work each does, and print a summary.")
     parser.add_argument("--json", action="store_true",
                         help="print the whole record as JSON instead of the summary")
@@ -728,7 +730,7 @@ def main(argv=None):
         # Read the record first, so that a missing one fails before the long run.
         recorded = read_record(os.path.join(args.folder, TRACE)) if args.check else None
         print("Running both generators on the openings of the 60 test stories, greedy and "
-              "sampled, and comparing every row's logits (about 15 s on 2 cores, 30 s on 1):",
+              "sampled, and comparing every row's logits (about 20 s on 2 cores, 45 s on 1):",
               file=sys.stderr)
         record, timing = run(args.write, args.folder, show_progress, args.workers)
     except (OSError, ValueError) as e:
