@@ -405,6 +405,20 @@ def readme_figures(r):
                f"rows one token at a time)",
                f"take {files['bytes']:,} bytes in files for {files['positions']:,} positions,",
                f"**{files['bytes_per_position']} bytes per position**"]
+    deep = r["deep_models"]
+    for shape in deep["shapes"]:
+        kind = {4: "multi-head", 2: "grouped-query", 1: "multi-query"}[shape["kv_heads"]]
+        quoted.append(f"| {shape['layers']} | {kind} ({shape['kv_heads']} key-value heads) | "
+                      f"**{shape['largest_logit_gap']}** | {shape['floats_per_position']:g} | "
+                      f"{shape['formula']} | {shape['bytes_per_position_as_8_byte_floats']:g} | "
+                      f"{shape['bytes_per_position_as_cpython_objects']:,} |")
+    one, two, three = deep["window_through_layers"]
+    quoted += [f"changes the rows up to position {one['last_position_token_0_reaches']} with one "
+               f"layer, {two['last_position_token_0_reaches']} with two and "
+               f"{three['last_position_token_0_reaches']}",
+               f"largest logit change is **{one['largest_logit_change_at_position_14']}** with "
+               f"one layer, **{two['largest_logit_change_at_position_14']}** with two and "
+               f"**{three['largest_logit_change_at_position_14']}**"]
     attention = r["attention_to_position_0"]
     quoted += [f"(of {r['ladder']['stories']})", f"on all {r['ladder']['stories']} openings",
                f"**{attention['mean_weight']}**",

@@ -29,6 +29,7 @@ from math import fsum
 from operator import add
 from types import SimpleNamespace
 
+import deep_model
 import kv_cache
 import model
 import serving
@@ -471,6 +472,52 @@ def cache_files(greedy):
             "bytes_per_position": round(written / positions, 2)}
 
 
+def deep_models():
+    """deep_model on the first 64 tokens of the test stories, for 1 to 4 layers of
+    multi-head (4 key-value heads), grouped-query (2) and multi-query (1) attention: the
+    largest gap between the cached rows and the full pass's, and the cache's size per
+    position (numbers kept, as 8-byte floats, and as CPython objects); then, with a
+    window of 8 on every layer, which positions changing token 0 reaches."""
+    tok = _LAB.tok
+    ids = [t for story in _LAB.test for t in tok.encode(story)][:model.CONTEXT]
+    shapes = []
+    for layers in (1, 2, 3, 4):
+        for kv_heads in (4, 2, 1):
+            params = deep_model.init_params(layers, 4, kv_heads, model.WIDTH, 0)
+            cache = deep_model.DeepCache(params)
+            rows = [deep_model.forward_step(params, cache, token_id, position)
+                    for position, token_id in enumerate(ids)]
+            floats = cache.floats_per_position()
+            objects = sum(sys.getsizeof(vectors) + sum(sys.getsizeof(vector)
+                                                        + sum(map(sys.getsizeof, vector))
+                                                        for vector in vectors)
+                          for layer in cache.layers for vectors in layer.values())
+            shapes.append({"layers": layers, "heads": 4, "kv_heads": kv_heads,
+                           "largest_logit_gap": largest_gap(rows,
+                                                            deep_model.forward(params, ids)),
+                           "floats_per_position": floats,
+                           "formula": 2 * layers * kv_heads * (model.WIDTH // 4),
+                           "bytes_per_position_as_8_byte_floats": 8 * floats,
+                           "bytes_per_position_as_cpython_objects":
+                               round(objects / len(ids), 2)})
+    window = []
+    band, changed = model.band(8), [(ids[0] + 1) % model.VOCAB_SIZE] + ids[1:]
+    for layers in (1, 2, 3):
+        params = deep_model.init_params(layers, 4, 2, model.WIDTH, 0)
+        cache = deep_model.DeepCache(params, band)
+        rows = [deep_model.forward_step(params, cache, token_id, position)
+                for position, token_id in enumerate(ids)]
+        full = deep_model.forward(params, ids, band)
+        other = deep_model.forward(params, changed, band)
+        reached = [p for p, (a, b) in enumerate(zip(full, other)) if a != b]
+        window.append({"layers": layers, "window": 8,
+                       "cached_equals_full_pass": rows == full,
+                       "last_position_token_0_reaches": reached[-1],
+                       "largest_logit_change_at_position_14": largest_gap([full[14]],
+                                                                          [other[14]])})
+    return {"positions": len(ids), "shapes": shapes, "window_through_layers": window}
+
+
 _LAB = None   # what every stage reads, loaded once in each process by _load
 
 
@@ -529,6 +576,7 @@ def run(full_timing=False, folder=LAB, progress=None, workers=None, stories=None
     lab = _load(folder, stories)
     params, tok, prompts = lab.params, lab.tok, lab.prompts
     with _workers(workers, folder, stories) as pool:
+        deep = pool.submit(deep_models)            # needs nothing from the generators
         compared = []
         for one in pool.map(compare_one, range(len(prompts))):
             compared.append(one)
@@ -550,6 +598,7 @@ def run(full_timing=False, folder=LAB, progress=None, workers=None, stories=None
                             full_rows["greedy"] + full_rows["sampled"])
                 for drafter, lookahead in DRAFTS],
             "cache_files": pool.submit(cache_files, greedy),
+            "deep_models": deep,
             "ladder": [pool.submit(ladder_rung, rung, greedy, sampled, full_rows["greedy"])
                        for rung in range(len(RUNGS))]}
         done = {}

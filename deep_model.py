@@ -1,0 +1,168 @@
+"""A deeper model, for what the lesson's one-block, one-head model can only describe:
+several blocks (layers), several attention heads, and grouped-query attention, where
+several query heads share one key-value head (kv_heads = heads is plain multi-head
+attention, kv_heads = 1 multi-query attention). Random weights, no training: enough to
+show that its cache, one list of keys and values per layer, is exact too.
+
+Every row does the lesson's arithmetic (model.py's shared operations, one math.fsum per
+dot product), per layer and per head. Head h of width d = width / heads reads columns
+h*d .. (h+1)*d - 1 of q, and key-value head h // (heads / kv_heads) of k and v; the heads'
+outputs are placed side by side in that order before Wo.
+"""
+import math
+import random
+
+from model import (CONTEXT, VOCAB_SIZE, add, check_token_id, dot, layernorm, linear,
+                   relu, softmax_row)
+
+
+def init_params(layers, heads, kv_heads, width, seed):
+    """Random params of this shape: per layer ln1, Wq (width x width), Wk and Wv (width x
+    kv_heads * head width), Wo, ln2 and an MLP of 4 x width; embeddings and the output
+    layer as model.py's. The shape is kept in params["shape"]."""
+    for name, value in (("layers", layers), ("heads", heads), ("kv_heads", kv_heads),
+                        ("width", width)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if width % heads:
+        raise ValueError(f"width {width} must be a multiple of heads {heads}")
+    if heads % kv_heads:
+        raise ValueError(f"heads {heads} must be a multiple of kv_heads {kv_heads}: each "
+                         f"key-value head serves the same number of query heads")
+    rng = random.Random(seed)
+    kv_width = kv_heads * (width // heads)
+
+    def matrix(rows, cols, std):
+        return [[rng.gauss(0.0, std) for _ in range(cols)] for _ in range(rows)]
+    blocks = [{"ln1_g": [1.0] * width, "ln1_b": [0.0] * width,
+               "Wq": matrix(width, width, width ** -0.5),
+               "Wk": matrix(width, kv_width, width ** -0.5),
+               "Wv": matrix(width, kv_width, width ** -0.5),
+               "Wo": matrix(width, width, width ** -0.5),
+               "ln2_g": [1.0] * width, "ln2_b": [0.0] * width,
+               "W1": matrix(width, 4 * width, width ** -0.5), "b1": [0.0] * (4 * width),
+               "W2": matrix(4 * width, width, (4 * width) ** -0.5), "b2": [0.0] * width}
+              for _ in range(layers)]
+    return {"shape": {"layers": layers, "heads": heads, "kv_heads": kv_heads, "width": width},
+            "tok_emb": matrix(VOCAB_SIZE, width, 0.5), "pos_emb": matrix(CONTEXT, width, 0.5),
+            "blocks": blocks, "lnf_g": [1.0] * width, "lnf_b": [0.0] * width,
+            "W_out": matrix(width, VOCAB_SIZE, width ** -0.5), "b_out": [0.0] * VOCAB_SIZE}
+
+
+def _columns(params):
+    """Each block's matrices, and the output layer, by columns (ready for linear)."""
+    def cols(matrix):
+        return [list(column) for column in zip(*matrix)]
+    return ([{name: cols(block[name]) for name in ("Wq", "Wk", "Wv", "Wo", "W1", "W2")}
+             for block in params["blocks"]], cols(params["W_out"]))
+
+
+def _heads(shape):
+    """(heads, head width, query heads per key-value head, 1 / sqrt(head width))."""
+    head_width = shape["width"] // shape["heads"]
+    return (shape["heads"], head_width, shape["heads"] // shape["kv_heads"],
+            1 / math.sqrt(head_width))
+
+
+def causal(i):
+    return range(i + 1)
+
+
+def forward(params, ids, mask=causal):
+    """Next-token logits for every position of ids: layer by layer, first every
+    position's q, k and v, then each position's heads attending to positions mask(i)."""
+    if not ids or len(ids) > CONTEXT:
+        raise ValueError(f"ids must hold 1 to {CONTEXT} token IDs, got {len(ids)}")
+    for index, token_id in enumerate(ids):
+        check_token_id(token_id, f"ids[{index}] =")
+    block_cols, out_cols = _columns(params)
+    heads, d, group, scale = _heads(params["shape"])
+    xs = [add(params["tok_emb"][token_id], params["pos_emb"][position])
+          for position, token_id in enumerate(ids)]
+    for block, cols in zip(params["blocks"], block_cols):
+        qs, ks, vs = [], [], []
+        for x0 in xs:
+            h1 = layernorm(x0, block["ln1_g"], block["ln1_b"])
+            qs.append(linear(h1, cols["Wq"]))
+            ks.append(linear(h1, cols["Wk"]))
+            vs.append(linear(h1, cols["Wv"]))
+        for i, x0 in enumerate(xs):
+            keys, values = [ks[j] for j in mask(i)], [vs[j] for j in mask(i)]
+            mixed = []
+            for head in range(heads):
+                kv = head // group                     # the key-value head it reads
+                q_h = qs[i][head * d:(head + 1) * d]
+                scores = [dot(q_h, k_j[kv * d:(kv + 1) * d]) * scale for k_j in keys]
+                weights = softmax_row(scores)
+                mixed += [dot(weights, column)
+                          for column in zip(*(v_j[kv * d:(kv + 1) * d] for v_j in values))]
+            x1 = add(x0, linear(mixed, cols["Wo"]))
+            h2 = layernorm(x1, block["ln2_g"], block["ln2_b"])
+            a = relu(add(linear(h2, cols["W1"]), block["b1"]))
+            xs[i] = add(x1, add(linear(a, cols["W2"]), block["b2"]))
+    return [add(linear(layernorm(x2, params["lnf_g"], params["lnf_b"]), out_cols),
+                params["b_out"]) for x2 in xs]
+
+
+class DeepCache:
+    """The keys and values of one sequence, per layer: layers[L] holds, for each
+    position, the key and the value of layer L's kv_heads key-value heads side by side.
+    mask(i), causal unless given, is which held positions position i attends to."""
+
+    def __init__(self, params, mask=causal):
+        if not isinstance(params, dict) or "shape" not in params:
+            raise ValueError("params must be deep_model.init_params(...)'s")
+        self.params, self.mask = params, mask
+        self.block_columns, self.out_columns = _columns(params)
+        self.tokens = []
+        self.layers = [{"keys": [], "values": []} for _ in params["blocks"]]
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def floats_per_position(self):
+        """The numbers the cache keeps per position, counted in its lists."""
+        if not self.tokens:
+            raise ValueError("the cache holds no position yet")
+        return sum(len(vector) for layer in self.layers for part in ("keys", "values")
+                   for vector in layer[part]) / len(self)
+
+
+def forward_step(params, cache, token_id, position):
+    """Next-token logits for token_id at position, the next one after the cache's,
+    through every layer; appends each layer's key and value to the cache first. Refuses,
+    before computing anything, what kv_cache.forward_step refuses."""
+    if not isinstance(cache, DeepCache) or cache.params is not params:
+        raise ValueError("this cache was made for different parameters; start a new "
+                         "cache with DeepCache(params)")
+    if isinstance(position, bool) or not isinstance(position, int) or position != len(cache):
+        raise ValueError(f"expected position {len(cache)}, got {position!r}")
+    if position >= CONTEXT:
+        raise ValueError(f"position {position} is beyond the {CONTEXT} positions of the "
+                         f"model's table")
+    check_token_id(token_id)
+    heads, d, group, scale = _heads(params["shape"])
+    cache.tokens.append(token_id)
+    x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])
+    for block, cols, layer in zip(params["blocks"], cache.block_columns, cache.layers):
+        h1 = layernorm(x0, block["ln1_g"], block["ln1_b"])
+        q = linear(h1, cols["Wq"])
+        layer["keys"].append(linear(h1, cols["Wk"]))     # before attention: a position
+        layer["values"].append(linear(h1, cols["Wv"]))   # attends to itself too
+        attended = cache.mask(position)
+        keys = [layer["keys"][j] for j in attended]
+        values = [layer["values"][j] for j in attended]
+        mixed = []
+        for head in range(heads):
+            kv = head // group                     # the key-value head it reads
+            q_h = q[head * d:(head + 1) * d]
+            scores = [dot(q_h, k_j[kv * d:(kv + 1) * d]) * scale for k_j in keys]
+            weights = softmax_row(scores)
+            mixed += [dot(weights, column)
+                      for column in zip(*(v_j[kv * d:(kv + 1) * d] for v_j in values))]
+        x1 = add(x0, linear(mixed, cols["Wo"]))
+        h2 = layernorm(x1, block["ln2_g"], block["ln2_b"])
+        a = relu(add(linear(h2, cols["W1"]), block["b1"]))
+        x0 = add(x1, add(linear(a, cols["W2"]), block["b2"]))
+    return add(linear(layernorm(x0, params["lnf_g"], params["lnf_b"]), cache.out_columns),
+               params["b_out"])

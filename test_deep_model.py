@@ -1,0 +1,140 @@
+"""The deeper model's cache is exact too: for multi-head, grouped-query and multi-query
+attention, one to four layers, every cached row equals the full pass's with ==; three
+mistakes of layers and heads, planted in the real forward_step, are caught; a window
+drops what a row sees in one layer but not through several."""
+import ast
+import random
+import unittest
+from unittest import mock
+
+import deep_model
+import model
+from test_kv_cache import first_difference, plant, replacing
+
+SHAPES = [(layers, heads, kv_heads) for layers in (1, 2, 3, 4)
+          for heads, kv_heads in ((1, 1), (4, 4), (4, 2), (4, 1))]   # MHA, GQA, MQA
+
+
+def tokens(count, seed=0):
+    rng = random.Random(seed)
+    return [rng.randrange(model.VOCAB_SIZE) for _ in range(count)]
+
+
+def cached_rows(params, ids, mask=deep_model.causal):
+    cache = deep_model.DeepCache(params, mask)
+    return [deep_model.forward_step(params, cache, token_id, position)
+            for position, token_id in enumerate(ids)], cache
+
+
+def where(params, ids, mask=deep_model.causal):
+    """None if every cached row equals the full pass's, else where they first differ."""
+    rows, _ = cached_rows(params, ids, mask)
+    found = first_difference(rows, deep_model.forward(params, ids, mask))
+    return found and f"at {found[0]}: {found[1]} cached, {found[2]} in the full pass"
+
+
+class Exactness(unittest.TestCase):
+
+    def test_every_cached_row_equals_the_full_pass_for_every_shape(self):
+        ids = tokens(24)
+        for layers, heads, kv_heads in SHAPES:
+            for seed in (0, 1):
+                params = deep_model.init_params(layers, heads, kv_heads, 16, seed)
+                with self.subTest(layers=layers, heads=heads, kv_heads=kv_heads, seed=seed):
+                    self.assertIsNone(where(params, ids))
+
+    def test_the_cache_keeps_2_x_layers_x_kv_heads_x_head_width_numbers_per_position(self):
+        for layers, heads, kv_heads in SHAPES:
+            params = deep_model.init_params(layers, heads, kv_heads, 16, 0)
+            _, cache = cached_rows(params, tokens(5))
+            with self.subTest(layers=layers, heads=heads, kv_heads=kv_heads):
+                self.assertEqual(cache.floats_per_position(),
+                                 2 * layers * kv_heads * (16 // heads))
+
+
+class Teeth(unittest.TestCase):
+    """Each mistake planted in the real deep_model.forward_step makes a row differ."""
+
+    MISTAKES = {
+        "a query head reads the wrong key-value head (head % group, not head // group)":
+            replacing(lambda node: isinstance(node, ast.BinOp)
+                      and isinstance(node.op, ast.FloorDiv) and isinstance(node.left, ast.Name)
+                      and node.left.id == "head",
+                      lambda node: ast.BinOp(node.left, ast.Mod(), node.right)),
+        "every layer reads and writes the first layer's cache":
+            replacing(lambda node: isinstance(node, ast.Attribute) and node.attr == "layers"
+                      and isinstance(node.value, ast.Name) and node.value.id == "cache",
+                      lambda node: ast.parse("[cache.layers[0]] * len(cache.layers)",
+                                             mode="eval").body),
+        "each head's output placed before the heads before it (the wrong columns)":
+            replacing(lambda node: isinstance(node, ast.AugAssign)
+                      and isinstance(node.target, ast.Name) and node.target.id == "mixed",
+                      lambda node: ast.Assign([ast.Name("mixed", ast.Store())],
+                                              ast.BinOp(node.value, ast.Add(),
+                                                        ast.Name("mixed", ast.Load())))),
+    }
+
+    def test_each_mistake_of_layers_and_heads_is_caught(self):
+        params = deep_model.init_params(2, 4, 2, 16, 0)   # GQA: two query heads a group
+        ids = tokens(12)
+        self.assertIsNone(where(params, ids))
+        for mistake, planting in self.MISTAKES.items():
+            planted = plant(deep_model, "forward_step", planting)
+            with self.subTest(mistake=mistake):
+                if planted is None:
+                    self.skipTest(f"the planting site of {mistake!r} is gone from "
+                                  f"deep_model.forward_step")
+                with mock.patch.object(deep_model, "forward_step", planted):
+                    self.assertIsNotNone(where(params, ids))
+
+
+class Window(unittest.TestCase):
+
+    def test_through_layers_a_window_passes_on_what_it_dropped(self):
+        """With a window of 8, token 0 changes rows up to position 7 in one layer, 14 in
+        two, 21 in three: layers x (window - 1). The cached path with the same band mask
+        gives the full pass's rows."""
+        ids = tokens(24)
+        changed = [(ids[0] + 1) % model.VOCAB_SIZE] + ids[1:]
+        band = model.band(8)
+        for layers in (1, 2, 3):
+            params = deep_model.init_params(layers, 4, 2, 16, 0)
+            with self.subTest(layers=layers):
+                self.assertIsNone(where(params, ids, band))
+                rows = deep_model.forward(params, ids, band)
+                other = deep_model.forward(params, changed, band)
+                reached = [position for position, (a, b) in enumerate(zip(rows, other))
+                           if a != b]
+                self.assertEqual(reached, list(range(layers * 7 + 1)))
+
+
+class Refusals(unittest.TestCase):
+
+    def test_bad_shapes_and_misuse_are_refused(self):
+        for args, fragment in (((0, 4, 2, 16, 0), "layers must be an int >= 1"),
+                               ((1, 3, 1, 16, 0), "width 16 must be a multiple of heads 3"),
+                               ((1, 4, 3, 16, 0), "heads 4 must be a multiple of kv_heads 3"),
+                               ((1, 4, 2.0, 16, 0), "kv_heads must be an int >= 1")):
+            with self.subTest(args=args), self.assertRaisesRegex(ValueError, fragment):
+                deep_model.init_params(*args)
+        params = deep_model.init_params(2, 4, 2, 16, 0)
+        _, cache = cached_rows(params, tokens(3))
+        other = deep_model.init_params(2, 4, 2, 16, 0)    # equal weights, another model
+        _, full = cached_rows(params, tokens(model.CONTEXT))
+        with self.assertRaisesRegex(ValueError, "beyond the 64 positions"):
+            deep_model.forward_step(params, full, 5, model.CONTEXT)
+        for call, fragment in ((lambda: deep_model.forward_step(other, cache, 5, 3),
+                                "different parameters"),
+                               (lambda: deep_model.forward_step(params, cache, 5, 0),
+                                "expected position 3, got 0"),
+                               (lambda: deep_model.forward_step(params, cache, 96, 3),
+                                "outside the vocabulary")):
+            with self.subTest(fragment=fragment):
+                with self.assertRaisesRegex(ValueError, fragment):
+                    call()
+                self.assertEqual(len(cache), 3)
+                self.assertEqual([len(layer["keys"]) for layer in cache.layers], [3, 3])
+
+
+if __name__ == "__main__":
+    unittest.main()
