@@ -569,10 +569,10 @@ def run(full_timing=False, folder=LAB, progress=None, workers=None, stories=None
     """Both generators on the 60 test openings (or the first stories of them, for a
     quick run), then every other experiment, each a stage of its own that workers
     processes share (default: one per core): (record, timing). The record is the same
-    for any number of workers. The timing holds the
-    seconds of both generators; with full_timing (what --write records) also a row's
-    share of fsum, each length's seconds and the cache's bytes, timed afterwards in this
-    process alone. progress(stage, done, total), if given, is told how far the run is."""
+    for any number of workers. The timing holds the seconds of both generators; with
+    full_timing (what --write records) also a row's share of fsum, each length's seconds
+    and the cache's bytes, timed afterwards in this process alone. progress(stage, done,
+    total), if given, is told how far the run is."""
     progress = progress or (lambda stage, done, total: None)
     workers = workers or os.cpu_count() or 1
     lab = _load(folder, stories)
@@ -608,7 +608,7 @@ def run(full_timing=False, folder=LAB, progress=None, workers=None, stories=None
             done[name] = ({"stories": len(prompts), "rungs": [s.result() for s in stage]}
                           if name == "ladder" else [s.result() for s in stage]
                           if isinstance(stage, list) else stage.result())
-            progress("the other experiments: Part 2 and Part 3", len(done), len(stages))
+            progress("the other experiments: Parts 2, 3 and 4", len(done), len(stages))
     first_story = tok.encode(lab.test[0])
     total = dict.fromkeys(work(1, 1), 0)
     for prompt, result in zip(prompts, greedy):
