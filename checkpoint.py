@@ -62,6 +62,8 @@ def run_command(main):
 def write_atomically(path, text):
     """Write text to path through a temporary file and a rename; never a half-written file."""
     folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"cannot write {path}: the folder {folder} does not exist")
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".part")
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
@@ -84,7 +86,7 @@ def read_json(path, fmt, what):
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text ({e})") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+        raise ValueError(f"{path}: not valid JSON, or cut short ({e})") from None
     if not isinstance(data, dict) or data.get("format") != fmt:
         raise ValueError(f"{path}: not {what} (expected \"format\": \"{fmt}\")")
     return data

@@ -186,7 +186,8 @@ def _fork_for_prompt(params, cache, ids, tok):
                              f"it holds {tok.vocab[held]!r}, the prompt has {tok.vocab[wanted]!r}")
     if len(cache) > len(ids):
         raise ValueError(f"the cache holds {len(cache)} tokens, more than the prompt's "
-                         f"{len(ids)}; crop it to a prefix of the prompt first")
+                         f"{len(ids)}; give a prompt that begins with all of them, or crop "
+                         f"the cache to a prefix of the prompt first")
     fork = cache.copy()
     if len(fork) == len(ids):
         # The logits for the first new token come from the last prompt position's row,

@@ -619,7 +619,8 @@ def load_cache(params, path):
         raise ValueError(f"{path}: computed with other weights (signature "
                          f"{record.get('weights')!r}, these weights are "
                          f"{weights_signature(params)!r}): its keys and values would give "
-                         f"stale logits; save the cache again with these params")
+                         f"stale logits; save the cache again with these params (python3 "
+                         f"serving.py PROMPT --save-cache FILE)")
     tokens, keys, values = (record.get(name) for name in ("tokens", "keys", "values"))
     problem = _cache_problem(tokens, keys, values)
     if problem:
@@ -772,7 +773,7 @@ def main(argv=None):
     generate.add_generation_flags(parser)
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--save-cache", metavar="FILE",
-                      help="prefill the prompt, save its cache to FILE, continue from it")
+                      help="feed the prompt into a cache, save it to FILE, continue from it")
     mode.add_argument("--load-cache", metavar="FILE",
                       help="continue the prompt from the cache in FILE (it must hold the "
                            "start of the prompt, computed with these weights)")
@@ -795,6 +796,8 @@ def main(argv=None):
     generate.print_result(result)
     print(f"{done} ({os.path.getsize(args.save_cache or args.load_cache):,} bytes)")
     print(f"identical to the uncached generator: {'yes' if result == uncached else 'NO'}")
+    if result != uncached:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

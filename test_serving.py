@@ -812,6 +812,10 @@ class CacheFiles(unittest.TestCase):
             serving.load_cache(PARAMS, os.path.join(self.folder.name, "missing.json"))
         with self.assertRaisesRegex(ValueError, "saves a KVCache or a paged sequence"):
             serving.save_cache(serving.WindowCache(PARAMS, 8), self.path)
+        nowhere = os.path.join(self.folder.name, "no such folder", "cache.json")
+        with self.assertRaisesRegex(FileNotFoundError, f"cannot write .*the folder .* does "
+                                                       f"not exist"):
+            serving.save_cache(filled_cache([5]), nowhere)
 
     def test_a_failed_write_keeps_the_previous_file(self):
         serving.save_cache(filled_cache(TOK.encode(OPENINGS[0])), self.path)

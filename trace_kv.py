@@ -472,43 +472,43 @@ def cache_files(greedy):
             "bytes_per_position": round(written / positions, 2)}
 
 
+def _deep_ids():
+    """The first 64 tokens of the test stories (24 in a run of fewer openings)."""
+    positions = model.CONTEXT if len(_LAB.prompts) == len(_LAB.test) else 24
+    return [t for story in _LAB.test for t in _LAB.tok.encode(story)][:positions]
+
+
+def _deep_cache(layers, kv_heads, ids, mask=deep_model.causal):
+    """A deep_model of layers and kv_heads (4 query heads, the lab's width, seed 0), and
+    its rows and cache after feeding ids one token at a time."""
+    params = deep_model.init_params(layers, 4, kv_heads, model.WIDTH, 0)
+    cache = deep_model.DeepCache(params, mask)
+    return params, [deep_model.forward_step(params, cache, token_id, position)
+                    for position, token_id in enumerate(ids)], cache
+
+
+DEEP_SHAPES = tuple((layers, kv_heads) for layers in (1, 2, 3, 4) for kv_heads in (4, 2, 1))
+
+
 def deep_models():
-    """deep_model on the first 64 tokens of the test stories (24 in a run of fewer
-    openings), for 1 to 4 layers of multi-head (4 key-value heads), grouped-query (2)
+    """deep_model for 1 to 4 layers of multi-head (4 key-value heads), grouped-query (2)
     and multi-query (1) attention: the largest gap between the cached rows and the full
-    pass's, and the cache's size per position (numbers kept, as 8-byte floats, and as
-    CPython objects); then, with a window of 8 on every layer, which positions changing
-    token 0 reaches."""
-    tok = _LAB.tok
-    positions = model.CONTEXT if len(_LAB.prompts) == len(_LAB.test) else 24   # a quick run
-    ids = [t for story in _LAB.test for t in tok.encode(story)][:positions]
+    pass's, and the numbers its cache keeps per position; then, with a window of 8 on
+    every layer, which positions changing token 0 reaches."""
+    ids = _deep_ids()
     shapes = []
-    for layers in (1, 2, 3, 4):
-        for kv_heads in (4, 2, 1):
-            params = deep_model.init_params(layers, 4, kv_heads, model.WIDTH, 0)
-            cache = deep_model.DeepCache(params)
-            rows = [deep_model.forward_step(params, cache, token_id, position)
-                    for position, token_id in enumerate(ids)]
-            floats = cache.floats_per_position()
-            objects = sum(sys.getsizeof(vectors) + sum(sys.getsizeof(vector)
-                                                        + sum(map(sys.getsizeof, vector))
-                                                        for vector in vectors)
-                          for layer in cache.layers for vectors in layer.values())
-            shapes.append({"layers": layers, "heads": 4, "kv_heads": kv_heads,
-                           "largest_logit_gap": largest_gap(rows,
-                                                            deep_model.forward(params, ids)),
-                           "floats_per_position": floats,
-                           "formula": 2 * layers * kv_heads * (model.WIDTH // 4),
-                           "bytes_per_position_as_8_byte_floats": 8 * floats,
-                           "bytes_per_position_as_cpython_objects":
-                               round(objects / len(ids), 2)})
+    for layers, kv_heads in DEEP_SHAPES:
+        params, rows, cache = _deep_cache(layers, kv_heads, ids)
+        floats = cache.floats_per_position()
+        shapes.append({"layers": layers, "heads": 4, "kv_heads": kv_heads,
+                       "largest_logit_gap": largest_gap(rows, deep_model.forward(params, ids)),
+                       "floats_per_position": floats,
+                       "formula": 2 * layers * kv_heads * (model.WIDTH // 4),
+                       "bytes_per_position_as_8_byte_floats": 8 * floats})
     window = []
     band, changed = model.band(8), [(ids[0] + 1) % model.VOCAB_SIZE] + ids[1:]
     for layers in (1, 2, 3):
-        params = deep_model.init_params(layers, 4, 2, model.WIDTH, 0)
-        cache = deep_model.DeepCache(params, band)
-        rows = [deep_model.forward_step(params, cache, token_id, position)
-                for position, token_id in enumerate(ids)]
+        params, rows, _ = _deep_cache(layers, 2, ids, band)
         full = deep_model.forward(params, ids, band)
         other = deep_model.forward(params, changed, band)
         reached = [p for p, (a, b) in enumerate(zip(full, other)) if a != b]
@@ -518,6 +518,22 @@ def deep_models():
                        "largest_logit_change_at_position_14": largest_gap([full[14]],
                                                                           [other[14]])})
     return {"positions": len(ids), "shapes": shapes, "window_through_layers": window}
+
+
+def deep_cache_bytes():
+    """Bytes CPython uses per position for each deep_model shape's cache of _deep_ids():
+    the lists and every float object (it depends on the Python, so it is timing's)."""
+    ids = _deep_ids()
+    measured = []
+    for layers, kv_heads in DEEP_SHAPES:
+        _, _, cache = _deep_cache(layers, kv_heads, ids)
+        objects = sum(sys.getsizeof(vectors) + sum(sys.getsizeof(vector)
+                                                    + sum(map(sys.getsizeof, vector))
+                                                    for vector in vectors)
+                      for layer in cache.layers for vectors in layer.values())
+        measured.append({"layers": layers, "kv_heads": kv_heads,
+                         "bytes_per_position": round(objects / len(ids), 2)})
+    return measured
 
 
 _LAB = None   # what every stage reads, loaded once in each process by _load
@@ -671,6 +687,7 @@ def run(full_timing=False, folder=LAB, progress=None, workers=None, stories=None
             "cache_bytes_full_context": memory,
             "cache_bytes_per_position": round(memory / model.CONTEXT, 2),
             "cache_bytes_as_8_byte_floats": 8 * 2 * model.WIDTH * model.CONTEXT,
+            "deep_model_cache_bytes_as_cpython_objects": deep_cache_bytes(),
         })
         progress("timing a row's sums and each length", 1, 1)
     return record, timing
