@@ -1,10 +1,16 @@
-"""What servers do with the KV cache (Part 2 of the lesson): prefill a prompt in one pass,
+"""What servers do with the KV cache. Part 2 of the lesson: prefill a prompt in one pass,
 keep caches in a pool of fixed-size blocks that sequences share, and shrink the cache
-with fewer bits or a window, where exactness is given up on purpose.
+with fewer bits or a window, where exactness is given up on purpose. Part 3: serve many
+requests from one pool (continuous batching, preemption, a prefix cache that outlives
+requests), check drafted tokens in one call (speculative decoding), and keep a cache in
+a file.
 
 Everything here reads and writes caches through the interface of kv_cache.KVCache, so
 kv_cache.forward_step works on every one of them, and its results can be compared with
 the lesson's, bit for bit, with ==.
+
+    python3 serving.py "zoe went to the park." --save-cache zoe.json
+    python3 serving.py "zoe went to the park." --load-cache zoe.json   (--help: the flags)
 """
 import argparse
 import hashlib
