@@ -337,11 +337,11 @@ def reordered_sums(greedy):
             "greedy_identical": identical}
 
 
-def choosing_rows(requests, results, full_rows, pool, max_batch):
-    """serving.serve on the requests (each result expected in results, each with the rows
-    of its uncached last full pass in full_rows), recording the logits every request
-    chose a token with: (counts, the results identical, the largest gap between those
-    logits and the full pass's row for the same position)."""
+@contextlib.contextmanager
+def recording_choices():
+    """Inside this block, every token a generate.Generation chooses is recorded, in the
+    list it yields: (the generation, the position of the row whose logits chose it, those
+    logits)."""
     chosen = []
 
     def keeping(real):
@@ -350,6 +350,15 @@ def choosing_rows(requests, results, full_rows, pool, max_batch):
             return real(generation, logits)
         return choose
     with replaced(Generation, "choose", keeping):
+        yield chosen
+
+
+def choosing_rows(requests, results, full_rows, pool, max_batch):
+    """serving.serve on the requests (each result expected in results, each with the rows
+    of its uncached last full pass in full_rows), recording the logits every request
+    chose a token with: (counts, the results identical, the largest gap between those
+    logits and the full pass's row for the same position)."""
+    with recording_choices() as chosen:
         served, counts = serving.serve(_LAB.params, _LAB.tok, requests, pool, max_batch)
     rows = {tuple(story_ids(_LAB.tok, request["prompt"], result)): full
             for request, result, full in zip(requests, results, full_rows)}
@@ -420,28 +429,21 @@ def speculative(drafter, lookahead, greedy, sampled, full_rows):
         for settings, result, rows in (({}, greedy[index], full_rows[index]),
                                        ({"temperature": 1.0, "seed": index}, sampled[index],
                                         full_rows[len(prompts) + index])):
-            chosen, calls = [], []
-
-            def keeping_choices(real):
-                def choose(generation, logits):
-                    chosen.append((len(generation.ids) - 1, logits))
-                    return real(generation, logits)
-                return choose
+            calls = []
 
             def keeping_calls(real):
                 def prefill(params, cache, token_ids, start):
                     calls.append((list(token_ids), start))
                     return real(params, cache, token_ids, start)
                 return prefill
-            with replaced(Generation, "choose", keeping_choices), \
-                    replaced(serving, "prefill", keeping_calls):
+            with recording_choices() as chosen, replaced(serving, "prefill", keeping_calls):
                 again = serving.generate_speculative(params, tok, prompt, lookahead=lookahead,
                                                      drafter=chosen_drafter, **settings)
             story = story_ids(tok, prompt, result)
             counts["identical"] += again == result
             if again == result:
                 gap = max([gap] + [largest_gap([logits], [rows[position]])
-                                   for position, logits in chosen])
+                                   for _, position, logits in chosen])
             for token_ids, start in calls[1:]:    # the first call is the prompt's
                 counts["drafted"] += len(token_ids) - 1
                 counts["accepted"] += next((j for j, token in enumerate(token_ids[1:])
