@@ -12,8 +12,8 @@ outputs are placed side by side in that order before Wo.
 import math
 import random
 
-from model import (CONTEXT, VOCAB_SIZE, add, check_token_id, dot, layernorm, linear,
-                   relu, softmax_row)
+from model import (CONTEXT, VOCAB_SIZE, add, causal, check_token_id, dot, layernorm,
+                   linear, relu, softmax_row)
 
 
 def init_params(layers, heads, kv_heads, width, seed):
@@ -62,10 +62,6 @@ def _heads(shape):
     head_width = shape["width"] // shape["heads"]
     return (shape["heads"], head_width, shape["heads"] // shape["kv_heads"],
             1 / math.sqrt(head_width))
-
-
-def causal(i):
-    return range(i + 1)
 
 
 def forward(params, ids, mask=causal):
