@@ -15,7 +15,7 @@ import os
 import sys
 
 from checkpoint import add_folder_flag, lab_file, read_json, run_command, write_atomically
-from model import VOCAB_SIZE
+from model import VOCAB_SIZE, is_int
 
 FORMAT = "kv-lab-bpe-1"
 
@@ -69,7 +69,7 @@ class Tokenizer:
         if not isinstance(text, str) or not text:
             raise ValueError("text to train on must be a non-empty string")
         alphabet = sorted(set(text))
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+        if not is_int(vocab_size):
             raise ValueError(f"vocab_size must be an int, got {vocab_size!r}")
         if vocab_size < len(alphabet):
             raise ValueError(f"vocab_size {vocab_size} is smaller than the text's "
@@ -126,8 +126,7 @@ class Tokenizer:
         """The text of a list of token IDs."""
         ids = list(ids)
         for index, token_id in enumerate(ids):
-            if (isinstance(token_id, bool) or not isinstance(token_id, int)
-                    or not 0 <= token_id < len(self.vocab)):
+            if not is_int(token_id) or not 0 <= token_id < len(self.vocab):
                 raise ValueError(f"token ID {token_id!r} at index {index} is outside the "
                                  f"vocabulary (ints 0 to {len(self.vocab) - 1})")
         return "".join(self.vocab[i] for i in ids)

@@ -11,9 +11,11 @@ outputs are placed side by side in that order before Wo.
 """
 import math
 import random
+import sys
 
-from model import (CONTEXT, VOCAB_SIZE, add, causal, check_token_id, dot, layernorm,
-                   linear, relu, softmax_row)
+from instruments import largest_gap
+from model import (CONTEXT, VOCAB_SIZE, WIDTH, add, band, causal, check_int, check_token_id,
+                   dot, is_int, layernorm, linear, relu, softmax_row)
 
 
 def init_params(layers, heads, kv_heads, width, seed):
@@ -22,8 +24,7 @@ def init_params(layers, heads, kv_heads, width, seed):
     layer as model.py's. The shape is kept in params["shape"]."""
     for name, value in (("layers", layers), ("heads", heads), ("kv_heads", kv_heads),
                         ("width", width)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        check_int(name, value, 1)
     if width % heads:
         raise ValueError(f"width {width} must be a multiple of heads {heads}")
     if heads % kv_heads:
@@ -131,7 +132,7 @@ def forward_step(params, cache, token_id, position):
     if not isinstance(cache, DeepCache) or cache.params is not params:
         raise ValueError("this cache was made for different parameters; start a new "
                          "cache with DeepCache(params)")
-    if isinstance(position, bool) or not isinstance(position, int) or position != len(cache):
+    if not is_int(position) or position != len(cache):
         raise ValueError(f"expected position {len(cache)}, got {position!r}")
     if position >= CONTEXT:
         raise ValueError(f"position {position} is beyond the {CONTEXT} positions of the "
@@ -162,3 +163,69 @@ def forward_step(params, cache, token_id, position):
         x0 = add(x1, add(linear(a, cols["W2"]), block["b2"]))
     return add(linear(layernorm(x0, params["lnf_g"], params["lnf_b"]), cache.out_columns),
                params["b_out"])
+
+
+# ---- the experiment (a stage of trace_kv.py) ---------------------------------------
+
+def _deep_ids(lab):
+    """The first 64 tokens of the test stories (24 in a run of fewer openings)."""
+    positions = CONTEXT if len(lab.prompts) == len(lab.test) else 24
+    return [t for story in lab.test for t in lab.tok.encode(story)][:positions]
+
+
+def _deep_cache(layers, kv_heads, ids, mask=causal):
+    """A deep_model of layers and kv_heads (4 query heads, the lab's width, seed 0), and
+    its rows and cache after feeding ids one token at a time."""
+    params = init_params(layers, 4, kv_heads, WIDTH, 0)
+    cache = DeepCache(params, mask)
+    return params, [forward_step(params, cache, token_id, position)
+                    for position, token_id in enumerate(ids)], cache
+
+
+DEEP_SHAPES = tuple((layers, kv_heads) for layers in (1, 2, 3, 4) for kv_heads in (4, 2, 1))
+
+
+def experiment(lab):
+    """deep_model for 1 to 4 layers of multi-head (4 key-value heads), grouped-query (2)
+    and multi-query (1) attention: the largest gap between the cached rows and the full
+    pass's, and the numbers its cache keeps per position; then, with a window of 8 on
+    every layer, which positions changing token 0 reaches."""
+    ids = _deep_ids(lab)
+    shapes = []
+    for layers, kv_heads in DEEP_SHAPES:
+        params, rows, cache = _deep_cache(layers, kv_heads, ids)
+        floats = cache.floats_per_position()
+        shapes.append({"layers": layers, "heads": 4, "kv_heads": kv_heads,
+                       "largest_logit_gap": largest_gap(rows, forward(params, ids)),
+                       "floats_per_position": floats,
+                       "formula": 2 * layers * kv_heads * (WIDTH // 4),
+                       "bytes_per_position_as_8_byte_floats": 8 * floats})
+    window = []
+    mask, changed = band(8), [(ids[0] + 1) % VOCAB_SIZE] + ids[1:]
+    for layers in (1, 2, 3):
+        params, rows, _ = _deep_cache(layers, 2, ids, mask)
+        full = forward(params, ids, mask)
+        other = forward(params, changed, mask)
+        reached = [p for p, (a, b) in enumerate(zip(full, other)) if a != b]
+        window.append({"layers": layers, "window": 8,
+                       "cached_equals_full_pass": rows == full,
+                       "last_position_token_0_reaches": reached[-1],
+                       "largest_logit_change_at_position_14": largest_gap([full[14]],
+                                                                          [other[14]])})
+    return {"positions": len(ids), "shapes": shapes, "window_through_layers": window}
+
+
+def cache_bytes(lab):
+    """Bytes CPython uses per position for each deep_model shape's cache of _deep_ids():
+    the lists and every float object (it depends on the Python, so it is timing's)."""
+    ids = _deep_ids(lab)
+    measured = []
+    for layers, kv_heads in DEEP_SHAPES:
+        _, _, cache = _deep_cache(layers, kv_heads, ids)
+        objects = sum(sys.getsizeof(vectors) + sum(sys.getsizeof(vector)
+                                                    + sum(map(sys.getsizeof, vector))
+                                                    for vector in vectors)
+                      for layer in cache.layers for vectors in layer.values())
+        measured.append({"layers": layers, "kv_heads": kv_heads,
+                         "bytes_per_position": round(objects / len(ids), 2)})
+    return measured

@@ -35,12 +35,11 @@ def load_trained(folder=checkpoint.LAB):
 def check_settings(temperature, top_k, vocab_size):
     """Raise ValueError unless temperature is a finite number >= 0 and top_k is None or
     an int from 1 to vocab_size."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+    if not (model.is_int(temperature) or isinstance(temperature, float)) \
             or not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
-                              or not 1 <= top_k <= vocab_size):
-        raise ValueError(f"top_k must be None or an int from 1 to {vocab_size}, got {top_k!r}")
+    if top_k is not None:
+        model.check_int("top_k", top_k, 1, vocab_size, " (or None)")
 
 
 def next_token_probs(logits, temperature, top_k):
@@ -61,11 +60,9 @@ def next_token_probs(logits, temperature, top_k):
 def check_request(tok, prompt, max_new_tokens, temperature, top_k, seed):
     """The prompt's token IDs, after refusing every bad argument of generate."""
     check_settings(temperature, top_k, len(tok.vocab))
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if not model.is_int(seed):
         raise ValueError(f"seed must be an int, got {seed!r}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
-            or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    model.check_int("max_new_tokens", max_new_tokens, 0)
     if not isinstance(prompt, str) or not prompt:
         raise ValueError(f"prompt must be a non-empty string, got {prompt!r}")
     if not any(char.isalpha() for char in prompt):
@@ -132,6 +129,13 @@ def generate(params, tok, prompt, max_new_tokens=60, temperature=0.0, top_k=None
         logits, _ = model.forward(params, ids)   # every row, again
         return logits[-1]                        # only the last one is used
     return generate_with(next_logits, tok, ids, max_new_tokens, temperature, top_k, seed)
+
+
+def never_ending(params, tok):
+    """A copy of params whose newline score is so low that no story ever ends."""
+    changed = dict(params, b_out=list(params["b_out"]))
+    changed["b_out"][tok.ids["\n"]] = -1e9
+    return changed
 
 
 def add_generation_flags(parser):

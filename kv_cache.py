@@ -10,7 +10,6 @@ new row, appends its key and value to the cache, and attends over the cache.
     (--help lists the flags)
 """
 import argparse
-import contextlib
 import copy
 import sys
 import time
@@ -18,13 +17,14 @@ import time
 import checkpoint
 import generate
 import model
+from instruments import recording
 from model import SCALE, add, dot, layernorm, linear, relu, softmax_row
 
 
 class KVCache:
     """The keys and values of one sequence so far, for the params it was made for."""
 
-    keeps_every_position = True   # what serving.prefill's mask needs (a window drops some)
+    keeps_every_position = True   # what prefill.prefill's mask needs (a window drops some)
 
     def __init__(self, params):
         self._belong_to(params)
@@ -66,18 +66,15 @@ class KVCache:
 
     def crop(self, length):
         """Forget every position from length on (rewind the sequence to length tokens)."""
-        held = len(self)
-        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= held:
-            raise ValueError(f"crop length must be an int from 0 to {held} "
-                             f"(the positions held), got {length!r}")
+        model.check_int("crop length", length, 0, len(self), " (the positions held)")
         self._forget_from(length)
 
     def _forget_from(self, length):
         del self.tokens[length:], self.keys[length:], self.values[length:]
 
 
-def _check_owner(cache, params):
-    """A cache belongs to the very params object it was made for (a copy is another model)."""
+def check_cache(cache, params):
+    """Refuse anything but a cache made for these very params (a copy is another model)."""
     if not isinstance(cache, KVCache):
         raise ValueError(f"cache must be a KVCache, got {type(cache).__name__}; "
                          f"start one with KVCache(params)")
@@ -92,8 +89,8 @@ def forward_step(params, cache, token_id, position):
 
     The row is model.forward's, line for line; only the keys and values differ in where
     they come from: here, the cache."""
-    _check_owner(cache, params)
-    if isinstance(position, bool) or not isinstance(position, int) or position != len(cache):
+    check_cache(cache, params)
+    if not model.is_int(position) or position != len(cache):
         raise ValueError(f"expected position {len(cache)}, got {position!r}: the cache holds "
                          f"{len(cache)} positions, so the next token goes at position "
                          f"{len(cache)} (an int); for a new sequence, start a new cache")
@@ -123,11 +120,11 @@ def feed(params, cache, ids):
     (positions len(cache) to len(ids) - 1); the logits of each, in order. A refused step
     leaves the positions fed before it in the cache, each whole."""
     return [forward_step(params, cache, ids[position], position)
-            for position in range(_held_prefix(cache, ids), len(ids))]
+            for position in range(held_prefix(cache, ids), len(ids))]
 
 
-def _held_prefix(cache, ids):
-    """How many tokens of ids the cache holds, after checking they are the first ones."""
+def held_prefix(cache, ids):
+    """How many tokens of ids the cache holds, after checking that they are its first."""
     held = len(cache)
     if list(cache.tokens) != list(ids[:held]):
         raise ValueError(f"the cache holds {held} tokens that do not begin ids; feed a "
@@ -138,9 +135,8 @@ def _held_prefix(cache, ids):
 def work(prompt_tokens, generated_tokens):
     """Rows and attention scores each generator computes for a prompt of prompt_tokens
     tokens and generated_tokens chosen tokens (one model call per chosen token)."""
-    for name, value in (("prompt_tokens", prompt_tokens), ("generated_tokens", generated_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    model.check_int("prompt_tokens", prompt_tokens, 0)
+    model.check_int("generated_tokens", generated_tokens, 0)
     # Without the cache, call s runs the model on all n = prompt_tokens + s tokens in hand.
     calls = range(prompt_tokens, prompt_tokens + generated_tokens)
     # With it, every position is fed once, except the last chosen token (never fed back).
@@ -160,7 +156,7 @@ def generate_cached(params, tok, prompt, max_new_tokens=60, temperature=0.0, top
     if cache is None:
         cache = KVCache(params)
     ids = generate.check_request(tok, prompt, max_new_tokens, temperature, top_k, seed)
-    cache = _fork_for_prompt(params, cache, ids, tok)
+    cache = fork_for_prompt(params, cache, ids, tok)
 
     def next_logits(ids):
         # The whole prompt on the first call (prefill), then only the token chosen last
@@ -173,13 +169,13 @@ def generate_cached(params, tok, prompt, max_new_tokens=60, temperature=0.0, top
         cache.free()   # the copy is this call's own
 
 
-def _fork_for_prompt(params, cache, ids, tok):
+def fork_for_prompt(params, cache, ids, tok):
     """A copy of cache to continue the prompt ids from, after checking that the cache
     belongs to params and holds a prefix of ids."""
-    _check_owner(cache, params)
+    check_cache(cache, params)
     if len(cache.tokens) != len(cache):
-        raise ValueError(f"the cache holds {len(cache)} keys but {len(cache.tokens)} tokens: "
-                         f"its lists were changed by hand; start a new cache")
+        raise ValueError(f"the cache holds {len(cache)} keys but {len(cache.tokens)} tokens, "
+                         f"where it must hold one of each per position; start a new cache")
     for position, (held, wanted) in enumerate(zip(cache.tokens, ids)):
         if held != wanted:
             raise ValueError(f"the cache is not a prefix of the prompt: at position {position} "
@@ -201,37 +197,16 @@ def _fork_for_prompt(params, cache, ids, tok):
     return fork
 
 
-@contextlib.contextmanager
-def watching(function):
-    """Inside this block, every call of function is recorded as it returns: a dict of its
-    local variables (for forward_step: x0, h1, q, k, v, scores, weights, mixed, ...) and
-    "returned". The function is not changed: sys.settrace watches it run."""
-    code, calls = function.__code__, []
-
-    def on_return(frame, event, returned):
-        if event == "return":
-            calls.append(dict(frame.f_locals, returned=returned))
-        return on_return
-
-    def on_call(frame, event, arg):
-        return on_return if frame.f_code is code else None
-    previous = sys.gettrace()
-    sys.settrace(on_call)
-    try:
-        yield calls
-    finally:
-        sys.settrace(previous)
-
-
 SHADES = ".:-=+*#%@"   # attention weight, from the least in a row to the most
 
 
 def show_steps(params, tok, prompt, settings):
     """Print the cached generator's run one forward_step a line: the position and token
-    fed, the keys and values the cache then holds, the rows each generator computes for
+    fed, the keys and values the new row attends to, the rows each generator computes for
     that step, the token chosen, and the new row's attention weights over the held
-    positions, one character each."""
-    with watching(forward_step) as steps:
+    positions, one character each. It sees forward_step only through its arguments and
+    its one call of softmax_row (the attention weights), never through its local names."""
+    with recording(sys.modules[__name__], "forward_step", "softmax_row") as calls:
         result = generate_cached(params, tok, prompt, *settings)
     first_choice = len(tok.encode(prompt)) - 1    # the last prompt position chooses first
     print(f"One printed line per forward_step, that is, per row the cached generator\n"
@@ -244,19 +219,29 @@ def show_steps(params, tok, prompt, settings):
           f"attention: the row's weight on\neach held position, one character a position, "
           f"scaled to the row's largest\n({SHADES[-1]!r}; {SHADES[0]!r} is under a ninth of "
           f"it).\n")
+    steps, weights = [], []
+    for call in calls:   # a step's softmax_row returns before the step itself
+        if call.name == "softmax_row":
+            weights.append(call.result)
+        else:
+            steps.append((call.args[2], weights))
+            weights = []
     if not steps:
         print("(no row was computed: nothing was generated)\n")
         return
+    if any(len(w) != 1 for _, w in steps):
+        print("(--show cannot find the attention weights: forward_step did not call "
+              "softmax_row once a step)")
     print(f"{'pos':>3} {'token':<8} {'held':>4} {'uncached':>8} {'cached':>6}  {'chose':<8} "
           f"attention to positions 0..pos")
-    for position, step in enumerate(steps):
+    for position, (token_id, found) in enumerate(steps):
         choosing = position >= first_choice
         chose = repr(result["steps"][position - first_choice]["token"]) if choosing else ""
-        weights = step.get("weights", [])
+        weights = found[0] if len(found) == 1 else []
         most = max(weights, default=0) or 1
         shades = "".join(SHADES[min(len(SHADES) - 1, int(w / most * len(SHADES)))]
                          for w in weights)
-        print(f"{position:>3} {tok.vocab[step['token_id']]!r:<8} {len(weights):>4} "
+        print(f"{position:>3} {tok.vocab[token_id]!r:<8} {len(weights) or '?':>4} "
               f"{position + 1 if choosing else '-':>8} {1:>6}  {chose:<8} {shades}")
     print()
 

@@ -115,7 +115,9 @@ def layernorm(x, g, b):
 
 
 def layernorm_forward(rows, g, b):
-    """Layer norm of each row; the second item (the input rows) is what backward needs."""
+    """Layer norm of each row: (the normalized rows, the input rows). The backward pass
+    (_layernorm_backward) recomputes each row's mean and spread from its input row, so the
+    inputs are all it keeps."""
     return [layernorm(x, g, b) for x in rows], rows
 
 
@@ -127,12 +129,24 @@ def softmax_row(scores):
     return [e / total for e in exps]
 
 
-# ---- the full forward pass ----------------------------------------------------------
+# ---- checks every entry point shares ------------------------------------------------
+
+def is_int(value):
+    """value is an int, and not a bool (to Python, True and False are the ints 1 and 0)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(name, value, low, high=None, why=""):
+    """Refuse anything but an int from low to high (or at least low, without high), saying
+    "{name} must be an int ..., got {value!r}"; why, if given, follows the range."""
+    if not is_int(value) or value < low or (high is not None and value > high):
+        span = f">= {low}" if high is None else f"from {low} to {high}"
+        raise ValueError(f"{name} must be an int {span}{why}, got {value!r}")
+
 
 def check_token_id(token_id, what="token ID"):
     """Refuse anything but an int from 0 to VOCAB_SIZE - 1 (a bool is not a token ID)."""
-    if isinstance(token_id, bool) or not isinstance(token_id, int) \
-            or not 0 <= token_id < VOCAB_SIZE:
+    if not is_int(token_id) or not 0 <= token_id < VOCAB_SIZE:
         raise ValueError(f"{what} {token_id!r} is outside the vocabulary "
                          f"(ints 0 to {VOCAB_SIZE - 1})")
 
@@ -149,6 +163,8 @@ def check_ids(ids):
         check_token_id(token_id, f"ids[{index}] =")
 
 
+# ---- the full forward pass ----------------------------------------------------------
+
 Saved = namedtuple("Saved", "x0 h1 q k v weights mixed x1 h2 a x2 hf")
 Saved.__doc__ = """What forward keeps for the backward pass: for each of the row's named
 values, a list with one entry per position."""
@@ -161,12 +177,9 @@ def causal(i):
 
 def band(window, sinks=0):
     """A mask of another shape: position i attends to the first sinks positions and to
-    the last window ones, i-window+1..i (what serving.WindowCache keeps)."""
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be an int >= 1, got {window!r}")
-    if isinstance(sinks, bool) or not isinstance(sinks, int) or not 0 <= sinks < window:
-        raise ValueError(f"sinks must be an int from 0 to window - 1 = {window - 1}, "
-                         f"got {sinks!r}")
+    the last window ones, i-window+1..i (what lossy.WindowCache keeps)."""
+    check_int("window", window, 1)
+    check_int("sinks", sinks, 0, window - 1, " (window - 1)")
 
     def mask(i):
         return [j for j in range(i + 1) if j < sinks or j > i - window]

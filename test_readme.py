@@ -17,10 +17,11 @@ import unittest
 
 import kv_cache
 import model
+import paged
 import serving
 import trace_kv
 from generate import load_trained
-from train import split_stories
+from train import openings, split_stories
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ON_PURPOSE = ("If you changed the code or retrained on purpose, this is expected: bring "
@@ -93,7 +94,7 @@ def block_table_diagram():
     """Section 16's Mermaid picture, from a real pool of blocks of 4: one prompt fed, then
     a second that begins like it."""
     params, tok = load_trained()
-    pool = serving.BlockPool(params, 64, 4)
+    pool = paged.BlockPool(params, 64, 4)
     prompts = ("mia was sad. tom gave her a hug.", "mia was tired.")
     sequences = []
     for prompt in prompts:
@@ -124,10 +125,10 @@ def serving_timeline():
     admitted (its tokens prefilled), . a decode row, x preempted, - waiting, * finished."""
     params, tok = load_trained()
     with open(os.path.join(HERE, "corpus.txt"), encoding="utf-8") as f:
-        prompts = trace_kv.openings(split_stories(f.read())[2])[:4]
+        prompts = openings(split_stories(f.read())[2])[:4]
     events = {}
     _, counts = serving.serve(params, tok, [{"prompt": p} for p in prompts],
-                              serving.BlockPool(params, 16, 4), 4,
+                              paged.BlockPool(params, 16, 4), 4,
                               lambda step, index, event: events.setdefault(
                                   (index, step), set()).add(event))
     lines = []

@@ -52,6 +52,11 @@ def split_stories(text):
 PRONOUNS = {"he": "he", "him": "he", "his": "he", "she": "she", "her": "she"}
 
 
+def openings(stories):
+    """Each story's first sentence: the prompt the generators continue."""
+    return [story.split(". ")[0] + "." for story in stories]
+
+
 def _words(text):
     """The words and periods of text, each with where it starts: [(start, token)]."""
     return [(m.start(), m.group()) for m in re.finditer(r"[a-z]+|\.", text)]
@@ -155,7 +160,8 @@ def story_quality(tok, corpus, prompts, results):
         quality[kind] = {
             "pronouns_referring_to_the_name": overall["pronouns"],
             "agreeing": overall["agreeing"],
-            "agreeing_share": round(overall["agreeing"] / overall["pronouns"], 4),
+            "agreeing_share": (round(overall["agreeing"] / overall["pronouns"], 4)
+                               if overall["pronouns"] else None),   # None: no pronoun
             "agreeing_by_opening": {
                 opening: _count([pronoun for sc in scores if sc["clue_in_opening"] == clue
                                  for pronoun in sc["referring"]])

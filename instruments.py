@@ -1,0 +1,91 @@
+"""The lab's instruments: what its experiments, its tests and kv_cache.py --show use to
+watch the code run, without changing the code they watch.
+
+recording(module, name) sees every call of module.name (its arguments and what it
+returned) while the real function runs as usual; replaced(module, name, stand_in) swaps it
+for a while; largest_gap compares two lists of rows; sums_in_another_order makes every sum
+of the model a plain left-to-right one, last term first.
+"""
+import contextlib
+import functools
+import operator
+from collections import namedtuple
+
+import model
+
+Call = namedtuple("Call", "name args result")
+Call.__doc__ = """One recorded call: the function's name, its positional arguments (and
+keyword arguments as a last dict, if any were given), and what it returned. The
+arguments are the objects passed, not copies: a list the caller changes later (the token
+IDs of a generation) shows its later state."""
+
+
+@contextlib.contextmanager
+def replaced(module, name, stand_in):
+    """Inside this block, module.name is stand_in(real), where real is the original."""
+    real = getattr(module, name)
+    setattr(module, name, stand_in(real))
+    try:
+        yield
+    finally:
+        setattr(module, name, real)
+
+
+@contextlib.contextmanager
+def recording(module, *names):
+    """Inside this block, every call of module.name (for each of names) is appended, as it
+    returns, to the list the block yields, as a Call: what the code really computed, seen
+    without running it again. A call that raises is not recorded. Calls that another
+    function makes through the module's global name are seen too (kv_cache.feed calls
+    forward_step so)."""
+    calls = []
+
+    def keeping(name):
+        def stand_in(real):
+            @functools.wraps(real)
+            def wrapper(*args, **kwargs):
+                result = real(*args, **kwargs)
+                calls.append(Call(name, args + ((kwargs,) if kwargs else ()), result))
+                return result
+            return wrapper
+        return stand_in
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            stack.enter_context(replaced(module, name, keeping(name)))
+        yield calls
+
+
+def results(calls):
+    """What each recorded call returned, in order."""
+    return [call.result for call in calls]
+
+
+def largest_gap(rows, other_rows):
+    """The largest difference between corresponding logits of two lists of rows, which
+    must be equally long."""
+    if len(rows) != len(other_rows):
+        raise ValueError(f"{len(rows)} rows cannot be compared with {len(other_rows)}")
+    return max((abs(a - b) for row, other in zip(rows, other_rows) for a, b in zip(row, other)),
+               default=0.0)
+
+
+def sums_in_another_order():
+    """Inside this block (a context manager) the model adds its terms one by one, last
+    term first, instead of with one correctly rounded fsum: the same numbers, summed in
+    another order."""
+    return replaced(model, "fsum", lambda exact: lambda terms: functools.reduce(
+        operator.add, reversed(list(terms)), 0.0))
+
+
+def chosen_rows(calls):
+    """For recorded calls of generate.Generation.choose: (the generation, the position of
+    the row whose logits chose the token, those logits), in order. The k-th choice of a
+    generation is made by the row of position (prompt tokens - 1) + k."""
+    made = {}
+    chosen = []
+    for call in calls:
+        generation, logits = call.args
+        k = made[id(generation)] = made.get(id(generation), -1) + 1
+        prompt_tokens = len(generation.ids) - len(generation.steps)
+        chosen.append((generation, prompt_tokens - 1 + k, logits))
+    return chosen

@@ -1,0 +1,230 @@
+"""Where exactness is given up on purpose (Part 2, section 17): caches that keep less.
+QuantizedCache stores each key and value in fewer bits; WindowCache keeps only the first
+sinks positions and the last window ones. Both change the logits, and the experiment
+measures by how much: the ladder, from exact to the fewest bytes.
+"""
+import contextlib
+import math
+import struct
+from array import array
+
+import model
+from instruments import largest_gap, sums_in_another_order
+from kv_cache import KVCache, feed, generate_cached
+from train import story_ids
+
+FORMATS = ("float64", "float32", "float16", "int8", "int4")
+
+
+def _pack(fmt, vector):
+    """One key or value as fmt stores it: a tuple of arrays or bytes (for int8 and int4,
+    the levels and their scale). Refused, before anything is stored, if fmt cannot hold
+    a number of it (or, for int8 and int4, its scale) as a finite number."""
+    if not all(map(math.isfinite, vector)):
+        raise ValueError(f"{fmt} cannot store a vector holding {_first_bad(vector)!r}")
+    if fmt == "float64":
+        return (array("d", vector),)
+    if fmt in ("float32", "float16"):
+        code, largest = ("f", "3.4e38") if fmt == "float32" else ("e", "65504")
+        try:
+            packed = struct.pack(f"<{len(vector)}{code}", *vector)
+        except OverflowError:
+            raise ValueError(f"a number of {vector} is beyond {fmt}'s largest, {largest}; "
+                             f"use a wider format") from None
+        return (array("f", vector),) if fmt == "float32" else (packed,)
+    if fmt == "int4" and len(vector) % 2:
+        raise ValueError(f"int4 packs two numbers a byte, so a vector of {len(vector)} "
+                         f"cannot be stored")
+    top = 127 if fmt == "int8" else 7
+    try:   # the scale is kept as a 32-bit float
+        struct.pack("<f", max(map(abs, vector)) / top)
+    except OverflowError:
+        raise ValueError(f"the scale of {vector} is beyond float32's largest, 3.4e38, so "
+                         f"{fmt} cannot store it; use float64") from None
+    scale = array("f", [max(map(abs, vector)) / top])
+    levels = [max(-top, min(top, round(x / scale[0]))) if scale[0] else 0 for x in vector]
+    if fmt == "int8":
+        return (array("b", levels), scale)
+    pairs = zip(levels[::2], levels[1::2])   # each level + 8 is 1..15: four bits
+    return (bytes((low + 8) | ((high + 8) << 4) for low, high in pairs), scale)
+
+
+def _first_bad(vector):
+    return next(x for x in vector if not math.isfinite(x))
+
+
+def _unpack(fmt, stored):
+    """The floats a stored key or value stands for."""
+    if fmt in ("float64", "float32"):
+        return list(stored[0])
+    if fmt == "float16":
+        return list(struct.unpack(f"<{len(stored[0]) // 2}e", stored[0]))
+    data, scale = stored
+    if fmt == "int8":
+        return [level * scale[0] for level in data]
+    return [(((byte >> shift) & 15) - 8) * scale[0] for byte in data for shift in (0, 4)]
+
+
+def _stored_bytes(stored):
+    return sum(len(part) * getattr(part, "itemsize", 1) for part in stored)
+
+
+class QuantizedCache(KVCache):
+    """A cache that stores each key and value compactly, in one of FORMATS, and turns
+    them back into floats when attention reads them: float64 and float32 in arrays,
+    float16 as IEEE half floats (struct's "e"), int8 and int4 as integer levels with one
+    32-bit scale per key or value. The scale maps the largest magnitude to the top level
+    (127 or 7); every number goes to the nearest level, ties to the even one, as Python's
+    round does on every machine."""
+
+    def __init__(self, params, fmt):
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown cache format {fmt!r}; the formats are "
+                             f"{', '.join(FORMATS)}")
+        self._belong_to(params)
+        self.format = fmt
+        self.tokens, self.stored_keys, self.stored_values = [], [], []
+
+    @property
+    def keys(self):
+        return [_unpack(self.format, stored) for stored in self.stored_keys]
+
+    @property
+    def values(self):
+        return [_unpack(self.format, stored) for stored in self.stored_values]
+
+    def __len__(self):
+        return len(self.stored_keys)
+
+    def extend(self, token_ids, keys, values):
+        stored_keys = [_pack(self.format, k) for k in keys]   # all packed before any is kept
+        stored_values = [_pack(self.format, v) for v in values]
+        self.tokens += token_ids
+        self.stored_keys += stored_keys
+        self.stored_values += stored_values
+
+    def _forget_from(self, length):
+        del self.tokens[length:], self.stored_keys[length:], self.stored_values[length:]
+
+    def bytes_per_position(self):
+        """The bytes its keys and values take per position: numbers and scales, measured."""
+        if not len(self):
+            raise ValueError("the cache holds no position yet")
+        stored = self.stored_keys + self.stored_values
+        return sum(map(_stored_bytes, stored)) / len(self)
+
+
+class WindowCache(KVCache):
+    """A cache that keeps the keys and values of the first sinks positions and of the
+    last window ones, in buffers of fixed size, as Mistral's rotating cache and
+    StreamingLLM's attention sinks do; position i then attends to those only (model.band
+    is the same mask on the full pass). It keeps every token ID, to check prefixes. Feed
+    it one token at a time: each new position has a window of its own."""
+
+    keeps_every_position = False
+
+    def __init__(self, params, window, sinks=0):
+        model.band(window, sinks)   # refuses a bad window or sinks
+        self._belong_to(params)
+        self.window, self.sinks = window, sinks
+        self.tokens = []                         # every token fed, one per position
+        self.sink_keys, self.sink_values = [], []
+        self.ring_keys, self.ring_values = [None] * window, [None] * window
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def _kept(self):
+        """The positions it holds: the sinks, then the last window positions."""
+        return model.band(self.window, self.sinks)(len(self) - 1) if len(self) else []
+
+    def _slot(self, position):
+        return (position - self.sinks) % self.window
+
+    @property
+    def keys(self):
+        return [self.sink_keys[p] if p < self.sinks else self.ring_keys[self._slot(p)]
+                for p in self._kept()]
+
+    @property
+    def values(self):
+        return [self.sink_values[p] if p < self.sinks else self.ring_values[self._slot(p)]
+                for p in self._kept()]
+
+    def extend(self, token_ids, keys, values):
+        for token_id, k, v in zip(token_ids, keys, values):
+            position = len(self)
+            if position < self.sinks:
+                self.sink_keys.append(k)
+                self.sink_values.append(v)
+            else:
+                self.ring_keys[self._slot(position)] = k
+                self.ring_values[self._slot(position)] = v
+            self.tokens.append(token_id)
+
+    def crop(self, length):
+        """Forget every position from length on; refused where the window has already
+        dropped a position that length would need."""
+        held = len(self)
+        if model.is_int(length) and length < held \
+                and held > self.sinks + self.window and length > self.sinks:
+            raise ValueError(f"crop length must be {held}, or at most {self.sinks} (the "
+                             f"sinks held), got {length!r}: the window has dropped positions "
+                             f"{self.sinks} to {held - self.window - 1}, which a shorter "
+                             f"sequence would attend to")
+        super().crop(length)
+
+    def _forget_from(self, length):
+        del self.tokens[length:], self.sink_keys[length:], self.sink_values[length:]
+
+
+# ---- the experiment (a stage of trace_kv.py, one rung a case) ----------------------
+
+# (window, sinks); 12 and 20 keep as many positions as 8 and 16 with 4 sinks
+WINDOWS = ((8, 0), (8, 4), (12, 0), (16, 0), (16, 4), (20, 0), (32, 0), (32, 4))
+RUNGS = (("float64 array", "float64"), ("exact lists, sums in another order", "reordered"),
+         *((fmt, fmt) for fmt in FORMATS[1:]),
+         *((f"window {w}, sinks {s}", (w, s)) for w, s in WINDOWS))
+
+
+def ladder_rung(lab, rung, runs):
+    """One way of keeping the cache (RUNGS[rung]), on every opening: its bytes per
+    position (measured, for the compact formats) or the positions it keeps (for a
+    window), the largest logit gap against the exact rows over every position of the
+    greedy stories (their tokens fed through that cache), and how many greedy and sampled
+    stories change their text (a greedy story changes where a fed row's best token is not
+    the next one; a sampled one is generated again through that cache)."""
+    params, tok, prompts = lab.params, lab.tok, lab.prompts
+    name, kind = RUNGS[rung]
+
+    def make():
+        if kind == "reordered":
+            return KVCache(params)
+        if isinstance(kind, tuple):
+            return WindowCache(params, *kind)
+        return QuantizedCache(params, kind)
+    gap = 0.0
+    greedy_changed = sampled_changed = 0
+    with sums_in_another_order() if kind == "reordered" else contextlib.nullcontext():
+        for index, (prompt, result, rows) in enumerate(zip(prompts, runs.greedy,
+                                                           runs.greedy_rows)):
+            ids = story_ids(tok, prompt, result)
+            cache = make()
+            fed = feed(params, cache, ids[:-1])
+            gap = max(gap, largest_gap(fed, rows))
+            chosen = range(len(tok.encode(prompt)) - 1, len(fed))   # rows that chose
+            greedy_changed += any(fed[p].index(max(fed[p])) != ids[p + 1] for p in chosen)
+            again = generate_cached(params, tok, prompt, temperature=1.0, seed=index,
+                                    cache=make())
+            sampled_changed += again["text"] != runs.sampled[index]["text"]
+    return {"cache": name,
+            "bytes_per_position": cache.bytes_per_position()
+            if isinstance(cache, QuantizedCache) else None,
+            "positions_kept": sum(kind) if isinstance(kind, tuple) else None,
+            "largest_logit_gap": gap, "greedy_stories_changed": greedy_changed,
+            "sampled_stories_changed": sampled_changed}
+
+
+def ladder(lab, rungs):
+    """The ladder's record: every rung, and on how many openings."""
+    return {"stories": len(lab.prompts), "rungs": rungs}

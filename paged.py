@@ -1,0 +1,283 @@
+"""A paged cache (Part 2, section 16): the keys and values of many sequences in one pool
+of fixed-size blocks, as vLLM's PagedAttention keeps them. A sequence holds a block
+table, the blocks of its positions in order; sequences that begin with the same tokens
+share those full blocks, and a fork shares every block until one side writes (copy on
+write). To forward_step a paged sequence is a cache like any other.
+"""
+import math
+from collections import OrderedDict
+
+import model
+from kv_cache import KVCache, feed, generate_cached
+from train import story_ids
+
+BLOCK_SIZES = (4, 8, 16)   # the experiment's block sizes, positions per block
+
+
+class Block:
+    """One block of a pool: the tokens, keys and values of up to block_size positions; how
+    many block tables hold it; and, once it is full, its place in the prefix index: the
+    tokens of every position from 0 to its end, which its keys and values depend on."""
+
+    def __init__(self):
+        self.tokens, self.keys, self.values = [], [], []
+        self.ref_count = 0
+        self.prefix = None
+
+
+class BlockPool:
+    """Room for the keys and values of a fixed number of blocks of block_size positions
+    each, shared by the sequences made from it, as vLLM's PagedAttention keeps its cache.
+    Each sequence has a block table (the blocks holding its positions, in order) and only
+    asks the pool: the pool alone takes, shares and releases blocks, counts the tables
+    holding each, and keeps the prefix index, where a full block can be found again by
+    the tokens it and every block before it hold. A full block nobody holds stays in the
+    index, on the free list, until a new block is needed: the least recently released
+    goes first (a prefix cache that outlives requests)."""
+
+    def __init__(self, params, blocks, block_size):
+        model.check_shapes(params)
+        model.check_int("blocks", blocks, 1)
+        model.check_int("block_size", block_size, 1)
+        self.params = params
+        self.columns = model.columns(params)
+        self.block_size = block_size
+        self.blocks = [Block() for _ in range(blocks)]
+        self.prefix_index = {}   # tokens of positions 0 to a full block's end -> block ids
+        self.free_list = OrderedDict.fromkeys(range(blocks))   # the next one taken first
+        self.prefix_hits = self.evictions = 0
+
+    @property
+    def ref_counts(self):
+        """How many block tables hold each block."""
+        return [block.ref_count for block in self.blocks]
+
+    def free_blocks(self):
+        """Blocks no table holds: empty, or full and cached until they are needed."""
+        return len(self.free_list)
+
+    def sequence(self, ids=()):
+        """A new sequence starting with the longest run of full blocks in the pool that
+        hold the first tokens of ids (prefix reuse): feed it the rest of ids."""
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"ids must be a list of token IDs, got {type(ids).__name__}")
+        if ids:
+            model.check_ids(ids)
+        seq = PagedSequence(self)
+        for block_id in self.find(ids):
+            self.share(block_id)
+            seq.table.append(block_id)
+        seq.length = len(seq.table) * self.block_size
+        self.prefix_hits += len(seq.table)
+        return seq
+
+    def find(self, ids):
+        """The longest run of cached full blocks holding the first tokens of ids."""
+        found = []
+        for end in range(self.block_size, len(ids) + 1, self.block_size):
+            holders = self.prefix_index.get(tuple(ids[:end]))
+            if not holders:
+                break
+            found.append(holders[0])
+        return found
+
+    def check_room(self, blocks):
+        """Refuse to go on if more blocks are needed than are free."""
+        if blocks > self.free_blocks():
+            raise ValueError(f"the pool is out of blocks: it has {len(self.blocks)} blocks of "
+                             f"{self.block_size} positions, {self.free_blocks()} free, and "
+                             f"{blocks} more are needed; free a sequence or make a larger pool")
+
+    def take(self, tokens=(), keys=(), values=()):
+        """A free block for one table, holding copies of the given positions; a cached
+        block taken for it leaves the prefix index (it is evicted)."""
+        self.check_room(1)
+        block_id, _ = self.free_list.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.prefix is not None:
+            self._unindex(block_id)
+            self.evictions += 1
+        block.tokens, block.keys, block.values = list(tokens), list(keys), list(values)
+        block.ref_count = 1
+        return block_id
+
+    def share(self, block_id):
+        """One more table holds the block (a cached block leaves the free list)."""
+        if self.blocks[block_id].ref_count == 0:
+            del self.free_list[block_id]
+        self.blocks[block_id].ref_count += 1
+
+    def release(self, block_id):
+        """One table less holds the block. When none does, a full block stays findable at
+        the back of the free list; any other is emptied and goes to its front."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_list[block_id] = None
+            if block.prefix is None:
+                block.tokens, block.keys, block.values = [], [], []
+                self.free_list.move_to_end(block_id, last=False)
+
+    def append(self, block_id, token_id, k, v, prefix):
+        """One more position in a block that one table holds; prefix: the tokens of its
+        sequence so far, under which the block is indexed when it fills up."""
+        block = self.blocks[block_id]
+        block.tokens.append(token_id)
+        block.keys.append(k)
+        block.values.append(v)
+        if len(block.tokens) == self.block_size:
+            block.prefix = tuple(prefix)
+            self.prefix_index.setdefault(block.prefix, []).append(block_id)
+
+    def truncate(self, block_id, length):
+        """Keep the first length positions of a block that one table holds."""
+        block = self.blocks[block_id]
+        del block.tokens[length:], block.keys[length:], block.values[length:]
+        self._unindex(block_id)   # no longer full
+
+    def _unindex(self, block_id):
+        block = self.blocks[block_id]
+        if block.prefix is not None:
+            holders = self.prefix_index[block.prefix]
+            holders.remove(block_id)
+            if not holders:
+                del self.prefix_index[block.prefix]
+            block.prefix = None
+
+
+class PagedSequence(KVCache):
+    """One sequence whose positions live in a BlockPool's blocks. To forward_step and
+    prefill it is a cache like any other: tokens, keys and values read as lists over its
+    positions, and new positions go into its last block or into new ones. A fork shares
+    every block, the partly filled last one too, until one of them writes there: then the
+    writer first takes a copy of it (copy on write)."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.params = pool.params
+        self.columns = pool.columns
+        self.table = []        # block ids, in position order
+        self.length = 0        # positions held: all of the table's blocks but the last,
+        self.freed = False     # and the first length % block_size of the last (or all)
+
+    def _check_live(self):
+        if self.freed:
+            raise ValueError("this sequence was freed and its blocks returned to the pool; "
+                             "start a new one with pool.sequence()")
+
+    def _held(self, part):
+        self._check_live()
+        return [item for block_id in self.table
+                for item in getattr(self.pool.blocks[block_id], part)][:self.length]
+
+    @property
+    def tokens(self):
+        return self._held("tokens")
+
+    @property
+    def keys(self):
+        return self._held("keys")
+
+    @property
+    def values(self):
+        return self._held("values")
+
+    def __len__(self):
+        self._check_live()
+        return self.length
+
+    def _in_last_block(self):
+        """How many of this sequence's positions its last block holds (0 without one)."""
+        return self.length - (len(self.table) - 1) * self.pool.block_size if self.table else 0
+
+    def _room_in_last_block(self):
+        return self.pool.block_size - self._in_last_block() if self.table else 0
+
+    def _last_block_is_shared(self):
+        return bool(self.table) and self.pool.blocks[self.table[-1]].ref_count > 1
+
+    def blocks_needed(self, positions):
+        """How many blocks keeping that many more positions takes from the pool."""
+        self._check_live()
+        room = self._room_in_last_block()
+        copy = positions > 0 and room > 0 and self._last_block_is_shared()
+        return math.ceil(max(0, positions - room) / self.pool.block_size) + copy
+
+    def extend(self, token_ids, keys, values):
+        """Keep several more positions: the last block first, then new blocks; a block
+        that fills up joins the prefix index. Before writing into its last block the
+        sequence makes it its own: a copy if another table holds it too, or cut to its
+        own positions if a crop left it longer. Refused, with nothing changed, when the
+        pool lacks the blocks."""
+        pool = self.pool
+        pool.check_room(self.blocks_needed(len(token_ids)))
+        if token_ids and self._room_in_last_block():
+            kept, last = self._in_last_block(), pool.blocks[self.table[-1]]
+            if self._last_block_is_shared():
+                copied = pool.take(last.tokens[:kept], last.keys[:kept], last.values[:kept])
+                pool.release(self.table[-1])
+                self.table[-1] = copied
+            elif len(last.tokens) > kept:
+                pool.truncate(self.table[-1], kept)
+        tokens = self.tokens
+        for token_id, k, v in zip(token_ids, keys, values):
+            if not self._room_in_last_block():
+                self.table.append(pool.take())
+            tokens.append(token_id)
+            pool.append(self.table[-1], token_id, k, v, tokens)
+            self.length += 1
+
+    def copy(self):
+        """A fork: a new sequence holding the same blocks, each shared until written."""
+        self._check_live()
+        fork = PagedSequence(self.pool)
+        fork.table, fork.length = list(self.table), self.length
+        for block_id in fork.table:
+            self.pool.share(block_id)
+        return fork
+
+    def _forget_from(self, length):
+        """Release the blocks past length, the last first (so that the pool evicts a
+        sequence's tail before its start). A block that length cuts in two stays as it is
+        until this sequence writes to it (it reads only its first positions)."""
+        kept_blocks = math.ceil(length / self.pool.block_size)
+        for block_id in reversed(self.table[kept_blocks:]):
+            self.pool.release(block_id)
+        self.table, self.length = self.table[:kept_blocks], length
+
+    def free(self):
+        """End the sequence: its blocks go back to the pool unless another table holds
+        them (the last block first). Freeing it again does nothing."""
+        if not self.freed:
+            self._forget_from(0)
+            self.freed = True
+
+
+# ---- the experiment (a stage of trace_kv.py) ---------------------------------------
+
+def experiment(lab, runs):
+    """Slots a cache reserves for the 60 greedy stories: one per position held, a whole
+    context per story (a static cache), or whole blocks; then the openings prefilled into
+    one pool of blocks of 4, sharing the full blocks of common prefixes, each continued
+    greedily from its sequence."""
+    params, tok, prompts = lab.params, lab.tok, lab.prompts
+    # A story's cache holds every position but the last chosen token, never fed back.
+    held = [len(story_ids(tok, p, r)) - 1 for p, r in zip(prompts, runs.greedy)]
+    reserved = {"static, 64 per story": model.CONTEXT * len(held)}
+    reserved.update({f"blocks of {size}": sum(math.ceil(n / size) * size for n in held)
+                     for size in BLOCK_SIZES})
+    pool = BlockPool(params, model.CONTEXT * len(prompts) // 4, 4)
+    rows_without = rows_with = shared = identical = 0
+    for prompt, result in zip(prompts, runs.greedy):
+        ids = tok.encode(prompt)
+        seq = pool.sequence(ids)
+        shared += len(seq.table)
+        rows_without += len(ids)
+        rows_with += len(feed(params, seq, ids))
+        identical += generate_cached(params, tok, prompt, cache=seq) == result
+    return {"positions_held": sum(held), "slots_reserved": reserved,
+            "wasted_share": {way: round(1 - sum(held) / slots, 3)
+                             for way, slots in reserved.items()},
+            "prefix_sharing_blocks_of_4": {
+                "blocks_shared": shared, "prompt_rows_without_sharing": rows_without,
+                "prompt_rows_with_sharing": rows_with, "greedy_identical": identical}}

@@ -1,0 +1,115 @@
+"""One-pass prefill (Part 2, section 15): a prompt's tokens in one call instead of one
+forward_step each, as servers prefill. Every new position's key and value join the cache
+first; then new position i attends to positions 0..i, the causal mask offset by what the
+cache already held. The rows are forward_step's, bit for bit: each is still the same
+operations in the same order.
+"""
+import sys
+from itertools import accumulate
+
+import generate
+import model
+from instruments import largest_gap, recording, results
+from kv_cache import KVCache, check_cache, held_prefix
+from model import SCALE, add, dot, layernorm, linear, relu, softmax_row
+
+CHUNKS = (1, 2, 4, 8)   # the experiment's chunk sizes, tokens per call
+
+
+def prefill(params, cache, token_ids, start):
+    """Next-token logits for each of token_ids, at positions start, start + 1, ..., in one
+    pass, as servers prefill a prompt: every new position's key and value join the cache
+    first, then new position i attends to positions 0..i (the causal mask, offset by the
+    start). start must be the number of positions the cache holds."""
+    check_cache(cache, params)
+    if not model.is_int(start) or start != len(cache):
+        raise ValueError(f"expected start {len(cache)}, got {start!r}: the cache holds "
+                         f"{len(cache)} positions, so new tokens start at position "
+                         f"{len(cache)} (an int)")
+    if not isinstance(token_ids, (list, tuple)) or not token_ids:
+        raise ValueError(f"token_ids must be a non-empty list of token IDs, got {token_ids!r}")
+    if start + len(token_ids) > model.CONTEXT:
+        raise ValueError(f"positions {start} to {start + len(token_ids) - 1} go beyond the "
+                         f"{model.CONTEXT} positions of the model's table")
+    for index, token_id in enumerate(token_ids):
+        model.check_token_id(token_id, f"token_ids[{index}] =")
+    if not cache.keeps_every_position:
+        raise ValueError(f"prefill needs a cache that keeps every position, and a "
+                         f"{type(cache).__name__} drops some; feed it one token at a time")
+    cols = cache.columns
+    x0_and_q, new_keys, new_values = [], [], []
+    for i, t in enumerate(token_ids, start):
+        x0 = add(params["tok_emb"][t], params["pos_emb"][i])
+        h1 = layernorm(x0, params["ln1_g"], params["ln1_b"])
+        q, k, v = linear(h1, cols["Wq"]), linear(h1, cols["Wk"]), linear(h1, cols["Wv"])
+        x0_and_q.append((x0, q))
+        new_keys.append(k)
+        new_values.append(v)
+    cache.extend(list(token_ids), new_keys, new_values)   # all of them, before attention
+    held_keys, held_values = cache.keys, cache.values
+    logits = []
+    for i, (x0, q) in enumerate(x0_and_q, start):
+        keys, values = held_keys[:i + 1], held_values[:i + 1]   # positions 0..i only
+        scores = [dot(q, k_j) * SCALE for k_j in keys]
+        weights = softmax_row(scores)
+        mixed = [dot(weights, column) for column in zip(*values)]
+        x1 = add(x0, linear(mixed, cols["Wo"]))
+        h2 = layernorm(x1, params["ln2_g"], params["ln2_b"])
+        a = relu(add(linear(h2, cols["W1"]), params["b1"]))
+        x2 = add(x1, add(linear(a, cols["W2"]), params["b2"]))   # the MLP output plus its bias first
+        hf = layernorm(x2, params["lnf_g"], params["lnf_b"])
+        logits.append(add(linear(hf, cols["W_out"]), params["b_out"]))
+    return logits
+
+
+def prefill_in_chunks(params, cache, ids, size):
+    """Feed the tokens of ids that the cache does not hold yet, size at a time, one
+    prefill call per chunk (servers call it chunked prefill); the logits of each. A
+    refused chunk (a pool out of blocks) leaves the chunks before it in the cache."""
+    model.check_int("chunk size", size, 1)
+    return [logits for first in range(held_prefix(cache, ids), len(ids), size)
+            for logits in prefill(params, cache, ids[first:first + size], first)]
+
+
+def generate_one_pass(params, tok, prompt, max_new_tokens=60, temperature=0.0, top_k=None,
+                      seed=0):
+    """generate_cached with the whole prompt prefilled in one call of prefill, then one
+    token per call: the same arguments and result as generate.generate."""
+    cache = KVCache(params)
+    ids = generate.check_request(tok, prompt, max_new_tokens, temperature, top_k, seed)
+
+    def next_logits(ids):
+        return prefill_in_chunks(params, cache, ids, model.CONTEXT)[-1]
+    return generate.generate_with(next_logits, tok, ids, max_new_tokens, temperature, top_k,
+                                  seed)
+
+
+# ---- the experiment (a stage of trace_kv.py) ---------------------------------------
+
+def experiment(lab, runs):
+    """The openings prefilled in chunks of 1, 2, 4 and 8 tokens, one pass per chunk, and
+    the greedy stories generated with the whole prompt in one pass: every row against the
+    uncached full pass, every result against the uncached one."""
+    params, tok, prompts = lab.params, lab.tok, lab.prompts
+    positions, gap = {}, 0.0
+    for size in CHUNKS:
+        positions[str(size)] = 0
+        for prompt, rows in zip(prompts, runs.greedy_rows):
+            ids = tok.encode(prompt)
+            chunked = prefill_in_chunks(params, KVCache(params), ids, size)
+            gap = max(gap, largest_gap(chunked, rows[:len(ids)]))
+            positions[str(size)] += len(ids)
+    identical, positions["whole prompt"], prompt_calls = 0, 0, 0
+    for prompt, result, rows in zip(prompts, runs.greedy, runs.greedy_rows):
+        with recording(sys.modules[__name__], "prefill") as calls:
+            identical += generate_one_pass(params, tok, prompt) == result
+        fed = [logits for call in results(calls) for logits in call]   # prompt, then steps
+        gap = max(gap, largest_gap(fed, rows))
+        positions["whole prompt"] += len(fed)
+        fed_by_call = accumulate(len(call.result) for call in calls)
+        prompt_calls += next(n for n, total in enumerate(fed_by_call, 1)
+                             if total >= len(tok.encode(prompt)))
+    return {"positions_compared_by_chunk": positions, "largest_logit_gap": gap,
+            "greedy_identical": identical,
+            "prompt_calls_one_token_at_a_time": sum(len(tok.encode(p)) for p in prompts),
+            "prompt_calls_one_pass": prompt_calls}

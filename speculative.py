@@ -1,0 +1,151 @@
+"""Speculative decoding, rolled back exactly (Part 3, section 21). After each chosen
+token, a drafter proposes a few more; one call of prefill checks them all, and the model
+chooses each next token from those rows in order, with its own random numbers, exactly
+as it would one at a time. A drafted token counts only where it is the token chosen;
+the positions after the first that is not are rolled back with crop. So the result is
+generate.generate's, whatever the drafter proposes: a good drafter only saves calls.
+"""
+from collections import Counter
+
+import generate
+import model
+import prefill
+from instruments import chosen_rows, largest_gap, recording
+from kv_cache import KVCache, fork_for_prompt
+from train import split_stories, story_ids
+
+# the experiment: by drafter, tokens drafted at a time
+DRAFTS = (("the story so far", 4), *(("training stories", n) for n in (1, 2, 4, 8)))
+
+
+class PromptLookup:
+    """The drafter of prompt lookup decoding: the tokens that followed the latest earlier
+    occurrence of the story's last n tokens (n = longest down to 1) in the story itself."""
+
+    def __init__(self, longest=3):
+        self.longest = longest
+
+    def propose(self, ids, lookahead):
+        """Up to lookahead tokens to check after ids; none if nothing matches."""
+        for n in range(min(self.longest, len(ids) - 1), 0, -1):
+            for start in range(len(ids) - n - 1, -1, -1):
+                if ids[start:start + n] == ids[-n:]:
+                    return ids[start + n:start + n + lookahead]
+        return []
+
+
+class NgramDrafter:
+    """A drafter learned from stories (say, the training stories): after the story's last
+    n tokens (n = longest down to 1, the longest seen), the token that most often
+    followed them there (the smallest ID of a tie), drafted one after another."""
+
+    def __init__(self, stories, longest=3):
+        seen = {}
+        for ids in stories:
+            for n in range(1, longest + 1):
+                for start in range(len(ids) - n):
+                    followers = seen.setdefault(tuple(ids[start:start + n]), Counter())
+                    followers[ids[start + n]] += 1
+        self.longest = longest
+        self.next = {gram: min(followers, key=lambda t: (-followers[t], t))
+                     for gram, followers in seen.items()}
+
+    def propose(self, ids, lookahead):
+        """Up to lookahead tokens to check after ids."""
+        story = list(ids)
+        for _ in range(lookahead):
+            grams = (tuple(story[-n:]) for n in range(min(self.longest, len(story)), 0, -1))
+            token = next((self.next[gram] for gram in grams if gram in self.next), None)
+            if token is None:
+                break
+            story.append(token)
+        return story[len(ids):]
+
+
+def generate_speculative(params, tok, prompt, max_new_tokens=60, temperature=0.0,
+                         top_k=None, seed=0, lookahead=4, cache=None, drafter=None):
+    """Same arguments and result as generate.generate, with speculative decoding: after
+    each chosen token, a draft of up to lookahead more (propose) is checked in one call
+    of prefill; the model chooses each next token from the rows in order, with its own
+    random numbers, exactly as it would one at a time, and a drafted token counts only
+    where it is the token chosen. The positions after the first that is not are rolled
+    back with crop. The drafter is prompt lookup in the story unless another is given
+    (anything with propose(ids, lookahead), such as an NgramDrafter). Given a cache that
+    holds the start of the prompt, starts from a copy of it (one that cannot roll back is
+    refused before anything is generated)."""
+    drafter = drafter or PromptLookup()
+    model.check_int("lookahead", lookahead, 1)
+    if cache is None:
+        cache = KVCache(params)
+    elif isinstance(cache, KVCache) and not cache.keeps_every_position:
+        raise ValueError(f"speculative decoding rolls rejected positions back with crop, "
+                         f"and a {type(cache).__name__} drops positions a crop may need; "
+                         f"pass a cache that keeps every position")
+    ids = generate.check_request(tok, prompt, max_new_tokens, temperature, top_k, seed)
+    cache = fork_for_prompt(params, cache, ids, tok)
+    try:
+        generation = generate.Generation(tok, ids, max_new_tokens, temperature, top_k, seed)
+        if generation.stopped:
+            return generation.result()
+        rows = prefill.prefill_in_chunks(params, cache, ids, model.CONTEXT)[-1:]
+        while True:
+            for row in rows:      # each row predicts the token after the one it read
+                drafted = len(cache) - len(ids)   # ids: the story so far, chosen included
+                generation.choose(row)
+                if generation.stopped or drafted <= 0 \
+                        or ids[-1] != cache.tokens[len(ids) - 1]:
+                    break
+            if generation.stopped:
+                return generation.result()
+            cache.crop(len(ids) - 1)              # roll back every position not chosen
+            draft = drafter.propose(ids, min(lookahead, model.CONTEXT - len(ids),
+                                             max_new_tokens - len(generation.steps) - 1))
+            rows = prefill.prefill(params, cache, [ids[-1], *draft], len(ids) - 1)
+    finally:
+        cache.free()   # the copy is this call's own
+
+
+# ---- the experiment (a stage of trace_kv.py, one drafter and lookahead a case) -----
+
+def experiment(lab, draft, runs):
+    """generate_speculative with DRAFTS[draft] on every opening, greedy and sampled: the
+    stories identical to the uncached ones, the largest gap between the logits each token
+    was chosen with and the uncached full pass's row for the same position, the prefill
+    calls and the rows they computed (rejected ones included) against one call per
+    generated token, and how many drafted tokens were accepted."""
+    params, tok, prompts = lab.params, lab.tok, lab.prompts
+    drafter, lookahead = DRAFTS[draft]
+    if drafter == "training stories":
+        train, _, _ = split_stories(lab.corpus)
+        chosen_drafter = NgramDrafter([tok.encode(story) for story in train])
+    else:
+        chosen_drafter = PromptLookup()
+    counts = {"drafter": drafter, "lookahead": lookahead, "identical": 0, "model_calls": 0,
+              "model_calls_one_per_token": 0, "rows": 0, "rows_one_at_a_time": 0,
+              "drafted": 0, "accepted": 0}
+    gap = 0.0
+    for index, prompt in enumerate(prompts):
+        for settings, result, rows in (({}, runs.greedy[index], runs.greedy_rows[index]),
+                                       ({"temperature": 1.0, "seed": index},
+                                        runs.sampled[index], runs.sampled_rows[index])):
+            with recording(generate.Generation, "choose") as choices, \
+                    recording(prefill, "prefill") as calls:
+                again = generate_speculative(params, tok, prompt, lookahead=lookahead,
+                                             drafter=chosen_drafter, **settings)
+            story = story_ids(tok, prompt, result)
+            counts["identical"] += again == result
+            if again == result:
+                gap = max([gap] + [largest_gap([logits], [rows[position]])
+                                   for _, position, logits in chosen_rows(choices)])
+            for call in calls[1:]:    # the first call is the prompt's
+                _, _, token_ids, start = call.args
+                counts["drafted"] += len(token_ids) - 1
+                counts["accepted"] += next((j for j, token in enumerate(token_ids[1:])
+                                            if story[start + 1 + j:start + 2 + j] != [token]),
+                                           len(token_ids) - 1)
+            counts["model_calls"] += len(calls)
+            counts["model_calls_one_per_token"] += len(result["steps"])
+            counts["rows"] += sum(len(call.args[2]) for call in calls)
+            counts["rows_one_at_a_time"] += len(story) - 1
+    counts["largest_logit_gap_of_choosing_rows"] = gap
+    return counts

@@ -1,0 +1,155 @@
+"""Cache files (cache_files.py): a saved cache loads bit for bit, in this process or
+another, and continues exactly; what is not a cache of these weights is refused, naming
+the file."""
+import ast
+import copy
+import json
+import math
+import os
+import random
+import struct
+import subprocess
+import sys
+import tempfile
+import unittest
+from unittest import mock
+
+import generate
+import model
+import cache_files
+import lossy
+import paged
+from kv_cache import KVCache, feed, forward_step, generate_cached
+from train import openings, split_stories, story_ids
+import test_kv_cache
+from test_kv_cache import (OPENINGS, PARAMS, STORIES, TOK, UNCHANGED, assert_changed,
+                           assert_equal, assert_same_generation, assert_same_rows, cached_rows,
+                           check_every_case, filled_cache, plant, replacing, setUpModule,
+                           snapshot, tearDownModule)   # the module set-up: run from elsewhere
+
+
+class CacheFiles(unittest.TestCase):
+    """A cache saved to a file and loaded again, here or in another process, continues
+    exactly; every file that is not a cache of these weights is refused, naming it."""
+
+    def setUp(self):
+        self.folder = tempfile.TemporaryDirectory()
+        self.path = os.path.join(self.folder.name, "cache.json")
+
+    def tearDown(self):
+        self.folder.cleanup()
+
+    def test_a_saved_cache_loads_bit_for_bit_and_continues_exactly(self):
+        ids = TOK.encode(OPENINGS[0])
+        pool = paged.BlockPool(PARAMS, 20, 4)
+        sequence = pool.sequence()
+        feed(PARAMS, sequence, ids)
+        for cache in (filled_cache(ids), sequence):
+            cache_files.save_cache(cache, self.path)
+            loaded = cache_files.load_cache(PARAMS, self.path)
+            with self.subTest(cache=type(cache).__name__):
+                assert_equal(self, snapshot(loaded), snapshot(cache), "the loaded cache")
+                self.assertEqual(generate_cached(PARAMS, TOK, OPENINGS[0], cache=loaded),
+                                 generate.generate(PARAMS, TOK, OPENINGS[0]))
+        twin = copy.deepcopy(PARAMS)   # the same weights: the same signature, the same keys
+        self.assertEqual(len(cache_files.load_cache(twin, self.path)), len(ids))
+
+    def test_a_cache_loaded_in_another_process_continues_every_opening(self):
+        """Greedy for six openings, sampled too for the first (the trace saves every
+        opening's cache; this is the one test that loads them in another process)."""
+        for index, prompt in enumerate(OPENINGS[:6]):
+            cache_files.save_cache(filled_cache(TOK.encode(prompt)),
+                               os.path.join(self.folder.name, f"{index}.json"))
+        script = (
+            "import json, sys; sys.path.insert(0, sys.argv[1])\n"
+            "import cache_files, generate, kv_cache, train\n"
+            "params, tok = generate.load_trained()\n"
+            "prompts = train.openings(train.split_stories(open(sys.argv[1] + "
+            "'/corpus.txt').read())[2])[:6]\n"
+            "print(json.dumps([kv_cache.generate_cached(params, tok, prompt, temperature=t, "
+            "seed=i, cache=cache_files.load_cache(params, f'{sys.argv[2]}/{i}.json')) "
+            "for i, prompt in enumerate(prompts) for t in ((0.0, 1.0) if i == 0 else (0.0,))]))\n")
+        done = subprocess.run([sys.executable, "-c", script, test_kv_cache.HERE,
+                               self.folder.name], capture_output=True, text=True, timeout=120)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        never_saved = [generate_cached(PARAMS, TOK, prompt, temperature=t, seed=i,
+                                       cache=filled_cache(TOK.encode(prompt)))
+                       for i, prompt in enumerate(OPENINGS[:6])
+                       for t in ((0.0, 1.0) if i == 0 else (0.0,))]
+        results = json.loads(done.stdout)
+        self.assertEqual(len(results), 7)   # six openings greedy, the first sampled too
+        for result, expected in zip(results, never_saved):
+            if result != expected:
+                self.fail(f"a loaded cache continued as {result['text']!r}, the never-saved "
+                          f"one as {expected['text']!r}")
+
+    def test_what_is_not_a_cache_of_these_weights_is_refused_naming_the_file(self):
+        cache_files.save_cache(filled_cache(TOK.encode(OPENINGS[0])), self.path)
+        with open(self.path, encoding="utf-8") as f:
+            good = json.load(f)
+        other = copy.deepcopy(PARAMS)
+        other["b_out"][0] = math.nextafter(other["b_out"][0], math.inf)   # one last bit
+        bad_files = {
+            "not valid JSON": json.dumps(good)[:-40],                        # truncated
+            "not a KV cache file of this lab": json.dumps(dict(good, format="kv-lab-cache-2")),
+            "a corrupted cache file: 15 tokens, 15 keys and 14 values":
+                json.dumps(dict(good, values=good["values"][:-1])),
+            "the key of position 3 is not 16 finite floats":
+                json.dumps(dict(good, keys=good["keys"][:3] + [good["keys"][3][:15]]
+                                + good["keys"][4:])),
+            "token 0 is 96, outside the vocabulary": json.dumps(dict(good, tokens=[96]
+                                                                     + good["tokens"][1:])),
+        }
+        self.assertEqual(len(good["tokens"]), 15)
+        for fragment, text in bad_files.items():
+            with self.subTest(fragment=fragment):
+                with open(self.path, "w", encoding="utf-8") as f:
+                    f.write(text)
+                with self.assertRaises(ValueError) as refused:
+                    cache_files.load_cache(PARAMS, self.path)
+                self.assertIn(self.path, str(refused.exception))
+                self.assertIn(fragment, str(refused.exception))
+        with open(self.path, "w", encoding="utf-8") as f:
+            json.dump(good, f)
+        with self.assertRaisesRegex(ValueError, "computed with other weights .* stale logits"):
+            cache_files.load_cache(other, self.path)
+        with self.assertRaisesRegex(ValueError, "not a KV cache file of this lab"):
+            cache_files.load_cache(PARAMS, os.path.join(test_kv_cache.HERE, "best.json"))
+        with self.assertRaises(FileNotFoundError):
+            cache_files.load_cache(PARAMS, os.path.join(self.folder.name, "missing.json"))
+        with self.assertRaisesRegex(ValueError, "saves a KVCache or a paged sequence"):
+            cache_files.save_cache(lossy.WindowCache(PARAMS, 8), self.path)
+        nowhere = os.path.join(self.folder.name, "no such folder", "cache.json")
+        with self.assertRaisesRegex(FileNotFoundError, f"cannot write .*the folder .* does "
+                                                       f"not exist"):
+            cache_files.save_cache(filled_cache([5]), nowhere)
+
+    def test_a_failed_write_keeps_the_previous_file(self):
+        cache_files.save_cache(filled_cache(TOK.encode(OPENINGS[0])), self.path)
+        with open(self.path, encoding="utf-8") as f:
+            previous = f.read()
+        with mock.patch("checkpoint.os.replace", side_effect=OSError("disk full")), \
+                self.assertRaises(OSError):
+            cache_files.save_cache(filled_cache(TOK.encode(OPENINGS[1])), self.path)
+        with open(self.path, encoding="utf-8") as f:
+            self.assertEqual(f.read(), previous)
+        self.assertEqual(os.listdir(self.folder.name), ["cache.json"])
+
+    def test_the_command_line_saves_and_continues_and_refuses_in_one_line(self):
+        def run(*args):
+            return subprocess.run([sys.executable, os.path.join(test_kv_cache.HERE, "cache_files.py"),
+                                   *args], capture_output=True, text=True, timeout=120)
+        saved = run("zoe went to the park.", "--save-cache", self.path)
+        loaded = run("zoe went to the park.", "--load-cache", self.path)
+        for done in (saved, loaded):
+            self.assertEqual(done.returncode, 0, done.stderr)
+            self.assertTrue(done.stdout.endswith("identical to the uncached generator: yes\n"))
+        self.assertIn("continued from 14 positions of", loaded.stdout)
+        refused = run("tom was sad.", "--load-cache", self.path)
+        self.assertEqual((refused.returncode, len(refused.stderr.splitlines())), (1, 1))
+        self.assertIn("the cache is not a prefix of the prompt", refused.stderr)
+        self.assertEqual(run("zoe went to the park.").returncode, 2)   # one flag is required
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,169 @@
+"""The lossy caches (lossy.py): each format keeps what its numbers allow and measures its
+bytes; a window equals the band-masked full pass; what a format cannot store is refused."""
+import ast
+import copy
+import json
+import math
+import os
+import random
+import struct
+import subprocess
+import sys
+import tempfile
+import unittest
+from unittest import mock
+
+import generate
+import model
+import lossy
+import prefill
+from kv_cache import KVCache, feed, forward_step, generate_cached
+from train import openings, split_stories, story_ids
+from test_kv_cache import (OPENINGS, PARAMS, STORIES, TOK, UNCHANGED, assert_changed,
+                           assert_equal, assert_same_generation, assert_same_rows, cached_rows,
+                           check_every_case, filled_cache, plant, replacing, setUpModule,
+                           snapshot, tearDownModule)   # the module set-up: run from elsewhere
+
+
+class Lossy(unittest.TestCase):
+    """Where a cache gives exactness up on purpose: compact formats and a sliding window."""
+
+    VECTOR = [0.75, -1.5, 0.1, 3.0, -0.2, 1e-3, 2.5, -3.0, 0.0, 1.2, -0.7, 0.33, 2.0, -2.9,
+              0.05, 1.0]
+
+    def test_each_format_round_trips_as_its_numbers_allow(self):
+        unpack = lossy._unpack
+        stored = {fmt: lossy._pack(fmt, self.VECTOR) for fmt in lossy.FORMATS}
+        self.assertEqual(unpack("float64", stored["float64"]), self.VECTOR)
+        self.assertEqual(unpack("float32", stored["float32"]),
+                         [struct.unpack("f", struct.pack("f", x))[0] for x in self.VECTOR])
+        self.assertEqual(unpack("float16", stored["float16"]),
+                         [struct.unpack("e", struct.pack("e", x))[0] for x in self.VECTOR])
+        for fmt, top in (("int8", 127), ("int4", 7)):
+            scale = stored[fmt][1][0]
+            self.assertEqual(scale, struct.unpack("f", struct.pack("f", 3.0 / top))[0])
+            back = unpack(fmt, stored[fmt])
+            with self.subTest(fmt=fmt):
+                self.assertEqual([round(y / scale) * scale for y in back], back)   # on levels
+                self.assertLessEqual(max(abs(x - y) for x, y in zip(self.VECTOR, back)),
+                                     scale / 2 * 1.0001)
+        # Ties go to the even level: 0.5 and 1.5 of a scale of 1.0 become 0 and 2.
+        self.assertEqual(unpack("int4", lossy._pack("int4", [7.0, 0.5, 1.5, -0.5])),
+                         [7.0, 0.0, 2.0, 0.0])
+
+    def test_each_format_measures_its_bytes(self):
+        ids = TOK.encode(OPENINGS[0])
+        expected = {"float64": 2 * 16 * 8, "float32": 2 * 16 * 4, "float16": 2 * 16 * 2,
+                    "int8": 2 * (16 + 4), "int4": 2 * (8 + 4)}
+        for fmt in lossy.FORMATS:
+            cache = lossy.QuantizedCache(PARAMS, fmt)
+            feed(PARAMS, cache, ids)
+            with self.subTest(fmt=fmt):
+                self.assertEqual(cache.bytes_per_position(), expected[fmt])
+
+    def test_a_float64_array_cache_is_exact(self):
+        longest = [t for story in STORIES for t in TOK.encode(story)][:model.CONTEXT]
+        for ids in (TOK.encode(STORIES[0]), longest):
+            assert_same_rows(self, feed(PARAMS, lossy.QuantizedCache(PARAMS, "float64"), ids),
+                             cached_rows(PARAMS, ids))
+        assert_same_generation(self, PARAMS, OPENINGS[0], {},
+                               cache=lossy.QuantizedCache(PARAMS, "float64"))
+
+    def test_lower_precision_changes_the_scores(self):
+        ids = TOK.encode(STORIES[0])
+        exact = cached_rows(PARAMS, ids)
+        for fmt in lossy.FORMATS[1:]:
+            with self.subTest(fmt=fmt):
+                assert_changed(self, feed(PARAMS, lossy.QuantizedCache(PARAMS, fmt), ids),
+                               exact, f"the rows through a {fmt} cache")
+
+    def test_the_window_cache_equals_the_band_masked_full_pass(self):
+        longest = [t for story in STORIES for t in TOK.encode(story)][:model.CONTEXT]
+        self.assertEqual(len(longest), model.CONTEXT)
+        for window in (8, 16, 32):
+            for sinks in (0, 4):
+                reference, _ = model.forward(PARAMS, longest, model.band(window, sinks))
+                cache = lossy.WindowCache(PARAMS, window, sinks)
+                label = f"window {window}, sinks {sinks}"
+                assert_same_rows(self, feed(PARAMS, cache, longest), reference,
+                                 f"{label}: the rows")
+                self.assertEqual(len(cache.keys), window + sinks, label)
+                assert_changed(self, reference, cached_rows(PARAMS, longest),
+                               f"{label}: the band-masked rows")
+
+    def test_copy_and_crop_on_the_new_caches(self):
+        ids = TOK.encode(STORIES[0])
+        for make in (lambda: lossy.QuantizedCache(PARAMS, "int8"),
+                     lambda: lossy.WindowCache(PARAMS, 16, 4)):
+            with self.subTest(cache=type(make()).__name__):
+                alone = feed(PARAMS, make(), ids)
+                cache = make()
+                feed(PARAMS, cache, ids[:10])
+                fork = cache.copy()
+                assert_same_rows(self, feed(PARAMS, fork, ids), alone[10:])
+                self.assertEqual(len(cache), 10)
+                cache.crop(6)
+                assert_same_rows(self, feed(PARAMS, cache, ids), alone[6:])
+        window = lossy.WindowCache(PARAMS, 8, 2)
+        feed(PARAMS, window, ids[:12])
+        with self.assertRaisesRegex(ValueError, "the window has dropped positions 2 to 3"):
+            window.crop(5)
+        window.crop(2)
+        assert_same_rows(self, feed(PARAMS, window, ids), feed(PARAMS, lossy.WindowCache(
+            PARAMS, 8, 2), ids)[2:])
+
+    def test_a_window_cache_is_fed_one_token_at_a_time(self):
+        cache = lossy.WindowCache(PARAMS, 8, 2)
+        feed(PARAMS, cache, TOK.encode(OPENINGS[0]))
+        before = (list(cache.tokens), cache.keys)
+        with self.assertRaisesRegex(ValueError, "prefill needs a cache that keeps every "
+                                                "position, and a WindowCache drops some"):
+            prefill.prefill(PARAMS, cache, [5, 6], len(cache))
+        assert_equal(self, (list(cache.tokens), cache.keys), before, "the window cache")
+
+    def test_what_a_format_cannot_store_is_refused(self):
+        for fmt, vector, fragment in (("float16", [70000.0] + [0.0] * 15, "beyond float16"),
+                                      ("float32", [1e39] + [0.0] * 15, "beyond float32"),
+                                      ("int8", [1e300] + [0.0] * 15, "the scale of"),
+                                      ("int4", [-1e300] + [0.0] * 15, "the scale of"),
+                                      ("float64", [float("nan")] * 16, "holding nan"),
+                                      ("int8", [float("inf")] * 16, "holding inf"),
+                                      ("int4", [1.0, 2.0, 3.0], "cannot be stored")):
+            with self.subTest(fmt=fmt), self.assertRaisesRegex(ValueError, fragment):
+                lossy._pack(fmt, vector)
+        with self.assertRaisesRegex(ValueError, "no position yet"):
+            lossy.QuantizedCache(PARAMS, "int8").bytes_per_position()
+        huge = dict(PARAMS, ln1_g=[1e41] * model.WIDTH)   # keys and values near 1e41
+        for fmt in ("float32", "int8"):
+            cache = lossy.QuantizedCache(huge, fmt)
+            with self.subTest(through="forward_step", fmt=fmt):
+                with self.assertRaisesRegex(ValueError, "float32's largest"):
+                    forward_step(huge, cache, 5, 0)
+                self.assertEqual((len(cache), cache.tokens), (0, []))
+
+    def test_a_window_cache_holding_the_whole_prompt_says_so(self):
+        ids = TOK.encode(STORIES[0])
+        cache = lossy.WindowCache(PARAMS, 8)
+        feed(PARAMS, cache, ids)
+        with self.assertRaisesRegex(ValueError, "holds the whole prompt, and its copy cannot "
+                                                "give the last position back .*: crop length "
+                                                ".* the window has dropped positions 0 to 21"):
+            generate_cached(PARAMS, TOK, TOK.decode(ids), cache=cache)
+
+    def test_bad_formats_and_windows_are_refused(self):
+        with self.assertRaisesRegex(ValueError, "unknown cache format 'int2'; the formats are "
+                                                "float64, float32, float16, int8, int4"):
+            lossy.QuantizedCache(PARAMS, "int2")
+        for window, sinks, fragment in ((0, 0, "window must be an int >= 1"),
+                                        (8.0, 0, "window must be an int >= 1"),
+                                        (True, 0, "window must be an int >= 1"),
+                                        (8, -1, "sinks must be an int from 0 to 7 .window - 1."),
+                                        (8, 8, "sinks must be an int from 0 to 7 .window - 1."),
+                                        (8, 2.0, "sinks must be an int from 0 to 7 .window - 1.")):
+            with self.subTest(window=window, sinks=sinks):
+                with self.assertRaisesRegex(ValueError, fragment):
+                    lossy.WindowCache(PARAMS, window, sinks)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,302 @@
+"""The paged cache (paged.py): a sequence in a pool of blocks gives a KVCache's rows bit for
+bit, shares full blocks and copies on write; the pool's counts stay consistent; every
+refusal leaves the pool as it was."""
+import ast
+import copy
+import json
+import math
+import os
+import random
+import struct
+import subprocess
+import sys
+import tempfile
+import unittest
+from unittest import mock
+
+import generate
+import model
+import paged
+import prefill
+from kv_cache import KVCache, feed, forward_step, generate_cached
+from train import openings, split_stories, story_ids
+from test_kv_cache import (OPENINGS, PARAMS, STORIES, TOK, UNCHANGED, assert_changed,
+                           assert_equal, assert_same_generation, assert_same_rows, cached_rows,
+                           check_every_case, filled_cache, plant, replacing, setUpModule,
+                           snapshot, tearDownModule)   # the module set-up: run from elsewhere
+from test_prefill import chunked_rows
+
+
+def pool_snapshot(pool):
+    """Everything a pool holds: each block's positions, count and index key, the prefix
+    index, the free list in order, and the counts of hits and evictions."""
+    return ([(b.tokens, b.keys, b.values, b.ref_count, b.prefix) for b in pool.blocks],
+            {key: list(ids) for key, ids in pool.prefix_index.items()}, list(pool.free_list),
+            pool.prefix_hits, pool.evictions)
+
+
+class Paged(unittest.TestCase):
+    """A pool of blocks shared by sequences: forks, prefix reuse, free, refusals."""
+
+    def setUp(self):
+        self.ids = TOK.encode(STORIES[0])
+
+    def test_a_paged_sequence_gives_the_rows_of_a_kv_cache(self):
+        expected = cached_rows(PARAMS, self.ids)
+        for size in (1, 3, 4, 16, model.CONTEXT):
+            pool = paged.BlockPool(PARAMS, model.CONTEXT, size)
+            assert_same_rows(self, feed(PARAMS, pool.sequence(), self.ids), expected,
+                             f"blocks of {size}, fed one token at a time: the rows")
+            assert_same_rows(self, chunked_rows(PARAMS, self.ids, 5, pool.sequence()),
+                             expected, f"blocks of {size}, prefilled 5 at a time: the rows")
+
+    def test_generation_from_a_paged_sequence_equals_a_fresh_run_and_frees_its_copy(self):
+        pool = paged.BlockPool(PARAMS, 40, 4)
+        prompt = OPENINGS[0]
+        seq = pool.sequence()
+        feed(PARAMS, seq, TOK.encode(prompt))
+        free = pool.free_blocks()
+        for settings in ({}, {"temperature": 1.0, "seed": 2}):
+            assert_same_generation(self, PARAMS, prompt, settings, cache=seq)
+            self.assertEqual(pool.free_blocks(), free)
+
+    def test_a_fork_shares_every_block_until_one_side_writes(self):
+        pool = paged.BlockPool(PARAMS, 40, 4)
+        parent = pool.sequence()
+        feed(PARAMS, parent, self.ids[:10])        # blocks of 4, 4 and 2 positions
+        free = pool.free_blocks()
+        fork = parent.copy()
+        self.assertEqual((fork.table, pool.free_blocks()), (parent.table, free))   # no block
+        self.assertEqual([pool.ref_counts[b] for b in parent.table], [2, 2, 2])
+        before = snapshot(parent)
+        feed(PARAMS, fork, self.ids[:10] + TOK.encode(" tom ran"))   # copies the last block
+        self.assertEqual(fork.table[:2], parent.table[:2])
+        self.assertNotEqual(fork.table[2], parent.table[2])
+        self.assertEqual([pool.ref_counts[b] for b in parent.table], [2, 2, 1])
+        assert_equal(self, snapshot(parent), before, "the parent")
+        rows = feed(PARAMS, parent, self.ids)      # writes in place: the block is its own now
+        self.assertEqual(pool.ref_counts[parent.table[2]], 1)
+        assert_same_rows(self, rows, cached_rows(PARAMS, self.ids)[10:])
+        assert_equal(self, snapshot(fork),
+                     snapshot(filled_cache(self.ids[:10] + TOK.encode(" tom ran"))), "the fork")
+
+    def test_crop_into_a_shared_block_copies_it_only_when_it_writes(self):
+        pool = paged.BlockPool(PARAMS, 40, 4)
+        parent = pool.sequence()
+        feed(PARAMS, parent, self.ids[:8])
+        fork = parent.copy()
+        free = pool.free_blocks()
+        fork.crop(6)
+        self.assertEqual((fork.tokens, fork.table, pool.free_blocks()),
+                         (self.ids[:6], parent.table, free))
+        self.assertEqual(parent.tokens, self.ids[:8])
+        assert_same_rows(self, feed(PARAMS, fork, self.ids), cached_rows(PARAMS, self.ids)[6:])
+        self.assertNotEqual(fork.table[1], parent.table[1])
+        self.assertEqual(parent.tokens, self.ids[:8])
+
+    def test_a_cut_block_left_to_one_sequence_is_cut_before_it_writes(self):
+        """The fork crops into a block it shares; the parent then frees it, so the fork
+        holds it alone, longer than its own positions: it must not write after them."""
+        pool = paged.BlockPool(PARAMS, 40, 4)
+        parent = pool.sequence()
+        feed(PARAMS, parent, self.ids[:8])
+        fork = parent.copy()
+        fork.crop(6)
+        parent.free()
+        assert_same_rows(self, feed(PARAMS, fork, self.ids), cached_rows(PARAMS, self.ids)[6:])
+        assert_equal(self, snapshot(fork), snapshot(filled_cache(self.ids)), "the fork")
+
+    def test_prefix_reuse_takes_full_blocks_and_equals_a_fresh_run(self):
+        pool = paged.BlockPool(PARAMS, 60, 4)
+        first = TOK.encode("mia was sad. tom gave her a hug.")
+        second = TOK.encode("mia was tired.")
+        feed(PARAMS, pool.sequence(first), first)
+        seq = pool.sequence(second)
+        shared = len(seq)
+        self.assertEqual(shared, 4 * (len(os.path.commonprefix([first, second])) // 4))
+        self.assertGreater(shared, 0)
+        assert_same_rows(self, feed(PARAMS, seq, second), cached_rows(PARAMS, second)[shared:])
+        assert_same_rows(self, seq.keys, filled_cache(second).keys)
+        self.assertEqual(len(pool.sequence(first)), 4 * (len(first) // 4))   # only full blocks
+
+    def test_freed_full_blocks_stay_findable_until_a_new_block_needs_them(self):
+        pool = paged.BlockPool(PARAMS, 10, 4)
+        seq = pool.sequence()
+        feed(PARAMS, seq, self.ids[:10])             # full blocks 0 and 1, then 2 positions
+        seq.free()
+        self.assertEqual(pool.free_blocks(), 10)     # a freed pool is entirely free
+        again = pool.sequence(self.ids[:10])
+        self.assertEqual((len(again), pool.prefix_hits), (8, 2))   # found after the free
+        assert_same_rows(self, feed(PARAMS, again, self.ids[:12]),
+                         cached_rows(PARAMS, self.ids[:12])[8:])
+        again.free()   # the free list: the 7 empty blocks, then 2, 1 and 0 (tail first)
+        others = [pool.take() for _ in range(7)]     # the empty blocks go first
+        self.assertEqual(pool.evictions, 0)
+        for evicted, findable in ((1, 8), (2, 4), (3, 0)):   # then the least recent, the tail
+            others.append(pool.take())
+            probe = pool.sequence(self.ids[:12])
+            self.assertEqual((pool.evictions, len(probe)), (evicted, findable))
+            probe.free()
+        for block_id in others:
+            pool.release(block_id)
+        self.assertEqual(pool.free_blocks(), 10)
+
+    def test_any_full_block_is_findable_whichever_sequence_filled_it(self):
+        pool = paged.BlockPool(PARAMS, 10, 4)
+        first, second = pool.sequence(), pool.sequence()
+        feed(PARAMS, first, self.ids[:8])
+        feed(PARAMS, second, self.ids[:8])           # the same tokens, in blocks of its own
+        self.assertEqual(len(pool.prefix_index[tuple(self.ids[:8])]), 2)
+        first.free()
+        while pool.evictions < 2:                    # the first sequence's blocks go
+            pool.take()
+        self.assertEqual(pool.sequence(self.ids[:8]).table, second.table)
+
+    def test_sequence_checks_its_ids_like_forward_step(self):
+        pool = paged.BlockPool(PARAMS, 10, 4)
+        feed(PARAMS, pool.sequence(), [1, 0, 5, 6])
+        for ids, fragment in (([1.0, False, 5, 6, 7], "ids[0] = 1.0 is outside the vocabulary"),
+                              ([5, 96], "ids[1] = 96 is outside the vocabulary"),
+                              ([500], "ids[0] = 500"), ("mia", "ids must be a list"),
+                              ([5] * 65, "beyond the 64 positions")):
+            with self.subTest(ids=ids):
+                self.assert_refused(pool, lambda: pool.sequence(ids), fragment)
+
+    def test_a_refused_continuation_names_the_pool_and_leaks_nothing(self):
+        """A pool of one block of 3, held by a sequence of 3 tokens: continuing its prompt
+        needs a copy of that block, and there is no room."""
+        pool = paged.BlockPool(PARAMS, 1, 3)
+        seq = pool.sequence()
+        feed(PARAMS, seq, TOK.encode("tom ran"))
+        before, held = pool_snapshot(pool), snapshot(seq)
+        with self.assertRaisesRegex(ValueError, "the pool is out of blocks: it has 1 blocks "
+                                                "of 3 positions, 0 free, and 1 more"):
+            generate_cached(PARAMS, TOK, "tom ran", cache=seq)
+        assert_equal(self, pool_snapshot(pool), before, "the pool")
+        assert_equal(self, snapshot(seq), held, "the sequence")
+        seq.free()
+        self.assertEqual(pool.free_blocks(), 1)
+
+    def test_feed_and_chunked_prefill_keep_what_was_fed_before_a_refusal(self):
+        """Each position joins whole or not at all: a refusal in the middle of an input
+        leaves the positions fed before it, as its docstring says, and feeding the rest
+        later gives the rows of one run."""
+        for fill in (lambda seq, ids: feed(PARAMS, seq, ids),
+                     lambda seq, ids: prefill.prefill_in_chunks(PARAMS, seq, ids, 4)):
+            pool = paged.BlockPool(PARAMS, 2, 4)
+            seq = pool.sequence()
+            with self.assertRaisesRegex(ValueError, "out of blocks"):
+                fill(seq, self.ids[:12])
+            self.assertEqual(seq.tokens, self.ids[:8])
+            assert_equal(self, snapshot(seq), snapshot(filled_cache(self.ids[:8])),
+                         "the sequence")
+
+    def test_random_operations_keep_every_sequence_and_the_pool_consistent(self):
+        """Random runs of new sequences (with prefix reuse), feeds, forks, crops and frees
+        on small pools: after every operation each live sequence holds exactly the
+        tokens, keys and values a KVCache fed the same tokens holds, the pool counts every
+        table holding each block, frees exactly the blocks nobody holds, and indexes only
+        full blocks under the tokens they and the blocks before them hold."""
+        stories = [tuple(TOK.encode(story)) for story in STORIES[:4]]
+        reference = {story: filled_cache(list(story)) for story in stories}
+        rng = random.Random(0)
+        for trial in range(100):
+            pool = paged.BlockPool(PARAMS, rng.randint(3, 16), rng.choice((1, 2, 3, 4)))
+            live = []                                    # [sequence, its story]
+            for _ in range(20):
+                operation = rng.choice(("new", "feed", "feed", "fork", "crop", "free"))
+                pair = rng.choice(live) if live else None
+                try:
+                    if operation == "new" or pair is None:
+                        story = rng.choice(stories)
+                        live.append([pool.sequence(list(story[:rng.randint(0, 20)])), story])
+                    elif operation == "feed":
+                        seq, story = pair
+                        feed(PARAMS, seq, list(story[:rng.randint(len(seq), len(story))]))
+                    elif operation == "fork":
+                        live.append([pair[0].copy(), pair[1]])
+                    elif operation == "crop":
+                        pair[0].crop(rng.randint(0, len(pair[0])))
+                    else:
+                        pair[0].free()
+                        live.remove(pair)
+                except ValueError as refused:
+                    self.assertIn("out of blocks", str(refused))
+                label = f"trial {trial}, after {operation}"
+                for seq, story in live:
+                    held, whole = len(seq), reference[story]
+                    assert_equal(self, (seq.tokens, seq.keys, seq.values),
+                                 (list(story[:held]), whole.keys[:held], whole.values[:held]),
+                                 f"{label}: a sequence")
+                tables = [block for seq, _ in live for block in seq.table]
+                self.assertEqual(pool.ref_counts,
+                                 [tables.count(b) for b in range(len(pool.blocks))], label)
+                self.assertEqual(sorted(pool.free_list),
+                                 [b for b in range(len(pool.blocks)) if b not in tables], label)
+                for prefix, holders in pool.prefix_index.items():
+                    story = next(s for s in stories if s[:len(prefix)] == prefix)
+                    first = len(prefix) - pool.block_size
+                    for block_id in holders:
+                        block = pool.blocks[block_id]
+                        assert_equal(self, (block.prefix, block.tokens, block.keys),
+                                     (prefix, list(prefix[first:]),
+                                      reference[story].keys[first:len(prefix)]),
+                                     f"{label}: an indexed block")
+
+    def assert_refused(self, pool, attempt, fragment):
+        """attempt raises a ValueError naming fragment, and the pool is as it was."""
+        before = pool_snapshot(pool)
+        with self.assertRaises(ValueError) as caught:
+            attempt()
+        self.assertIn(fragment, str(caught.exception))
+        assert_equal(self, pool_snapshot(pool), before, "the pool")
+
+    def test_refusals_leave_the_pool_unchanged(self):
+        pool = paged.BlockPool(PARAMS, 3, 4)
+        seq = pool.sequence()
+        feed(PARAMS, seq, self.ids[:10])   # blocks of 4, 4 and 2: two free slots, no free block
+        self.assert_refused(pool, lambda: prefill.prefill(PARAMS, seq, self.ids[10:13], 10),
+                            "the pool is out of blocks: it has 3 blocks of 4 positions, 0 free, "
+                            "and 1 more are needed")
+        fork = seq.copy()                  # takes no block...
+        self.assert_refused(pool, lambda: forward_step(PARAMS, fork, self.ids[10], 10),
+                            "out of blocks")   # ...until it writes to the shared last one
+        fork.free()
+        feed(PARAMS, seq, self.ids[:12])   # now every block is full
+        self.assert_refused(pool, lambda: forward_step(PARAMS, seq, self.ids[12], 12),
+                            "out of blocks")
+        self.assertEqual(seq.tokens, self.ids[:12])
+        seq.free()
+        for attempt in (lambda: forward_step(PARAMS, seq, 5, 0), lambda: feed(PARAMS, seq, [5]),
+                        seq.copy, lambda: seq.crop(0), lambda: seq.extend([5], [[0.0]], [[0.0]])):
+            self.assert_refused(pool, attempt, "this sequence was freed")
+        for blocks, size in ((0, 4), (3, 0), (3, 2.0), (True, 4), (3, None)):
+            with self.subTest(blocks=blocks, block_size=size):
+                with self.assertRaisesRegex(ValueError, "must be an int >= 1"):
+                    paged.BlockPool(PARAMS, blocks, size)
+
+
+class RecordedSlots(unittest.TestCase):
+
+    def test_slots_reserved_are_what_a_real_pool_takes(self):
+        """The record's slots per block size, by formula, against a pool that holds the
+        first five greedy stories."""
+        stories = []
+        for prompt in OPENINGS[:5]:
+            result = generate_cached(PARAMS, TOK, prompt)
+            stories.append(story_ids(TOK, prompt, result)[:-1])
+        for size in paged.BLOCK_SIZES:
+            pool = paged.BlockPool(PARAMS, 5 * model.CONTEXT, size)
+            for ids in stories:
+                feed(PARAMS, pool.sequence(), ids)
+            with self.subTest(block_size=size):
+                self.assertEqual((5 * model.CONTEXT - pool.free_blocks()) * size,
+                                 sum(math.ceil(len(ids) / size) * size for ids in stories))
+
+
+if __name__ == "__main__":
+    unittest.main()
+
+
+if __name__ == "__main__":
+    unittest.main()

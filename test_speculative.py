@@ -1,0 +1,124 @@
+"""Speculative decoding (speculative.py): every result is generate.generate's, whatever the
+drafter proposes; verifier mistakes planted in the real function are caught."""
+import ast
+import copy
+import json
+import math
+import os
+import random
+import struct
+import subprocess
+import sys
+import tempfile
+import unittest
+from unittest import mock
+
+import generate
+import model
+import lossy
+import speculative
+from kv_cache import KVCache, feed, forward_step, generate_cached
+from train import openings, split_stories, story_ids
+import test_kv_cache
+from test_kv_cache import (OPENINGS, PARAMS, STORIES, TOK, UNCHANGED, assert_changed,
+                           assert_equal, assert_same_generation, assert_same_rows, cached_rows,
+                           check_every_case, filled_cache, plant, replacing, setUpModule,
+                           snapshot, tearDownModule)   # the module set-up: run from elsewhere
+
+
+def is_rollback(node):
+    """node is the call cache.crop(...) that rolls rejected positions back."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "crop")
+
+
+KEEP_A_REJECTED_POSITION = replacing(   # crop(n) becomes crop(n + 1)
+    is_rollback,
+    lambda node: ast.Call(node.func, [ast.BinOp(node.args[0], ast.Add(), ast.Constant(1))], []))
+
+
+def draw_for_a_discarded_draft(tree):
+    """Before the rollback, one more random number, as if a discarded drafted token drew."""
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        for index, statement in enumerate(body if isinstance(body, list) else []):
+            if isinstance(statement, ast.Expr) and is_rollback(statement.value):
+                body.insert(index, ast.parse("generation.rng.random()").body[0])
+                return 1
+    return 0
+
+
+class Speculative(unittest.TestCase):
+    """Speculative decoding gives generate.generate's result, whatever the drafter."""
+
+    @classmethod
+    def setUpClass(cls):
+        train, _, _ = split_stories(test_kv_cache.lab_file("corpus.txt"))
+        cls.drafters = {"prompt lookup": speculative.PromptLookup(),
+                        "training stories": speculative.NgramDrafter([TOK.encode(story)
+                                                                  for story in train])}
+
+    def differences(self, prompts=OPENINGS[:6], lookaheads=(1, 4)):
+        """The runs whose result is not generate.generate's, in a few words (compared with
+        generate_cached's, which is generate's, as test_kv_cache shows, and 4 times
+        cheaper; trace_kv compares with generate's itself on all 60 openings)."""
+        found = []
+        for index, prompt in enumerate(prompts):
+            for settings in ({}, {"temperature": 1.0, "seed": index},
+                             {"temperature": 0.8, "top_k": 3, "seed": index}):
+                expected = generate_cached(PARAMS, TOK, prompt, **settings)
+                for name, drafter in self.drafters.items():
+                    for lookahead in lookaheads:
+                        result = speculative.generate_speculative(
+                            PARAMS, TOK, prompt, lookahead=lookahead, drafter=drafter,
+                            **settings)
+                        if result != expected:
+                            found.append(f"{prompt!r} {settings}, {name}, lookahead "
+                                         f"{lookahead}: {result['text']!r}")
+        return found
+
+    def test_every_result_is_generate_s(self):
+        self.assertEqual(self.differences(), [])
+
+    def test_a_drafter_proposes_what_followed(self):
+        ids = [1, 2, 3, 9, 1, 2, 3]
+        self.assertEqual(speculative.PromptLookup().propose(ids, 4), [9, 1, 2, 3])
+        self.assertEqual(speculative.PromptLookup().propose([5, 6], 4), [])
+        drafter = speculative.NgramDrafter([[1, 2, 3, 4], [1, 2, 3, 5], [7, 2, 3, 5]])
+        self.assertEqual(drafter.propose([2, 3], 2), [5])     # 3 -> 5 twice, 4 once; 5: none
+        self.assertEqual(drafter.propose([1, 2, 3], 1), [4])  # a tie: the smallest ID
+
+    def test_a_cache_holding_the_start_of_the_prompt_is_copied_and_one_that_drops_is_refused(
+            self):
+        prompt = OPENINGS[0]
+        ids = TOK.encode(prompt)
+        for held in (0, 3, len(ids)):
+            cache = filled_cache(ids[:held])
+            before = snapshot(cache)
+            self.assertEqual(speculative.generate_speculative(PARAMS, TOK, prompt, cache=cache),
+                             generate.generate(PARAMS, TOK, prompt))
+            assert_equal(self, snapshot(cache), before, f"the cache holding {held} tokens")
+        window = lossy.WindowCache(PARAMS, 8)
+        for bad, fragment in (({"cache": window}, "a WindowCache drops positions a crop may "
+                                                  "need"),
+                              ({"lookahead": 0}, "lookahead must be an int >= 1"),
+                              ({"lookahead": 2.0}, "lookahead must be an int >= 1")):
+            with self.subTest(**bad), self.assertRaisesRegex(ValueError, fragment):
+                speculative.generate_speculative(PARAMS, TOK, prompt, **bad)
+
+    def test_a_verifier_that_keeps_a_rejected_position_or_draws_for_a_discarded_draft_fails(
+            self):
+        for mistake in (KEEP_A_REJECTED_POSITION, draw_for_a_discarded_draft):
+            planted = plant(speculative, "generate_speculative", mistake)
+            self.assertIsNotNone(planted, f"the planting site of {mistake} is gone")
+            with self.subTest(mistake=getattr(mistake, "__name__", "keep a rejected one")), \
+                    mock.patch.object(speculative, "generate_speculative", planted):
+                try:
+                    found = self.differences(OPENINGS[:3], (4,))
+                except ValueError:
+                    found = ["raises"]
+                self.assertNotEqual(found, [])
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,231 @@
+"""The record: python3 trace_kv.py's whole run (every Part, on the 60 test openings)
+against kv-trace.json, every claim it proves, and the command's files and output. The
+run takes about half a minute on two cores and is done once, by TheRecord.setUpClass;
+after a change on purpose, python3 trace_kv.py --write records the new run."""
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+from contextlib import redirect_stderr, redirect_stdout
+from unittest import mock
+
+import generate
+import kv_cache
+import model
+import trace_kv
+from instruments import largest_gap, recording, sums_in_another_order
+from kv_cache import generate_cached
+from test_kv_cache import (HERE, OPENINGS, PARAMS, STORIES, TOK, assert_changed,
+                           assert_same_rows, cached_rows, generation_difference, lab_file,
+                           never_ending, setUpModule, tearDownModule, where_rows_differ)
+
+
+class TheRecord(unittest.TestCase):
+    """One whole run of the trace, as python3 trace_kv.py does it."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.record, cls.timing = trace_kv.run()
+
+    def test_every_claim_holds_in_this_run(self):
+        record, every_row = self.record, self.record["every_row_of_every_story"]
+        if every_row["largest_logit_gap"] != 0.0:
+            differing = (where_rows_differ(PARAMS, TOK.encode(story)) for story in STORIES)
+            self.fail(f"a cached row differs from the full pass's (largest gap "
+                      f"{every_row['largest_logit_gap']!r}); on the first test story that "
+                      f"shows it, at {next(filter(None, differing), 'no position')}")
+        self.assertEqual(record["largest_logit_gap_first_story"], 0.0)
+        self.assertEqual(every_row["stories"], 2 * record["stories"])   # greedy and sampled
+        self.assertGreater(every_row["positions"], 60 * 2 * 20)
+        self.assertEqual(record["greedy_identical"], record["stories"])
+        self.assertEqual(record["sampled_identical"], record["stories"])
+        sharing = record["prefix_sharing"]
+        self.assertEqual(sharing["identical"], sharing["runs"])
+        self.assertEqual(record["one_pass_prefill"]["largest_logit_gap"], 0.0)
+        self.assertEqual(record["paged"]["prefix_sharing_blocks_of_4"]["greedy_identical"], 60)
+        for name, served in (("prefix_cache", 60), ("many_requests", 120)):
+            for pool in ("small pool", "ample pool"):
+                with self.subTest(stage=name, pool=pool):
+                    self.assertEqual((record[name][pool]["identical"],
+                                      record[name][pool]["largest_logit_gap_of_choosing_rows"]),
+                                     (served, 0.0))
+        self.assertGreater(record["many_requests"]["small pool"]["preemptions"], 0)
+        for run in record["speculative_decoding"]:
+            self.assertEqual((run["identical"], run["largest_logit_gap_of_choosing_rows"]),
+                             (120, 0.0), run)
+        for shape in record["deep_models"]["shapes"]:
+            self.assertEqual(shape["largest_logit_gap"], 0.0, shape)
+
+    def test_recorded_trace(self):
+        """kv-trace.json is this run's record, key for key."""
+        self.assertEqual(trace_kv.differing_keys(self.record, json.loads(lab_file(trace_kv.TRACE))),
+                         [], "kv-trace.json differs from this run in these keys; after a "
+                             "change on purpose, python3 trace_kv.py --write records the new run")
+
+    def test_the_record_is_the_same_for_any_number_of_workers(self):
+        """On the first opening: one process, or two sharing the stages."""
+        alone, _ = trace_kv.run(workers=1, stories=1)
+        shared, timing = trace_kv.run(workers=2, stories=1)
+        self.assertEqual(timing["workers"], 2)
+        self.assertEqual(trace_kv.differing_keys(alone, shared), [])
+        self.assertEqual(json.dumps(alone), json.dumps(shared))   # byte for byte, in order
+
+    def test_the_lesson_s_part_alone_records_the_lesson_s_keys(self):
+        lesson, _ = trace_kv.run(workers=1, stories=1, parts=1)
+        self.assertIn("greedy_identical", lesson)
+        self.assertNotIn("ladder", lesson)
+        self.assertEqual(set(lesson) - set(self.record), set())
+
+
+class RecordedFigures(unittest.TestCase):
+    """The figures in kv-trace.json that the README quotes, against real runs (that the
+    README quotes them is test_readme's part)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.record = json.loads(lab_file(trace_kv.TRACE))
+
+    def test_cost_by_length_matches_instrumented_runs(self):
+        never_ends = never_ending(PARAMS, TOK)
+        for entry in self.record["cost_by_length"]:
+            length, settings = entry["positions"], {"max_new_tokens": entry["positions"] - 1}
+            with recording(model, "forward") as passes, \
+                    recording(kv_cache, "forward_step") as steps:
+                result = generate.generate(never_ends, TOK, "mia", **settings)
+                cached = generate_cached(never_ends, TOK, "mia", **settings)
+            if cached != result:
+                self.fail(generation_difference(never_ends, "mia", settings, cached, result))
+            self.assertEqual(len(TOK.encode("mia")) + len(result["steps"]), length)
+            self.assertEqual(sum(len(call.result[0]) for call in passes), entry["uncached_rows"])
+            self.assertEqual(len(steps), entry["cached_rows"])
+            self.assertEqual(entry, {"positions": length, **kv_cache.work(1, length - 1)})
+
+    def test_prefix_sharing_saves_the_recorded_rows(self):
+        sharing = self.record["prefix_sharing"]
+        self.assertEqual(sharing["identical"], sharing["runs"])
+        lengths = [len(TOK.encode(prompt)) for prompt in OPENINGS]
+        self.assertEqual(sharing["prompt_rows_without_sharing"], 3 * sum(lengths))
+        self.assertEqual(sharing["prompt_rows_with_sharing"], sum(lengths) + 3 * len(lengths))
+
+    def test_sums_in_another_order_change_the_scores_and_only_inside_the_block(self):
+        ids = TOK.encode(STORIES[0])
+        full, _ = model.forward(PARAMS, ids)
+        with sums_in_another_order():
+            reordered = cached_rows(PARAMS, ids)
+        assert_changed(self, reordered, full, "the rows with sums in another order")
+        self.assertEqual(largest_gap(full, reordered),
+                         self.record["sums_in_another_order"]["largest_logit_gap_first_story"])
+        assert_same_rows(self, cached_rows(PARAMS, ids), full)
+
+
+class RecordFiles(unittest.TestCase):
+
+    def test_a_failed_write_keeps_the_previous_records_and_leaves_no_temporary_file(self):
+        previous = {trace_kv.TRACE: "the previous trace\n", trace_kv.TIMES: "the previous times\n"}
+        with tempfile.TemporaryDirectory() as folder:
+            for name, text in previous.items():
+                with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+                    f.write(text)
+            for target in ("checkpoint.os.replace", "checkpoint.os.fsync"):
+                with self.subTest(failing=target):
+                    with mock.patch(target, side_effect=OSError("disk full")):
+                        with self.assertRaises(OSError):
+                            trace_kv.save_records({"stories": 60}, {"python": "3"}, folder)
+                    self.assertEqual(sorted(os.listdir(folder)), sorted(previous))
+                    for name, text in previous.items():
+                        with open(os.path.join(folder, name), encoding="utf-8") as f:
+                            self.assertEqual(f.read(), text)
+            trace_kv.save_records({"stories": 60}, {"python": "3"}, folder)
+            with open(os.path.join(folder, trace_kv.TRACE), encoding="utf-8") as f:
+                self.assertEqual(json.load(f), {"stories": 60})
+
+    def test_check_names_a_missing_or_unreadable_record_and_the_keys_that_differ(self):
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, trace_kv.TRACE)
+            with self.assertRaisesRegex(ValueError, "cannot read .*--write"):
+                trace_kv.read_record(path)
+            for text in ("{ not json", "[1, 2]", "\xff"):
+                with open(path, "w", encoding="latin-1") as f:
+                    f.write(text)
+                with self.subTest(text=text), self.assertRaisesRegex(ValueError, "--write"):
+                    trace_kv.read_record(path)
+        record = {"stories": 60, "greedy_identical": 60, "work": {"cached_rows": 5}}
+        changed = dict(record, greedy_identical=59, work={"cached_rows": 6}, extra=1)
+        self.assertEqual(trace_kv.differing_keys(record, changed),
+                         ["extra", "greedy_identical", "work"])
+        self.assertEqual(trace_kv.differing_keys(record, dict(record)), [])
+
+    def test_check_fails_fast_in_one_line_when_the_record_is_missing(self):
+        with tempfile.TemporaryDirectory() as folder:
+            done = subprocess.run([sys.executable, os.path.join(HERE, "trace_kv.py"), "--check",
+                                   "--folder", folder], capture_output=True, text=True,
+                                  timeout=60)
+        self.assertEqual(done.returncode, 1)
+        self.assertEqual(len(done.stderr.strip().splitlines()), 1, done.stderr)
+        self.assertIn(f"cannot read {os.path.join(folder, 'kv-trace.json')}", done.stderr)
+
+    def test_unknown_flags_are_usage_errors(self):
+        for script, flag in (("trace_kv.py", "--chek"), ("trace_kv.py", "--check --write"),
+                             ("trace_kv.py", "--workers 0"), ("trace_kv.py", "--workers two"),
+                             ("train.py", "--epochs")):
+            with self.subTest(script=script, flag=flag):
+                done = subprocess.run([sys.executable, os.path.join(HERE, script),
+                                       *flag.split()], capture_output=True, text=True,
+                                      timeout=60)
+                self.assertEqual(done.returncode, 2)
+                self.assertNotIn("Traceback", done.stderr)
+                self.assertIn("usage:", done.stderr)
+
+
+class Summary(unittest.TestCase):
+    """What python3 trace_kv.py prints for a person, from the recorded run."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.record = json.loads(lab_file(trace_kv.TRACE))
+        cls.timing = json.loads(lab_file(trace_kv.TIMES))
+
+    def test_the_summary_gives_the_verdicts_the_work_and_the_speed_up(self):
+        r, every = self.record, self.record["every_row_of_every_story"]
+        lines = trace_kv.summary(r, self.timing).splitlines()
+        self.assertIn(f"  every row's logits equal, bit for bit: yes (largest gap 0.0 over "
+                      f"{every['positions']:,} positions of 120 stories)", lines)
+        self.assertIn("  greedy stories identical:  yes (60 of 60)", lines)
+        self.assertIn("  sampled stories identical: yes (60 of 60, temperature 1.0)", lines)
+        self.assertIn(f"  rows{r['work']['uncached_rows']:>32,}{r['work']['cached_rows']:>10,}"
+                      f"{r['rows_ratio']:>8}x", lines)
+        self.assertIn(f"{self.timing['speedup']}x faster (rows ratio {r['rows_ratio']}x)",
+                      lines[-1])
+
+    def test_a_difference_is_a_no(self):
+        broken = dict(self.record, greedy_identical=59, every_row_of_every_story=dict(
+            self.record["every_row_of_every_story"], largest_logit_gap=2.0 ** -52))
+        text = trace_kv.summary(broken, None)
+        self.assertIn("bit for bit: NO (largest gap 2.220446049250313e-16 over", text)
+        self.assertIn("greedy stories identical:  NO (59 of 60)", text)
+        self.assertIn("sampled stories identical: yes", text)
+        self.assertNotIn("Time", text)
+
+    def run_main(self, *args):
+        """trace_kv.main with run() replaced by the recorded run: (stdout, stderr)."""
+        out, err = io.StringIO(), io.StringIO()
+        with mock.patch.object(trace_kv, "run", return_value=(self.record, self.timing)), \
+                redirect_stdout(out), redirect_stderr(err):
+            trace_kv.main(list(args))
+        return out.getvalue(), err.getvalue()
+
+    def test_the_command_prints_the_summary_and_the_record_only_when_asked(self):
+        out, err = self.run_main()
+        self.assertTrue(out.startswith("Exactness\n"), out)
+        self.assertIn("The full record: ", out)
+        self.assertIn("about 20 s on 2 cores", err)
+        out, _ = self.run_main("--json")
+        self.assertEqual(json.loads(out), self.record)
+        out, _ = self.run_main("--check")
+        shown = os.path.relpath(os.path.join(HERE, "kv-trace.json"))
+        self.assertTrue(out.endswith(f"{shown} matches this run\n"), out)
+
+
