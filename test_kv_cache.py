@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import types
 import unittest
 from contextlib import redirect_stderr, redirect_stdout
 from unittest import mock
@@ -399,7 +400,7 @@ class RandomModels(unittest.TestCase):
 
 def plant(module, function, mistake):
     """module.function compiled from its real source with a mistake planted in its syntax
-    tree, in the module's namespace; None if the spot is gone (an edit removed it).
+    tree, reading the module's own globals; None if the spot is gone (an edit removed it).
     mistake(tree) changes the tree and returns how many places it changed, so comments,
     blank lines, formatting and most renamings leave planting intact."""
     real = getattr(module, function)
@@ -411,7 +412,9 @@ def plant(module, function, mistake):
     namespace = dict(vars(module))
     exec(compile(ast.fix_missing_locations(tree), inspect.getsourcefile(real), "exec"),
          namespace)
-    return namespace[function]
+    compiled = namespace[function]   # with the module's own globals, as an edit would have
+    return types.FunctionType(compiled.__code__, vars(module), function,
+                              compiled.__defaults__, compiled.__closure__)
 
 
 def replacing(matches, replacement):
@@ -568,6 +571,30 @@ class Teeth(unittest.TestCase):
             with self.subTest(edit=edit):
                 self.assertEqual(set(self.verdict(edit, module, function, planting).values()),
                                  {"equal"})
+
+    def test_renaming_any_local_of_forward_step_changes_nothing(self):
+        """Each local variable of the real forward_step renamed (by its syntax tree), one at
+        a time: --show prints the same lines, and every row still equals the full pass."""
+        source = ast.parse(textwrap.dedent(inspect.getsource(kv_cache.forward_step)))
+        names = sorted({node.id for node in ast.walk(source)
+                        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)})
+        self.assertGreaterEqual(len(names), 10, names)   # x0, h1, q, k, v, ...
+
+        def show():
+            out = io.StringIO()
+            with redirect_stdout(out):
+                kv_cache.show_steps(PARAMS, TOK, "mia was sad.", (6, 0.0, None, 0))
+            return out.getvalue()
+        shown = show()
+        for name in names:
+            renamed = replacing(lambda node, name=name: isinstance(node, ast.Name)
+                                and node.id == name,
+                                lambda node: ast.Name("renamed_" + node.id, node.ctx))
+            with self.subTest(renamed=name), \
+                    mock.patch.object(kv_cache, "forward_step",
+                                      plant(kv_cache, "forward_step", renamed)):
+                self.assertEqual(show(), shown)
+                assert_every_row_equal(self, PARAMS, self.ids)
 
     def test_each_mistake_is_planted_in_one_place_whatever_the_comments_and_local_names(self):
         """Planting reads the syntax tree: the real source with its comments gone, its
