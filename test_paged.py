@@ -2,6 +2,8 @@
 bit, shares full blocks and copies on write; the pool's counts stay consistent; every
 refusal leaves the pool as it was."""
 import ast
+import inspect
+import textwrap
 import copy
 import json
 import math
@@ -20,10 +22,11 @@ import paged
 import prefill
 from kv_cache import KVCache, feed, forward_step, generate_cached
 from train import openings, split_stories, story_ids
+import test_kv_cache
 from test_kv_cache import (OPENINGS, PARAMS, STORIES, TOK, UNCHANGED, assert_changed,
                            assert_equal, assert_same_generation, assert_same_rows, cached_rows,
-                           check_every_case, filled_cache, plant, replacing, setUpModule,
-                           snapshot, tearDownModule)   # the module set-up: run from elsewhere
+                           check_every_case, filled_cache, plant, replacing, snapshot,
+                           tearDownModule)
 from test_prefill import chunked_rows
 
 
@@ -33,6 +36,119 @@ def pool_snapshot(pool):
     return ([(b.tokens, b.keys, b.values, b.ref_count, b.prefix) for b in pool.blocks],
             {key: list(ids) for key, ids in pool.prefix_index.items()}, list(pool.free_list),
             pool.prefix_hits, pool.evictions)
+
+
+def where_sequence_differs(label, seq, reference):
+    """None if the paged sequence seq holds, position by position, what reference (a
+    KVCache fed the same tokens) holds, where its block table says: position p in block
+    table[p // block_size], slot p % block_size. Else one line naming the position, the
+    block and the slot, and what differs there."""
+    size = seq.pool.block_size
+    if seq.length != len(reference):
+        return f"{label} holds {seq.length} positions, where the reference holds {len(reference)}"
+    for position in range(len(reference)):
+        block_id, slot = seq.table[position // size], position % size
+        block = seq.pool.blocks[block_id]
+        where = f"{label}, position {position} (block {block_id}, slot {slot})"
+        if slot >= len(block.tokens):
+            return f"{where}: the block holds only {len(block.tokens)} positions"
+        for part in ("tokens", "keys", "values"):
+            if getattr(block, part)[slot] != getattr(reference, part)[position]:
+                return f"{where}: its {part[:-1]} is not the one a KVCache fed the same tokens holds"
+    return None
+
+
+def setUpModule():
+    """The paged cache's first check, before any test of this module: sequences written,
+    forked and found by their prefix, compared slot by slot with a KVCache fed the same
+    tokens. If it fails, its one line names the block and the position where a mistake in
+    the pool shows, and no other test runs: they use feed and generate_cached, which see
+    only a sequence that disagrees with itself (and would blame the caller)."""
+    test_kv_cache.setUpModule()   # every test runs from another folder than the lab's
+    why = paged_scenario()
+    if why:
+        test_kv_cache.tearDownModule()
+        raise AssertionError(f"the paged cache is wrong: {why}")
+
+
+def paged_scenario():
+    """Write a sequence, fork it, let both sides write, and find its prefix again from a
+    new sequence, all one forward_step at a time; None if every sequence holds what a
+    KVCache fed its tokens holds, else where_sequence_differs's line for the first that
+    does not."""
+    ids = TOK.encode(OPENINGS[0] + " she was")
+    pool = paged.BlockPool(PARAMS, 16, 4)
+
+    def write(seq, tokens):
+        for token_id in tokens:
+            forward_step(PARAMS, seq, token_id, len(seq))
+    parent = pool.sequence()
+    write(parent, ids[:10])                      # blocks of 4, 4 and 2 positions
+    fork = parent.copy()
+    write(fork, ids[10:12])                      # into the shared, partly filled block
+    write(parent, TOK.encode(" tom"))
+    found = pool.sequence(ids[:10])              # a prefix hit: the two full blocks
+    write(found, ids[len(found):10])
+    for label, seq, tokens in (("the parent", parent, ids[:10] + TOK.encode(" tom")),
+                               ("the fork", fork, ids[:12]), ("the prefix hit", found, ids[:10])):
+        why = where_sequence_differs(label, seq, filled_cache(tokens))
+        if why:
+            return why
+    return None
+
+
+ROOM_OFF_BY_ONE = replacing(   # block_size - in the last block becomes block_size - ... - 1
+    lambda node: (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub)
+                  and isinstance(node.left, ast.Attribute) and node.left.attr == "block_size"),
+    lambda node: ast.BinOp(node, ast.Sub(), ast.Constant(1)))
+NO_COPY_ON_WRITE = replacing(   # the shared last block is written as if it were its own
+    lambda node: (isinstance(node, ast.If) and isinstance(node.test, ast.Call)
+                  and isinstance(node.test.func, ast.Attribute)
+                  and node.test.func.attr == "_last_block_is_shared"),
+    lambda node: ast.If(ast.Constant(False), node.body, node.orelse))
+WRONG_BLOCK_FOUND = replacing(   # holders[0] becomes holders[0] + 1: the next block's id
+    lambda node: (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name)
+                  and node.value.id == "holders"),
+    lambda node: ast.BinOp(node, ast.Add(), ast.Constant(1)))
+
+
+class PagedTeeth(unittest.TestCase):
+    """Mistakes planted in the real paged.py (by its syntax tree): the first check names
+    the block and the position where each shows."""
+
+    MISTAKES = [("an off-by-one in the room left in the last block", paged.PagedSequence,
+                 "_room_in_last_block", ROOM_OFF_BY_ONE),
+                ("a shared block written without a copy", paged.PagedSequence, "extend",
+                 NO_COPY_ON_WRITE),
+                ("a prefix hit that returns the wrong block", paged.BlockPool, "find",
+                 WRONG_BLOCK_FOUND)]
+
+    def test_each_mistake_names_its_block_and_position(self):
+        self.assertIsNone(paged_scenario())   # the harness itself is right
+        for what, owner, method, mistake in self.MISTAKES:
+            with self.subTest(mistake=what):
+                planted = plant_method(owner, method, mistake)
+                self.assertIsNotNone(planted, f"the planting site of {what!r} is gone")
+                with mock.patch.object(owner, method, planted):
+                    try:
+                        why = paged_scenario()
+                    except ValueError as refused:
+                        why = f"refused: {refused}"
+                self.assertRegex(why or "", r"position \d+ \(block \d+, slot \d+\)|holds \d+ "
+                                            r"positions, where", why)
+
+
+def plant_method(owner, method, mistake):
+    """owner.method compiled from its real source with mistake planted (as plant does for
+    a module's function), or None if the spot is gone."""
+    source = textwrap.dedent(inspect.getsource(getattr(owner, method)))
+    tree = ast.parse(source)
+    if not mistake(tree):
+        return None
+    namespace = dict(vars(paged))
+    exec(compile(ast.fix_missing_locations(tree), inspect.getsourcefile(paged), "exec"),
+         namespace)
+    return namespace[method]
 
 
 class Paged(unittest.TestCase):
