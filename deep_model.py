@@ -168,8 +168,8 @@ def forward_step(params, cache, token_id, position):
 # ---- the experiment (a stage of trace_kv.py) ---------------------------------------
 
 def _deep_ids(lab):
-    """The first 64 tokens of the test stories (24 in a run of fewer openings)."""
-    positions = CONTEXT if len(lab.prompts) == len(lab.test) else 24
+    """The first 64 tokens of the test stories (16 in a quick run of fewer openings)."""
+    positions = CONTEXT if len(lab.prompts) == len(lab.test) else 16
     return [t for story in lab.test for t in lab.tok.encode(story)][:positions]
 
 

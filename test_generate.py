@@ -81,8 +81,7 @@ class NextTokenProbsTest(unittest.TestCase):
                          generate.next_token_probs(LOGITS, 0.7, None))
 
     def test_next_token_probs_refuses_bad_settings(self):
-        # SPEC section 7: every public entry point refuses bad input. next_token_probs
-        # is public (SPEC section 4) and shared with kv_cache.generate_cached.
+        # Public, and shared with kv_cache.generate_cached: it refuses bad settings too.
         for temperature in (-0.1, math.nan, math.inf):
             with self.subTest(temperature=temperature), self.assertRaises(ValueError):
                 generate.next_token_probs(LOGITS, temperature, None)

@@ -1,5 +1,5 @@
 """Tests of model.py: the backward pass against finite differences, causality, the exact
-arithmetic of SPEC section 3, and the refusals of bad input."""
+arithmetic of the README's Reference (The model), and the refusals of bad input."""
 import math
 import random
 import unittest
@@ -174,7 +174,8 @@ class ForwardTest(unittest.TestCase):
 
 
 def spec_forward(params, ids):
-    """SPEC section 3 written out position by position, independently of model.py."""
+    """The model's arithmetic (README, Reference: The model) written out position by
+    position, independently of model.py."""
     def dot(a, b):
         return fsum(a[k] * b[k] for k in range(len(a)))
 

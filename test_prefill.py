@@ -82,7 +82,8 @@ class OnePassPrefill(unittest.TestCase):
         for prompt in OPENINGS[:3]:
             for settings in ({}, {"temperature": 1.0, "seed": 4},
                              {"temperature": 1.0, "top_k": 3, "seed": 5}):
-                assert_same_generation(self, PARAMS, prompt, settings, prefill.generate_one_pass)
+                assert_same_generation(self, PARAMS, prompt, settings, prefill.generate_one_pass,
+                                       uncached=generate_cached(PARAMS, TOK, prompt, **settings))
 
     def test_one_pass_generation_makes_one_call_for_the_prompt(self):
         with recording(prefill, "prefill") as calls:

@@ -1,7 +1,11 @@
 """The record: python3 trace_kv.py's whole run (every Part, on the 60 test openings)
-against kv-trace.json, every claim it proves, and the command's files and output. The
-run takes about half a minute on two cores and is done once, by TheRecord.setUpClass;
-after a change on purpose, python3 trace_kv.py --write records the new run."""
+against kv-trace.json, every claim it proves, and the command's files and output.
+
+The whole run takes about half a minute on two cores. It starts in a process of its own
+as soon as unittest loads this module's tests (load_tests), so that the other test
+modules run meanwhile, and TheRecord waits for it. After a change on purpose, python3
+trace_kv.py --write records the new run."""
+import atexit
 import io
 import json
 import os
@@ -23,12 +27,42 @@ from test_kv_cache import (HERE, OPENINGS, PARAMS, STORIES, TOK, assert_changed,
                            never_ending, setUpModule, tearDownModule, where_rows_differ)
 
 
+_RUN = {}   # the background run of the whole trace: its process and output files
+
+
+def _start_the_run():
+    """Start python3 trace_kv.py --json in a process of its own (once)."""
+    if not _RUN:
+        _RUN["out"], _RUN["err"] = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+        _RUN["process"] = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "trace_kv.py"), "--json"],
+            stdout=_RUN["out"], stderr=_RUN["err"])
+        atexit.register(_RUN["process"].kill)   # if unittest stops early
+
+
+def _the_run():
+    """The record of the background run, once it has ended."""
+    _start_the_run()
+    if _RUN["process"].wait(timeout=900):
+        _RUN["err"].seek(0)
+        raise AssertionError(f"python3 trace_kv.py --json failed:\n"
+                             f"{_RUN['err'].read().decode('utf-8', 'replace')[-2000:]}")
+    _RUN["out"].seek(0)
+    return json.loads(_RUN["out"].read().decode("utf-8"))
+
+
+def load_tests(loader, tests, pattern):
+    """unittest's hook, called as it loads this module's tests: start the whole run now."""
+    _start_the_run()
+    return tests
+
+
 class TheRecord(unittest.TestCase):
-    """One whole run of the trace, as python3 trace_kv.py does it."""
+    """One whole run of the trace, as python3 trace_kv.py does it (in the background)."""
 
     @classmethod
     def setUpClass(cls):
-        cls.record, cls.timing = trace_kv.run()
+        cls.record = _the_run()
 
     def test_every_claim_holds_in_this_run(self):
         record, every_row = self.record, self.record["every_row_of_every_story"]
@@ -66,15 +100,18 @@ class TheRecord(unittest.TestCase):
                              "change on purpose, python3 trace_kv.py --write records the new run")
 
     def test_the_record_is_the_same_for_any_number_of_workers(self):
-        """On the first opening: one process, or two sharing the stages."""
-        alone, _ = trace_kv.run(workers=1, stories=1)
-        shared, timing = trace_kv.run(workers=2, stories=1)
+        """The stages of Parts 1 and 2 (cases, gathered ones among them) on the first
+        opening: in one process, or shared by two."""
+        alone, _ = trace_kv.run(workers=1, stories=1, parts=2)
+        shared, timing = trace_kv.run(workers=2, stories=1, parts=2)
         self.assertEqual(timing["workers"], 2)
         self.assertEqual(trace_kv.differing_keys(alone, shared), [])
         self.assertEqual(json.dumps(alone), json.dumps(shared))   # byte for byte, in order
 
     def test_the_lesson_s_part_alone_records_the_lesson_s_keys(self):
-        lesson, _ = trace_kv.run(workers=1, stories=1, parts=1)
+        with recording(trace_kv, "load_trained") as loads:   # one process: one load
+            lesson, _ = trace_kv.run(workers=1, stories=1, parts=1)
+        self.assertEqual(len(loads), 1)
         self.assertIn("greedy_identical", lesson)
         self.assertNotIn("ladder", lesson)
         self.assertEqual(set(lesson) - set(self.record), set())
