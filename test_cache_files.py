@@ -1,13 +1,10 @@
 """Cache files (cache_files.py): a saved cache loads bit for bit, in this process or
 another, and continues exactly; what is not a cache of these weights is refused, naming
 the file."""
-import ast
 import copy
 import json
 import math
 import os
-import random
-import struct
 import subprocess
 import sys
 import tempfile
@@ -15,16 +12,12 @@ import unittest
 from unittest import mock
 
 import generate
-import model
 import cache_files
 import lossy
 import paged
-from kv_cache import KVCache, feed, forward_step, generate_cached
-from train import openings, split_stories, story_ids
+from kv_cache import feed, generate_cached
 import test_kv_cache
-from test_kv_cache import (OPENINGS, PARAMS, STORIES, TOK, UNCHANGED, assert_changed,
-                           assert_equal, assert_same_generation, assert_same_rows, cached_rows,
-                           check_every_case, filled_cache, plant, replacing, setUpModule,
+from test_kv_cache import (OPENINGS, PARAMS, TOK, assert_equal, filled_cache, setUpModule,
                            snapshot, tearDownModule)   # the module set-up: run from elsewhere
 
 

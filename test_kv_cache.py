@@ -16,14 +16,14 @@ import tempfile
 import textwrap
 import types
 import unittest
-from contextlib import redirect_stderr, redirect_stdout
+from contextlib import redirect_stdout
 from unittest import mock
 
 import generate
 import kv_cache
 import model
 from generate import load_trained, never_ending
-from instruments import recording, results
+from instruments import recording
 from kv_cache import KVCache, feed, forward_step, generate_cached
 from train import openings, split_stories, story_ids
 

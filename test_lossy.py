@@ -1,28 +1,15 @@
 """The lossy caches (lossy.py): each format keeps what its numbers allow and measures its
 bytes; a window equals the band-masked full pass; what a format cannot store is refused."""
-import ast
-import copy
-import json
-import math
-import os
-import random
 import struct
-import subprocess
-import sys
-import tempfile
 import unittest
-from unittest import mock
 
-import generate
 import model
 import lossy
 import prefill
-from kv_cache import KVCache, feed, forward_step, generate_cached
-from train import openings, split_stories, story_ids
-from test_kv_cache import (OPENINGS, PARAMS, STORIES, TOK, UNCHANGED, assert_changed,
-                           assert_equal, assert_same_generation, assert_same_rows, cached_rows,
-                           check_every_case, filled_cache, plant, replacing, setUpModule,
-                           snapshot, tearDownModule)   # the module set-up: run from elsewhere
+from kv_cache import feed, forward_step, generate_cached
+from test_kv_cache import (OPENINGS, PARAMS, STORIES, TOK, assert_changed, assert_equal,
+                           assert_same_generation, assert_same_rows, cached_rows,
+                           setUpModule, tearDownModule)   # the module set-up: run from elsewhere
 
 
 class Lossy(unittest.TestCase):

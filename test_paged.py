@@ -4,29 +4,21 @@ refusal leaves the pool as it was."""
 import ast
 import inspect
 import textwrap
-import copy
-import json
 import math
 import os
 import random
-import struct
-import subprocess
-import sys
-import tempfile
 import unittest
 from unittest import mock
 
-import generate
 import model
 import paged
 import prefill
-from kv_cache import KVCache, feed, forward_step, generate_cached
-from train import openings, split_stories, story_ids
+from kv_cache import feed, forward_step, generate_cached
+from train import story_ids
 import test_kv_cache
-from test_kv_cache import (OPENINGS, PARAMS, STORIES, TOK, UNCHANGED, assert_changed,
-                           assert_equal, assert_same_generation, assert_same_rows, cached_rows,
-                           check_every_case, filled_cache, plant, replacing, snapshot,
-                           tearDownModule)
+from test_kv_cache import (OPENINGS, PARAMS, STORIES, TOK, assert_equal,
+                           assert_same_generation, assert_same_rows, cached_rows,
+                           filled_cache, replacing, snapshot, tearDownModule)
 from test_prefill import chunked_rows
 
 

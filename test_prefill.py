@@ -2,27 +2,17 @@
 for bit, the causal mask offset by what the cache holds; refusals leave the cache as it was."""
 import ast
 import copy
-import json
-import math
-import os
-import random
-import struct
-import subprocess
-import sys
-import tempfile
 import unittest
 from unittest import mock
 
-import generate
 import model
 import prefill
 from instruments import recording
 from kv_cache import KVCache, feed, forward_step, generate_cached
-from train import openings, split_stories, story_ids
 import test_kv_cache
 from test_kv_cache import (OPENINGS, PARAMS, STORIES, TOK, UNCHANGED, assert_changed,
-                           assert_equal, assert_same_generation, assert_same_rows, cached_rows,
-                           check_every_case, filled_cache, plant, replacing, setUpModule,
+                           assert_equal, assert_same_generation, assert_same_rows,
+                           cached_rows, filled_cache, plant, replacing, setUpModule,
                            snapshot, tearDownModule)   # the module set-up: run from elsewhere
 
 

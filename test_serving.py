@@ -1,28 +1,16 @@
 """Serving many requests (serving.py): every result is generate.generate's for any pool,
 batch size and order, preempted or not; bad requests are refused before anything runs."""
-import ast
 import copy
-import json
 import math
-import os
 import random
-import struct
-import subprocess
-import sys
-import tempfile
 import unittest
-from unittest import mock
 
-import generate
 import model
 import paged
 import serving
-from kv_cache import KVCache, feed, forward_step, generate_cached
-from train import openings, split_stories, story_ids
-from test_kv_cache import (OPENINGS, PARAMS, STORIES, TOK, UNCHANGED, assert_changed,
-                           assert_equal, assert_same_generation, assert_same_rows, cached_rows,
-                           check_every_case, filled_cache, plant, replacing, setUpModule,
-                           snapshot, tearDownModule)   # the module set-up: run from elsewhere
+from kv_cache import generate_cached
+from test_kv_cache import (OPENINGS, PARAMS, TOK, assert_equal, check_every_case,
+                           setUpModule, tearDownModule)   # the module set-up: run from elsewhere
 from test_paged import pool_snapshot
 
 

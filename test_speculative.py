@@ -1,29 +1,17 @@
 """Speculative decoding (speculative.py): every result is generate.generate's, whatever the
 drafter proposes; verifier mistakes planted in the real function are caught."""
 import ast
-import copy
-import json
-import math
-import os
-import random
-import struct
-import subprocess
-import sys
-import tempfile
 import unittest
 from unittest import mock
 
 import generate
-import model
 import lossy
 import speculative
-from kv_cache import KVCache, feed, forward_step, generate_cached
-from train import openings, split_stories, story_ids
+from kv_cache import generate_cached
+from train import split_stories
 import test_kv_cache
-from test_kv_cache import (OPENINGS, PARAMS, STORIES, TOK, UNCHANGED, assert_changed,
-                           assert_equal, assert_same_generation, assert_same_rows, cached_rows,
-                           check_every_case, filled_cache, plant, replacing, setUpModule,
-                           snapshot, tearDownModule)   # the module set-up: run from elsewhere
+from test_kv_cache import (OPENINGS, PARAMS, TOK, assert_equal, filled_cache, plant,
+                           replacing, setUpModule, snapshot, tearDownModule)   # the module set-up: run from elsewhere
 
 
 def is_rollback(node):
