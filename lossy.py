@@ -193,7 +193,8 @@ def ladder_rung(lab, rung, runs):
     window), the largest logit gap against the exact rows over every position of the
     greedy stories (their tokens fed through that cache), and how many greedy and sampled
     stories change their text (a greedy story changes where a fed row's best token is not
-    the next one; a sampled one is generated again through that cache)."""
+    the next one; a sampled one is generated again through that cache). The prompt but its
+    last token is fed once, and both stories go on from copies of that cache."""
     params, tok, prompts = lab.params, lab.tok, lab.prompts
     name, kind = RUNGS[rung]
 
@@ -208,14 +209,16 @@ def ladder_rung(lab, rung, runs):
     with sums_in_another_order() if kind == "reordered" else contextlib.nullcontext():
         for index, (prompt, result, rows) in enumerate(zip(prompts, runs.greedy,
                                                            runs.greedy_rows)):
-            ids = story_ids(tok, prompt, result)
-            cache = make()
-            fed = feed(params, cache, ids[:-1])
+            ids, prompt_tokens = story_ids(tok, prompt, result), len(tok.encode(prompt))
+            start = make()   # all of the prompt but its last token, for both stories
+            prompt_rows = feed(params, start, ids[:prompt_tokens - 1])
+            cache = start.copy()
+            fed = prompt_rows + feed(params, cache, ids[:-1])
             gap = max(gap, largest_gap(fed, rows))
-            chosen = range(len(tok.encode(prompt)) - 1, len(fed))   # rows that chose
+            chosen = range(prompt_tokens - 1, len(fed))   # rows that chose
             greedy_changed += any(fed[p].index(max(fed[p])) != ids[p + 1] for p in chosen)
             again = generate_cached(params, tok, prompt, temperature=1.0, seed=index,
-                                    cache=make())
+                                    cache=start)
             sampled_changed += again["text"] != runs.sampled[index]["text"]
     return {"cache": name,
             "bytes_per_position": cache.bytes_per_position()

@@ -5,6 +5,7 @@ as it would one at a time. A drafted token counts only where it is the token cho
 the positions after the first that is not are rolled back with crop. So the result is
 generate.generate's, whatever the drafter proposes: a good drafter only saves calls.
 """
+import functools
 from collections import Counter
 
 import generate
@@ -107,6 +108,13 @@ def generate_speculative(params, tok, prompt, max_new_tokens=60, temperature=0.0
 
 # ---- the experiment (a stage of trace_kv.py, one drafter and lookahead a case) -----
 
+@functools.lru_cache(maxsize=1)
+def _training_drafter(tok, corpus):
+    """An NgramDrafter of corpus's training stories, made once in each process."""
+    train, _, _ = split_stories(corpus)
+    return NgramDrafter([tok.encode(story) for story in train])
+
+
 def experiment(lab, draft, runs):
     """generate_speculative with DRAFTS[draft] on every opening, greedy and sampled: the
     stories identical to the uncached ones, the largest gap between the logits each token
@@ -115,11 +123,8 @@ def experiment(lab, draft, runs):
     generated token, and how many drafted tokens were accepted."""
     params, tok, prompts = lab.params, lab.tok, lab.prompts
     drafter, lookahead = DRAFTS[draft]
-    if drafter == "training stories":
-        train, _, _ = split_stories(lab.corpus)
-        chosen_drafter = NgramDrafter([tok.encode(story) for story in train])
-    else:
-        chosen_drafter = PromptLookup()
+    chosen_drafter = (_training_drafter(tok, lab.corpus) if drafter == "training stories"
+                      else PromptLookup())
     counts = {"drafter": drafter, "lookahead": lookahead, "identical": 0, "model_calls": 0,
               "model_calls_one_per_token": 0, "rows": 0, "rows_one_at_a_time": 0,
               "drafted": 0, "accepted": 0}

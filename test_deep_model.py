@@ -36,13 +36,13 @@ def where(params, ids, mask=deep_model.causal):
 class Exactness(unittest.TestCase):
 
     def test_every_cached_row_equals_the_full_pass_for_every_shape(self):
-        """16 positions, two seeds; the trace does every shape of 4 heads on 64."""
+        """16 positions, seed 1 (the trace does every shape of 4 heads on 64 positions
+        with seed 0)."""
         ids = tokens(16)
         for layers, heads, kv_heads in SHAPES:
-            for seed in (0, 1):
-                params = deep_model.init_params(layers, heads, kv_heads, 16, seed)
-                with self.subTest(layers=layers, heads=heads, kv_heads=kv_heads, seed=seed):
-                    self.assertIsNone(where(params, ids))
+            params = deep_model.init_params(layers, heads, kv_heads, 16, 1)
+            with self.subTest(layers=layers, heads=heads, kv_heads=kv_heads):
+                self.assertIsNone(where(params, ids))
 
     def test_the_cache_keeps_2_x_layers_x_kv_heads_x_head_width_numbers_per_position(self):
         for layers, heads, kv_heads in SHAPES:
