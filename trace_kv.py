@@ -4,7 +4,7 @@ then every Part's experiments. Each experiment is a stage, declared once in STAG
 Part, its name in the record, its function, what it needs) and run by one small loop
 that the machine's cores share.
 
-    python3 trace_kv.py              runs it (about 20 s on 2 cores, 45 s on 1): a summary
+    python3 trace_kv.py              runs it (about 40 s on 2 cores): a summary
     python3 trace_kv.py --part 1     runs only the lesson's stages (Part 1)
     python3 trace_kv.py --json       prints the whole record instead, as JSON
     python3 trace_kv.py --check      also fails if the record differs from kv-trace.json
@@ -42,6 +42,7 @@ from train import openings, positive_int, split_stories, story_ids
 
 TRACE, TIMES = "kv-trace.json", "kv-time.json"
 PARTS = 4
+DURATION = "about 40 s on 2 cores, 75 s on 1"   # measured on the lab's 2-core machine
 
 
 # ---- the stages of every Part, and the loop that runs them ---------------------------
@@ -88,35 +89,42 @@ def run(full_timing=False, folder=LAB, progress=None, workers=None, stories=None
     with full_timing (what --write records) also what timings() measures afterwards, in
     this process alone. progress(stage, done, total), if given, is told each stage done."""
     progress = progress or (lambda stage, done, total: None)
+    workers = workers or os.cpu_count() or 1
     stages = [stage for stage in STAGES if stage.part <= parts]
     lab = _load(folder, stories)
     done, started = {}, {}
-    with _workers(workers or os.cpu_count() or 1, folder, stories) as pool:
-        while len(done) < len(stages):
-            for stage in stages:   # start every stage whose needs are done, in table order
-                if stage.name not in started and all(need in done for need in stage.needs):
-                    needs = [done[need] for need in stage.needs]
-                    cases = stage.cases(lab) if callable(stage.cases) else stage.cases
-                    started[stage.name] = [pool.submit(_stage, stage.name, case, needs)
-                                           for case in (cases or [None])]
-            wait([f for futures in started.values() for f in futures if not f.done()],
-                 return_when=FIRST_COMPLETED)
-            for stage in stages:
-                futures = started.get(stage.name)
-                if stage.name not in done and futures and all(f.done() for f in futures):
-                    values = [f.result() for f in futures]
-                    done[stage.name] = (values[0] if stage.cases is None else
-                                        stage.gather(lab, values) if stage.gather else values)
-                    progress(stage.name, len(done), len(stages))
+    with _workers(workers, folder, stories) as pool:
+        try:
+            while len(done) < len(stages):
+                for stage in stages:   # start each stage whose needs are done, in table order
+                    if stage.name not in started and all(need in done for need in stage.needs):
+                        needs = [done[need] for need in stage.needs]
+                        cases = stage.cases(lab) if callable(stage.cases) else stage.cases
+                        started[stage.name] = [pool.submit(_stage, stage.name, case, needs)
+                                               for case in ([None] if cases is None else cases)]
+                wait([f for futures in started.values() for f in futures if not f.done()],
+                     return_when=FIRST_COMPLETED)
+                for stage in stages:
+                    futures = started.get(stage.name)
+                    if stage.name not in done and futures and all(f.done() for f in futures):
+                        values = [f.result() for f in futures]
+                        done[stage.name] = (values[0] if stage.cases is None else
+                                            stage.gather(lab, values) if stage.gather else values)
+                        progress(stage.name, len(done), len(stages))
+        except BaseException:   # a stage that failed, or Ctrl-C: start nothing more
+            for futures in started.values():
+                for future in futures:
+                    future.cancel()
+            raise
     record = {}
     for stage in stages:
         if stage.record == "top":
             record.update(done[stage.name])
         elif stage.record == "key":
             record[stage.name] = done[stage.name]
-    timing = generators_timing(done["runs"], record["work"], workers or os.cpu_count() or 1)
+    timing = generators_timing(done["runs"], record["work"], workers)
     if full_timing:
-        timing.update(timings(lab, done["runs"], parts))
+        timing.update(timings(lab, done["runs"]))
     return record, timing
 
 
@@ -185,25 +193,23 @@ def generators_timing(runs, total, workers):
     }
 
 
-def timings(lab, runs, parts):
+def timings(lab, runs):
     """What --write also times, in this process alone: a row's share of fsum, each
-    length's seconds, and the bytes CPython uses for the cache (and Part 4's caches)."""
+    length's seconds, and the bytes CPython uses for the cache and Part 4's caches."""
     params, tok = lab.params, lab.tok
     fed = [story_ids(tok, prompt, r)[:-1]              # the last chosen token is never fed
            for prompt, r in zip(lab.prompts, runs.greedy)]
     step_seconds, sum_seconds = fsum_share(params, fed)
     full_context = [t for story in lab.test for t in tok.encode(story)][:model.CONTEXT]
     memory = cache_bytes(params, full_context)
-    measured = {
+    return {
         "forward_step_over_its_fsum_calls": round(step_seconds / sum_seconds, 2),
         "cost_by_length": seconds_by_length(params, tok),
         "cache_bytes_full_context": memory,
         "cache_bytes_per_position": round(memory / model.CONTEXT, 2),
         "cache_bytes_as_8_byte_floats": 8 * 2 * model.WIDTH * model.CONTEXT,
+        "deep_model_cache_bytes_as_cpython_objects": deep_model.cache_bytes(lab),
     }
-    if parts >= 4:
-        measured["deep_model_cache_bytes_as_cpython_objects"] = deep_model.cache_bytes(lab)
-    return measured
 
 
 def seconds_by_length(params, tok, repeats=2):
@@ -349,7 +355,7 @@ def show_progress(stage, done, total):
 def main(argv=None):
     parser = argparse.ArgumentParser(
         description="Run the uncached and the cached generator on the openings of the 60 "
-                    "test stories (about 20 s on 2 cores, 45 s on 1): prove they agree bit "
+                    f"test stories ({DURATION}): prove they agree bit "
                     "for bit, count the work each does, and print a summary.")
     parser.add_argument("--json", action="store_true",
                         help="print the whole record as JSON instead of the summary")
@@ -373,7 +379,7 @@ def main(argv=None):
         recorded = read_record(os.path.join(args.folder, TRACE)) if args.check else None
         print("Running both generators on the openings of the 60 test stories, greedy and "
               "sampled, and comparing every row's logits, then "
-              + ("every Part's experiments (about 20 s on 2 cores, 45 s on 1):"
+              + (f"every Part's experiments ({DURATION}):"
                  if args.part == PARTS else f"the experiments of Parts 1 to {args.part}:"),
               file=sys.stderr)
         record, timing = run(args.write, args.folder, show_progress, args.workers,
