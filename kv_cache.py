@@ -8,6 +8,9 @@ new row, appends its key and value to the cache, and attends over the cache.
     python3 kv_cache.py "zoe went to the park."       compares the two generators
     python3 kv_cache.py --show "mia was sad."   shows the cached one step by step
     (--help lists the flags)
+
+At the end, after a rule: the lesson's experiment, the stages that trace_kv.py runs on
+the 60 test openings.
 """
 import argparse
 import copy

@@ -223,6 +223,12 @@ class RecordFiles(unittest.TestCase):
                 self.assertIn("usage:", done.stderr)
 
 
+class Contract(unittest.TestCase):
+
+    def test_work_is_importable_from_trace_kv(self):
+        self.assertIs(trace_kv.work, kv_cache.work)
+
+
 class Summary(unittest.TestCase):
     """What python3 trace_kv.py prints for a person, from the recorded run."""
 

@@ -37,7 +37,7 @@ import speculative
 from checkpoint import LAB, add_folder_flag, run_command, write_atomically
 from generate import generate, load_trained, never_ending
 from instruments import replaced
-from kv_cache import KVCache, feed, generate_cached
+from kv_cache import KVCache, feed, generate_cached, work   # trace_kv.work: the contract
 from train import openings, positive_int, split_stories, story_ids
 
 TRACE, TIMES = "kv-trace.json", "kv-time.json"
