@@ -13,26 +13,10 @@ from unittest import mock
 import generate
 import model
 from bpe import Tokenizer
+from instruments import recording
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LOGITS = [0.5, -1.0, 2.0, 3.5, 0.0, 3.4, -2.0, 1.0]
-
-
-def counting_forward():
-    """A stand-in for model.forward that records every call, then runs the real one."""
-    real = model.forward
-    calls = []
-
-    def forward(*args, **kwargs):
-        given = dict(zip(("params", "ids"), args), **kwargs)
-        # generate may pass the same list again after appending to it: keep a copy.
-        calls.append({"params": given["params"], "ids": list(given["ids"]),
-                      "positional": len(args), "kwargs": kwargs, "rows": len(given["ids"])})
-        logits, saved = real(*args, **kwargs)
-        calls[-1]["last_row"] = logits[-1]
-        return logits, saved
-
-    return forward, calls
 
 
 class NextTokenProbsTest(unittest.TestCase):
@@ -127,21 +111,21 @@ class GenerateTest(unittest.TestCase):
         prompt = "mia found a shell."
         prompt_len = len(self.tok.encode(prompt))
         params = self.params(1, newline_bias=-100.0)
-        forward, calls = counting_forward()
-        with mock.patch.object(generate.model, "forward", forward):
+        with recording(model, "forward") as calls:
             result = generate.generate(params, self.tok, prompt, max_new_tokens=6,
                                        temperature=1.0, top_k=5, seed=2)
         self.assertEqual(len(result["steps"]), 6)
         self.assertEqual(len(calls), len(result["steps"]))
+        rows = [len(call.result[0]) for call in calls]   # one row of logits per token given
         for k, call in enumerate(calls, start=1):
-            self.assertEqual(call["rows"], prompt_len + k - 1)
-            self.assertEqual(call["kwargs"], {})
-            self.assertEqual(call["positional"], 2)
-            self.assertIs(call["params"], params)
+            self.assertEqual(rows[k - 1], prompt_len + k - 1)
+            self.assertEqual(len(call.args), 2)          # (params, ids), no keyword argument
+            self.assertIs(call.args[0], params)
         ids = self.tok.encode(result["text"])
         for k, (call, step) in enumerate(zip(calls, result["steps"])):
-            self.assertEqual(call["ids"], ids[:prompt_len + k])
-            probs = generate.next_token_probs(call["last_row"], 1.0, 5)
+            # generate passes its list of IDs, which grows after the call: its first rows
+            self.assertEqual(call.args[1][:rows[k]], ids[:prompt_len + k])
+            probs = generate.next_token_probs(call.result[0][-1], 1.0, 5)
             chosen = ids[prompt_len + k]
             self.assertEqual(step["probability"], round(probs[chosen], 4))
             self.assertGreater(probs[chosen], 0.0)
@@ -214,15 +198,13 @@ class GenerateTest(unittest.TestCase):
         params = self.params(9, newline_bias=-100.0)
         for prompt_len in (60, 61, 63, 64):
             prompt = self.long_prompt(prompt_len)
-            forward, calls = counting_forward()
-            with self.subTest(prompt_tokens=prompt_len), \
-                    mock.patch.object(generate.model, "forward", forward):
+            with self.subTest(prompt_tokens=prompt_len), recording(model, "forward") as calls:
                 result = generate.generate(params, self.tok, prompt, max_new_tokens=60)
                 self.assertEqual(result["stopped"], "context full")
                 self.assertEqual(len(result["steps"]), 64 - prompt_len)
                 self.assertEqual(len(self.tok.encode(result["text"])), 64)
                 self.assertEqual(len(calls), 64 - prompt_len)
-                self.assertEqual(max([c["rows"] for c in calls], default=0),
+                self.assertEqual(max([len(c.result[0]) for c in calls], default=0),
                                  63 if prompt_len < 64 else 0)
 
     def test_the_first_limit_reached_decides_the_stop_reason(self):
@@ -236,9 +218,7 @@ class GenerateTest(unittest.TestCase):
 
     def assert_refused(self, prompt="mia found a shell.", **settings):
         """generate raises ValueError and never reaches the model."""
-        forward, calls = counting_forward()
-        with mock.patch.object(generate.model, "forward", forward), \
-                self.assertRaises(ValueError):
+        with recording(model, "forward") as calls, self.assertRaises(ValueError):
             generate.generate(self.params(), self.tok, prompt, **settings)
         self.assertEqual(calls, [])
 
