@@ -80,11 +80,12 @@ class Speculative(unittest.TestCase):
             self):
         prompt = OPENINGS[0]
         ids = TOK.encode(prompt)
+        fresh = generate_cached(PARAMS, TOK, prompt)   # generate's (test_kv_cache)
         for held in (0, 3, len(ids)):
             cache = filled_cache(ids[:held])
             before = snapshot(cache)
             self.assertEqual(speculative.generate_speculative(PARAMS, TOK, prompt, cache=cache),
-                             generate.generate(PARAMS, TOK, prompt))
+                             fresh)
             assert_equal(self, snapshot(cache), before, f"the cache holding {held} tokens")
         window = lossy.WindowCache(PARAMS, 8)
         for bad, fragment in (({"cache": window}, "a WindowCache drops positions a crop may "
