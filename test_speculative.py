@@ -4,7 +4,6 @@ import ast
 import unittest
 from unittest import mock
 
-import generate
 import lossy
 import speculative
 from kv_cache import generate_cached
