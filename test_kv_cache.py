@@ -596,6 +596,24 @@ class Teeth(unittest.TestCase):
                 self.assertEqual(show(), shown)
                 assert_every_row_equal(self, PARAMS, self.ids)
 
+    def test_show_says_in_one_line_what_it_cannot_find(self):
+        """forward_step calling model.softmax_row instead of the softmax_row --show
+        watches: the rows are the same, and --show says once that it has no weights."""
+        elsewhere = replacing(lambda node: call_to(node, "softmax_row"),
+                              lambda node: ast.Call(ast.Attribute(ast.Name("model", ast.Load()),
+                                                                  "softmax_row", ast.Load()),
+                                                    node.args, []))
+        out = io.StringIO()
+        with mock.patch.object(kv_cache, "forward_step",
+                               plant(kv_cache, "forward_step", elsewhere)), redirect_stdout(out):
+            assert_every_row_equal(self, PARAMS, self.ids)
+            kv_cache.show_steps(PARAMS, TOK, "mia was sad.", (3, 0.0, None, 0))
+        lines = out.getvalue().splitlines()
+        self.assertEqual([line for line in lines if "cannot find" in line],
+                         ["(--show cannot find the attention weights: forward_step did not "
+                          "call softmax_row once a step)"])
+        self.assertIn("  0 'mia'       ?        -      1           ", lines)
+
     def test_each_mistake_is_planted_in_one_place_whatever_the_comments_and_local_names(self):
         """Planting reads the syntax tree: the real source with its comments gone, its
         lines rewrapped and its local variables renamed plants each mistake in the same
