@@ -4,11 +4,18 @@ watch the code run, without changing the code they watch.
 recording(module, name) sees every call of module.name (its arguments and what it
 returned) while the real function runs as usual; replaced(module, name, stand_in) swaps it
 for a while; largest_gap compares two lists of rows; sums_in_another_order makes every sum
-of the model a plain left-to-right one, last term first.
+of the model a plain left-to-right one, last term first; plant(owner, name, mistake)
+compiles a function of the lab again from its real source with a mistake planted in its
+syntax tree, which is how the tests show they have teeth.
 """
+import ast
 import contextlib
 import functools
+import inspect
 import operator
+import sys
+import textwrap
+import types
 from collections import namedtuple
 
 import model
@@ -89,3 +96,44 @@ def chosen_rows(calls):
         prompt_tokens = len(generation.ids) - len(generation.steps)
         chosen.append((generation, prompt_tokens - 1 + k, logits))
     return chosen
+
+
+def plant(owner, name, mistake):
+    """owner.name (a module's function, or a class's method that does not call super())
+    compiled again from its real source with a mistake planted in its syntax tree, reading
+    its module's own globals, as an edit of the file would; None if the spot is gone (an
+    edit removed it). mistake(tree) changes the tree and returns how many places it
+    changed, so comments, blank lines, formatting and most renamings leave planting
+    intact. Patch it in (unittest.mock.patch.object(owner, name, planted)) to try it."""
+    real = getattr(owner, name)
+    lines, first_line = inspect.getsourcelines(real)
+    tree = ast.parse(textwrap.dedent("".join(lines)))
+    if not mistake(tree):
+        return None
+    ast.increment_lineno(tree, first_line - 1)   # a traceback points into the real file
+    module_globals = vars(sys.modules[real.__module__])
+    namespace = dict(module_globals)
+    exec(compile(ast.fix_missing_locations(tree), inspect.getsourcefile(real), "exec"),
+         namespace)
+    compiled = namespace[name]
+    return types.FunctionType(compiled.__code__, module_globals, name,
+                              compiled.__defaults__, compiled.__closure__)
+
+
+def replacing(matches, replacement):
+    """A mistake for plant: every node for which matches(node) holds becomes
+    replacement(node)."""
+    def mistake(tree):
+        changed = 0
+
+        class Planter(ast.NodeTransformer):
+            def visit(self, node):
+                nonlocal changed
+                self.generic_visit(node)
+                if matches(node):
+                    changed += 1
+                    return replacement(node)
+                return node
+        Planter().visit(tree)
+        return changed
+    return mistake

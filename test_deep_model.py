@@ -9,7 +9,8 @@ from unittest import mock
 
 import deep_model
 import model
-from test_kv_cache import first_difference, plant, replacing
+from instruments import plant, replacing
+from test_kv_cache import first_difference
 
 SHAPES = [(layers, heads, kv_heads) for layers in (1, 2, 3, 4)
           for heads, kv_heads in ((1, 1), (4, 4), (4, 2), (4, 1))]   # MHA, GQA, MQA

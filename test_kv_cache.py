@@ -14,7 +14,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import types
 import unittest
 from contextlib import redirect_stdout
 from unittest import mock
@@ -23,7 +22,7 @@ import generate
 import kv_cache
 import model
 from generate import load_trained, never_ending
-from instruments import recording
+from instruments import plant, recording, replacing
 from kv_cache import KVCache, feed, forward_step, generate_cached
 from train import openings, split_stories, story_ids
 
@@ -398,43 +397,6 @@ class RandomModels(unittest.TestCase):
         with mock.patch.dict(os.environ):
             os.environ.pop("KV_LAB_RANDOM_CASES", None)
             self.assertEqual(self.requested_cases(), self.DEFAULT_CASES)
-
-
-def plant(module, function, mistake):
-    """module.function compiled from its real source with a mistake planted in its syntax
-    tree, reading the module's own globals; None if the spot is gone (an edit removed it).
-    mistake(tree) changes the tree and returns how many places it changed, so comments,
-    blank lines, formatting and most renamings leave planting intact."""
-    real = getattr(module, function)
-    lines, first_line = inspect.getsourcelines(real)
-    tree = ast.parse(textwrap.dedent("".join(lines)))
-    if not mistake(tree):
-        return None
-    ast.increment_lineno(tree, first_line - 1)   # a traceback points into the real file
-    namespace = dict(vars(module))
-    exec(compile(ast.fix_missing_locations(tree), inspect.getsourcefile(real), "exec"),
-         namespace)
-    compiled = namespace[function]   # with the module's own globals, as an edit would have
-    return types.FunctionType(compiled.__code__, vars(module), function,
-                              compiled.__defaults__, compiled.__closure__)
-
-
-def replacing(matches, replacement):
-    """A mistake: every node for which matches(node) holds becomes replacement(node)."""
-    def mistake(tree):
-        changed = 0
-
-        class Planter(ast.NodeTransformer):
-            def visit(self, node):
-                nonlocal changed
-                self.generic_visit(node)
-                if matches(node):
-                    changed += 1
-                    return replacement(node)
-                return node
-        Planter().visit(tree)
-        return changed
-    return mistake
 
 
 def call_to(node, name):

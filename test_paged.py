@@ -2,8 +2,6 @@
 bit, shares full blocks and copies on write; the pool's counts stay consistent; every
 refusal leaves the pool as it was."""
 import ast
-import inspect
-import textwrap
 import math
 import os
 import random
@@ -16,9 +14,10 @@ import prefill
 from kv_cache import feed, forward_step, generate_cached
 from train import story_ids
 import test_kv_cache
+from instruments import plant, replacing
 from test_kv_cache import (OPENINGS, PARAMS, STORIES, TOK, assert_equal,
                            assert_same_generation, assert_same_rows, cached_rows,
-                           filled_cache, replacing, snapshot, tearDownModule)
+                           filled_cache, snapshot, tearDownModule)
 from test_prefill import chunked_rows
 
 
@@ -119,7 +118,7 @@ class PagedTeeth(unittest.TestCase):
         self.assertIsNone(paged_scenario())   # the harness itself is right
         for what, owner, method, mistake in self.MISTAKES:
             with self.subTest(mistake=what):
-                planted = plant_method(owner, method, mistake)
+                planted = plant(owner, method, mistake)
                 self.assertIsNotNone(planted, f"the planting site of {what!r} is gone")
                 with mock.patch.object(owner, method, planted):
                     try:
@@ -128,19 +127,6 @@ class PagedTeeth(unittest.TestCase):
                         why = f"refused: {refused}"
                 self.assertRegex(why or "", r"position \d+ \(block \d+, slot \d+\)|holds \d+ "
                                             r"positions, where", why)
-
-
-def plant_method(owner, method, mistake):
-    """owner.method compiled from its real source with mistake planted (as plant does for
-    a module's function), or None if the spot is gone."""
-    source = textwrap.dedent(inspect.getsource(getattr(owner, method)))
-    tree = ast.parse(source)
-    if not mistake(tree):
-        return None
-    namespace = dict(vars(paged))
-    exec(compile(ast.fix_missing_locations(tree), inspect.getsourcefile(paged), "exec"),
-         namespace)
-    return namespace[method]
 
 
 class Paged(unittest.TestCase):

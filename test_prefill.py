@@ -7,12 +7,12 @@ from unittest import mock
 
 import model
 import prefill
-from instruments import recording
+from instruments import plant, recording, replacing
 from kv_cache import KVCache, feed, forward_step, generate_cached
 import test_kv_cache
 from test_kv_cache import (OPENINGS, PARAMS, STORIES, TOK, UNCHANGED, assert_changed,
                            assert_equal, assert_same_generation, assert_same_rows,
-                           cached_rows, filled_cache, plant, replacing, setUpModule,
+                           cached_rows, filled_cache, setUpModule,
                            snapshot, tearDownModule)   # the module set-up: run from elsewhere
 
 

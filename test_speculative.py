@@ -9,8 +9,9 @@ import speculative
 from kv_cache import generate_cached
 from train import split_stories
 import test_kv_cache
-from test_kv_cache import (OPENINGS, PARAMS, TOK, assert_equal, filled_cache, plant,
-                           replacing, setUpModule, snapshot, tearDownModule)   # the module set-up: run from elsewhere
+from instruments import plant, replacing
+from test_kv_cache import (OPENINGS, PARAMS, TOK, assert_equal, filled_cache, setUpModule,
+                           snapshot, tearDownModule)   # the module set-up: run from elsewhere
 
 
 def is_rollback(node):
