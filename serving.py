@@ -28,7 +28,10 @@ def serve(params, tok, requests, pool, max_batch, log=None):
     chosen are prefilled again (its random numbers go on where they were: none is drawn
     twice). Returns (results, counts): each result exactly generate.generate's for its
     request, in request order, and what serving did. log(step, request index, event), if
-    given, is told each "prefill", "decode", "preempted" and "finished" as it happens."""
+    given, is told each "prefill", "decode", "preempted" and "finished" as it happens. If
+    anything raises (log itself, say), every block serve took goes back to the pool."""
+    if log is not None and not callable(log):
+        raise ValueError(f"log must be a function of (step, request index, event), got {log!r}")
     log = log or (lambda step, index, event: None)
     if not isinstance(pool, BlockPool) or pool.params is not params:
         raise ValueError("pool must be a BlockPool made for these params")
@@ -41,31 +44,40 @@ def serve(params, tok, requests, pool, max_batch, log=None):
     running = []
     counts = dict.fromkeys(("steps", "rows", "recomputed_rows", "preemptions", "peak_blocks",
                             "prefix_hits"), 0)
-    while waiting or running:
-        while waiting and len(running) < max_batch and waiting[0].admit(counts):
-            running.append(waiting.popleft())
-            log(counts["steps"] + 1, running[-1].index, "prefill")
-        counts["steps"] += 1
-        for request in list(running):
-            if request not in running:
-                continue                        # preempted earlier in this step
-            request.generation.choose(request.logits)
-            if request.generation.stopped:
-                running.remove(request)
-                request.seq.free()
-                log(counts["steps"], request.index, "finished")
-                continue
-            while not request.decode(counts):
-                victim = running.pop()          # the most recently admitted
-                victim.preempt()
-                waiting.appendleft(victim)
-                counts["preemptions"] += 1
-                log(counts["steps"], victim.index, "preempted")
-                if victim is request:
-                    break
-            else:
-                log(counts["steps"], request.index, "decode")
+
+    def note_peak():   # after every admission and every decode row
         counts["peak_blocks"] = max(counts["peak_blocks"], len(pool.blocks) - pool.free_blocks())
+    try:
+        while waiting or running:
+            while waiting and len(running) < max_batch and waiting[0].admit(counts):
+                running.append(waiting.popleft())
+                note_peak()
+                log(counts["steps"] + 1, running[-1].index, "prefill")
+            counts["steps"] += 1
+            for request in list(running):
+                if request not in running:
+                    continue                        # preempted earlier in this step
+                request.generation.choose(request.logits)
+                if request.generation.stopped:
+                    running.remove(request)
+                    request.seq.free()
+                    log(counts["steps"], request.index, "finished")
+                    continue
+                while not request.decode(counts):
+                    victim = running.pop()          # the most recently admitted
+                    victim.preempt()
+                    waiting.appendleft(victim)
+                    counts["preemptions"] += 1
+                    log(counts["steps"], victim.index, "preempted")
+                    if victim is request:
+                        break
+                else:
+                    note_peak()
+                    log(counts["steps"], request.index, "decode")
+    finally:   # on the way out, normally or not, no block stays taken
+        for request in served:
+            if request.seq is not None:
+                request.seq.free()
     return [request.generation.result() for request in served], counts
 
 
@@ -86,13 +98,17 @@ class _Served:
             ids = generate.check_request(tok, prompt, **settings)
         except ValueError as refused:
             raise ValueError(f"request {index}: {refused}") from None
-        fed = min(len(ids) + settings["max_new_tokens"], model.CONTEXT) - 1
-        if math.ceil(fed / pool.block_size) > len(pool.blocks):
-            raise ValueError(f"request {index} may need {math.ceil(fed / pool.block_size)} "
-                             f"blocks of {pool.block_size} positions, and the pool has "
-                             f"{len(pool.blocks)}: it could never run; make a larger pool")
-        self.params, self.pool, self.index = params, pool, index
         self.generation = generate.Generation(tok, ids, **settings)
+        fed = min(len(ids) + settings["max_new_tokens"], model.CONTEXT) - 1
+        needed = math.ceil(fed / pool.block_size)
+        if not self.generation.stopped and needed > pool.free_blocks():
+            held = len(pool.blocks) - pool.free_blocks()
+            raise ValueError(f"request {index} may need {needed} blocks of {pool.block_size} "
+                             f"positions, and the pool has {pool.free_blocks()} free"
+                             + (f" ({held} of its {len(pool.blocks)} are held by sequences "
+                                f"made outside serve)" if held else "")
+                             + ": it could never run; make a larger pool")
+        self.params, self.pool, self.index = params, pool, index
         self.seq, self.logits, self.computed = None, None, 0
 
     def admit(self, counts):

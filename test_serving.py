@@ -3,13 +3,15 @@ batch size and order, preempted or not; bad requests are refused before anything
 import copy
 import math
 import random
+import threading
 import unittest
 
+import generate
 import model
 import paged
 import serving
-from kv_cache import generate_cached
-from test_kv_cache import (OPENINGS, PARAMS, TOK, assert_equal, check_every_case,
+from kv_cache import feed, generate_cached
+from test_kv_cache import (OPENINGS, PARAMS, STORIES, TOK, assert_equal, check_every_case,
                            setUpModule, tearDownModule)   # the module set-up: run from elsewhere
 from test_paged import pool_snapshot
 
@@ -93,15 +95,69 @@ class Serve(unittest.TestCase):
                 ([{"prompt": "Mia"}], 1, "request 0: unknown character 'M'"),
                 ([{"prompt": "mia", "top_k": 0}], 1, "request 0: top_k must be"),
                 ([{"prompt": "mia", "max_new_tokens": 2}, {"prompt": "mia was sad."}], 1,
-                 "request 1 may need 16 blocks of 4 positions, and the pool has 8")):
+                 "request 1 may need 16 blocks of 4 positions, and the pool has 8 free: it "
+                 "could never run"),
+                ([{"prompt": "mia"}], 1, "log must be a function")):
             pool = paged.BlockPool(PARAMS, 8 if "may need" in fragment else 16, 4)
             with self.subTest(fragment=fragment):
                 before = pool_snapshot(pool)
                 with self.assertRaisesRegex(ValueError, fragment):
-                    serving.serve(PARAMS, TOK, requests, pool, max_batch)
+                    serving.serve(PARAMS, TOK, requests, pool, max_batch,
+                                  log=5 if "log" in fragment else None)
                 assert_equal(self, pool_snapshot(pool), before, "the pool")
         with self.assertRaisesRegex(ValueError, "a BlockPool made for these params"):
             serving.serve(copy.deepcopy(PARAMS), TOK, [], pool, 1)
+
+    def test_blocks_held_outside_serve_are_counted_before_it_starts(self):
+        """A request that only the blocks held outside could make room for is refused
+        at once (it used to wait for them for ever)."""
+        pool = paged.BlockPool(PARAMS, 4, 4)
+        outside = pool.sequence()
+        feed(PARAMS, outside, TOK.encode("mia was sad. tom")[:12])   # 3 of the 4 blocks
+        finished = []
+
+        def attempt():
+            try:
+                serving.serve(PARAMS, TOK, [{"prompt": "tom ran.", "max_new_tokens": 3}],
+                              pool, 1)
+            except ValueError as refused:
+                finished.append(str(refused))
+        thread = threading.Thread(target=attempt, daemon=True)
+        thread.start()
+        thread.join(timeout=30)
+        self.assertFalse(thread.is_alive(), "serve waits for blocks no request can free")
+        self.assertEqual(len(finished), 1)
+        self.assertIn("the pool has 1 free (3 of its 4 are held by sequences made outside "
+                      "serve): it could never run", finished[0])
+
+    def test_requests_that_need_no_block_are_served_from_any_pool(self):
+        full = TOK.decode(TOK.encode(" ".join(s.rstrip("\n") for s in STORIES))[:model.CONTEXT])
+        requests = [{"prompt": "mia was sad. tom ran.", "max_new_tokens": 0},
+                    {"prompt": full}]   # no room left: context full at once
+        results, counts = serving.serve(PARAMS, TOK, requests, paged.BlockPool(PARAMS, 1, 4), 1)
+        self.assertEqual(results, [generate.generate(PARAMS, TOK, **request)
+                                   for request in requests])
+        self.assertEqual(counts["rows"], 0)
+
+    def test_a_log_that_raises_leaves_every_block_free(self):
+        for event in ("prefill", "decode", "finished"):
+            pool = paged.BlockPool(PARAMS, 6, 4)
+
+            def log(step, index, happened):
+                if happened == event:
+                    raise RuntimeError(f"log refused {happened}")
+            with self.subTest(event=event):
+                with self.assertRaisesRegex(RuntimeError, f"log refused {event}"):
+                    serving.serve(PARAMS, TOK, [{"prompt": "mia was sad.", "max_new_tokens": 8},
+                                                {"prompt": "tom ran.", "max_new_tokens": 8}],
+                                  pool, 2, log=log)
+                self.assertEqual((pool.ref_counts, pool.free_blocks()), ([0] * 6, 6))
+
+    def test_peak_blocks_counts_the_blocks_held_during_a_step(self):
+        pool = paged.BlockPool(PARAMS, 8, 4)
+        _, counts = serving.serve(PARAMS, TOK, [{"prompt": "mia was sad.", "max_new_tokens": 1}],
+                                  pool, 1)
+        self.assertEqual(counts["peak_blocks"], 2)   # 7 prompt positions: blocks of 4 and 3
 
 
 if __name__ == "__main__":
