@@ -22,7 +22,7 @@ from kv_cache import KVCache, feed, generate_cached
 from paged import PagedSequence
 from train import story_ids
 
-CACHE_FORMAT = "kv-lab-cache-1"
+CACHE_FORMAT = "kv-lab-cache-2"
 
 
 def weights_signature(params):
@@ -32,21 +32,32 @@ def weights_signature(params):
     return hashlib.sha256(data.encode("utf-8")).hexdigest()[:16]
 
 
+def content_signature(tokens, keys, values):
+    """A hash of a cache's tokens, keys and values, written exactly: any change to one
+    number or token changes it."""
+    data = json.dumps([tokens, keys, values])
+    return hashlib.sha256(data.encode("utf-8")).hexdigest()
+
+
 def save_cache(cache, path):
     """Write the tokens, keys and values of a KVCache or a paged sequence to path (JSON,
-    floats exact), with the signature of the weights they were computed with, atomically."""
+    floats exact), with the signature of the weights they were computed with and one of
+    their own content, atomically."""
     if type(cache) not in (KVCache, PagedSequence):
         raise ValueError(f"save_cache saves a KVCache or a paged sequence, whose keys and "
                          f"values are exact and complete, got {type(cache).__name__}")
+    tokens, keys, values = cache.tokens, cache.keys, cache.values
     record = {"format": CACHE_FORMAT, "weights": weights_signature(cache.params),
-              "tokens": cache.tokens, "keys": cache.keys, "values": cache.values}
+              "content": content_signature(tokens, keys, values),
+              "tokens": tokens, "keys": keys, "values": values}
     write_atomically(path, json.dumps(record, separators=(",", ":")) + "\n")
 
 
 def load_cache(params, path):
     """A new KVCache for params holding what save_cache wrote to path; refused, naming the
     file, if it is not a cache file of this lab, was computed with other weights (its
-    keys and values would give stale logits), or is truncated or corrupted."""
+    keys and values would give stale logits), or is truncated or corrupted (any change to
+    its tokens, keys or values: the file carries a signature of them)."""
     model.check_shapes(params)
     record = read_json(path, CACHE_FORMAT, "a KV cache file of this lab")
     if record.get("weights") != weights_signature(params):
@@ -57,6 +68,9 @@ def load_cache(params, path):
                          f"cache_files.py PROMPT --save-cache FILE)")
     tokens, keys, values = (record.get(name) for name in ("tokens", "keys", "values"))
     problem = _cache_problem(tokens, keys, values)
+    if not problem and record.get("content") != content_signature(tokens, keys, values):
+        problem = ("its tokens, keys and values are not the ones it was saved with (their "
+                   "signature differs)")
     if problem:
         raise ValueError(f"{path}: a corrupted cache file: {problem}")
     cache = KVCache(params)

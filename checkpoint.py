@@ -10,8 +10,10 @@ wherever the command runs from; and Ctrl-C or a closed pipe end a command quietl
 import hashlib
 import json
 import os
+import signal
 import sys
 import tempfile
+import time
 
 import model
 
@@ -45,6 +47,9 @@ def run_command(main):
     closed pipe (as in python3 trace_kv.py | head) ends it silently with 141, the codes a
     shell gives a program stopped by those signals."""
     name = os.path.basename(sys.argv[0])
+    # A termination (kill, a closed terminal) unwinds like Ctrl-C, so that a file being
+    # written removes its temporary file; exit code 143, as a shell gives.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         try:
             main()
@@ -59,12 +64,42 @@ def run_command(main):
         sys.exit(141)
 
 
+MAX_BYTES = 16 * 1024 * 1024   # far more than any file of the lab (best.json: 150 kB)
+STALE_SECONDS = 10             # a temporary file left this long is a killed save's
+
+
+def file_path(path):
+    """path as a str, refusing what cannot name a file: not a str (a number would be
+    read as a file descriptor), empty, or ending with a folder separator."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"a file name is needed (a str), got {path!r}")
+    path = os.fspath(path)
+    if not path or path.endswith(("/", os.sep)):
+        raise ValueError(f"{path!r} is not a file name: it names a folder")
+    return path
+
+
 def write_atomically(path, text):
-    """Write text to path through a temporary file and a rename; never a half-written file."""
+    """Write text to path through a temporary file beside it and a rename; never a
+    half-written file. The temporary file is named after the target
+    (.NAME.tmp-XXXX.part): a save interrupted by Ctrl-C or a termination removes its own,
+    and one killed outright leaves it for the next save of the same file to remove."""
+    path = file_path(path)
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"cannot write {path}: the folder {folder} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".part")
+    if os.path.isdir(path):
+        raise ValueError(f"cannot write {path}: it is a folder")
+    prefix = f".{os.path.basename(path)}.tmp-"
+    for name in os.listdir(folder):
+        stale = os.path.join(folder, name)
+        if name.startswith(prefix) and name.endswith(".part") \
+                and time.time() - os.path.getmtime(stale) > STALE_SECONDS:
+            os.unlink(stale)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=prefix, suffix=".part")
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write {path}: {e.strerror}") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
             f.write(text)
@@ -72,21 +107,30 @@ def write_atomically(path, text):
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)   # mkstemp makes it private; the lab's files are for reading
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as failed:
         os.unlink(tmp)
+        if isinstance(failed, OSError) and failed.strerror:
+            raise OSError(failed.errno, f"cannot write {path}: {failed.strerror}") from None
         raise
 
 
 def read_json(path, fmt, what):
-    """The JSON object in path, refusing a file that is not UTF-8 JSON of format fmt."""
+    """The JSON object in path, refusing, with the file's name, a file that is not UTF-8
+    JSON of format fmt: too large, too deeply nested, or a number beyond Python's limit."""
+    path = file_path(path)
     with open(path, "rb") as f:
-        raw = f.read()
+        raw = f.read(MAX_BYTES + 1)
+    if len(raw) > MAX_BYTES:
+        raise ValueError(f"{path}: larger than {MAX_BYTES:,} bytes, so not {what}")
     try:
         data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text ({e})") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON, or cut short ({e})") from None
+    except (ValueError, RecursionError) as e:   # a 5,000-digit number; [[[[...]]]]
+        raise ValueError(f"{path}: not {what} ({type(e).__name__}: "
+                         f"{str(e)[:120] or 'nested too deeply'})") from None
     if not isinstance(data, dict) or data.get("format") != fmt:
         raise ValueError(f"{path}: not {what} (expected \"format\": \"{fmt}\")")
     return data

@@ -84,7 +84,14 @@ class CacheFiles(unittest.TestCase):
         other["b_out"][0] = math.nextafter(other["b_out"][0], math.inf)   # one last bit
         bad_files = {
             "not valid JSON": json.dumps(good)[:-40],                        # truncated
-            "not a KV cache file of this lab": json.dumps(dict(good, format="kv-lab-cache-2")),
+            "not a KV cache file of this lab": json.dumps(dict(good, format="kv-lab-cache-1")),
+            "not the ones it was saved with": json.dumps(dict(good, tokens=[80]
+                                                              + good["tokens"][1:])),
+            "not the ones it was saved with ": json.dumps(dict(good, keys=[
+                [math.nextafter(good["keys"][0][0], 0.0)] + good["keys"][0][1:]]
+                + good["keys"][1:])),
+            "not a KV cache file of this lab (RecursionError": "[" * 100000 + "]" * 100000,
+            "larger than 16,777,216 bytes": " " * (16 * 1024 * 1024 + 1),
             "a corrupted cache file: 15 tokens, 15 keys and 14 values":
                 json.dumps(dict(good, values=good["values"][:-1])),
             "the key of position 3 is not 16 finite floats":
@@ -101,7 +108,7 @@ class CacheFiles(unittest.TestCase):
                 with self.assertRaises(ValueError) as refused:
                     cache_files.load_cache(PARAMS, self.path)
                 self.assertIn(self.path, str(refused.exception))
-                self.assertIn(fragment, str(refused.exception))
+                self.assertIn(fragment.strip(), str(refused.exception))
         with open(self.path, "w", encoding="utf-8") as f:
             json.dump(good, f)
         with self.assertRaisesRegex(ValueError, "computed with other weights .* stale logits"):
@@ -112,6 +119,12 @@ class CacheFiles(unittest.TestCase):
             cache_files.load_cache(PARAMS, os.path.join(self.folder.name, "missing.json"))
         with self.assertRaisesRegex(ValueError, "saves a KVCache or a paged sequence"):
             cache_files.save_cache(lossy.WindowCache(PARAMS, 8), self.path)
+        for path, fragment in ((None, "a file name is needed"), (5, "a file name is needed"),
+                               (self.folder.name + os.sep, "it names a folder")):
+            with self.subTest(path=path), self.assertRaisesRegex(ValueError, fragment):
+                cache_files.load_cache(PARAMS, path)
+            with self.subTest(path=path), self.assertRaisesRegex(ValueError, fragment):
+                cache_files.save_cache(filled_cache([5]), path)
         nowhere = os.path.join(self.folder.name, "no such folder", "cache.json")
         with self.assertRaisesRegex(FileNotFoundError, f"cannot write .*the folder .* does "
                                                        f"not exist"):

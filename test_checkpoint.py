@@ -302,6 +302,72 @@ class TestWriteAtomically(CheckpointTestCase):
         self.assert_only_files()
 
 
+    def test_a_read_only_folder_is_named_by_its_target(self):
+        with mock.patch("checkpoint.tempfile.mkstemp",
+                        side_effect=PermissionError(13, "Permission denied")):
+            with self.assertRaisesRegex(OSError, f"cannot write {self.path}: Permission denied"):
+                checkpoint.write_atomically(self.path, "text\n")
+        with mock.patch("checkpoint.os.replace",
+                        side_effect=PermissionError(13, "Permission denied")):
+            with self.assertRaisesRegex(OSError, f"cannot write {self.path}: Permission denied"):
+                checkpoint.write_atomically(self.path, "text\n")
+        self.assert_only_files()
+
+    def test_a_killed_save_s_temporary_file_is_removed_by_the_next_save(self):
+        stale = os.path.join(self.folder, ".best.json.tmp-abc123.part")
+        other = os.path.join(self.folder, ".tokenizer.json.tmp-abc123.part")
+        for path in (stale, other):
+            with open(path, "w", encoding="utf-8") as f:
+                f.write("half")
+            os.utime(path, (0, 0))   # long ago
+        checkpoint.write_atomically(self.path, "the new checkpoint\n")
+        self.assert_only_files("best.json", ".tokenizer.json.tmp-abc123.part")  # not its own
+
+    def test_a_terminated_save_leaves_no_temporary_file(self):
+        """A real SIGTERM, during a save that takes long (the text is 200 MB)."""
+        if not hasattr(os, "kill") or sys.platform == "win32":
+            self.skipTest("SIGTERM is a POSIX signal")
+        script = ("import sys, os; sys.path.insert(0, sys.argv[1]); import checkpoint\n"
+                  "def main(): print('started', flush=True); "
+                  "checkpoint.write_atomically(sys.argv[2], 'x' * 200_000_000)\n"
+                  "checkpoint.run_command(main)\n")
+        done = subprocess.Popen([sys.executable, "-c", script, HERE, self.path],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.assertEqual(done.stdout.readline(), "started\n")
+        done.terminate()
+        done.communicate(timeout=60)
+        self.assertEqual(done.returncode, 143)
+        self.assert_only_files()
+
+    def test_paths_that_cannot_name_a_file_are_refused(self):
+        for path, fragment in ((None, "a file name is needed"), (3, "a file name is needed"),
+                               ("", "is not a file name"), (self.folder + "/", "names a folder")):
+            with self.subTest(path=path):
+                with self.assertRaisesRegex(ValueError, fragment):
+                    checkpoint.write_atomically(path, "text\n")
+                with self.assertRaisesRegex(ValueError, fragment):
+                    checkpoint.read_json(path, "f", "a file")
+        with self.assertRaisesRegex(ValueError, "it is a folder"):
+            checkpoint.write_atomically(self.folder, "text\n")
+
+
+class ReadJson(CheckpointTestCase):
+
+    def test_json_that_python_cannot_read_is_refused_naming_the_file(self):
+        for text, fragment in (("[" * 100_000 + "]" * 100_000, "RecursionError"),
+                               ('{"format": "f", "n": ' + "7" * 5000 + "}", "ValueError"),
+                               (" " * (checkpoint.MAX_BYTES + 1), "larger than")):
+            with self.subTest(fragment=fragment):
+                with open(self.path, "w", encoding="utf-8") as f:
+                    f.write(text)
+                for load in (lambda: checkpoint.load(self.path, CONFIG, SIGNATURE),
+                             lambda: Tokenizer.load(self.path)):
+                    with self.assertRaises(ValueError) as refused:
+                        load()
+                    self.assertIn(self.path, str(refused.exception))
+                    self.assertIn(fragment, str(refused.exception))
+
+
 class QuietExits(unittest.TestCase):
     """Ctrl-C and a closed pipe end every command of the lab without a traceback."""
 
