@@ -24,6 +24,7 @@ class PromptLookup:
     occurrence of the story's last n tokens (n = longest down to 1) in the story itself."""
 
     def __init__(self, longest=3):
+        model.check_int("longest", longest, 1)
         self.longest = longest
 
     def propose(self, ids, lookahead):
@@ -41,6 +42,14 @@ class NgramDrafter:
     followed them there (the smallest ID of a tie), drafted one after another."""
 
     def __init__(self, stories, longest=3):
+        model.check_int("longest", longest, 1)
+        if not isinstance(stories, (list, tuple)):
+            raise ValueError(f"stories must be a list of lists of token IDs, got {stories!r}")
+        for index, ids in enumerate(stories):
+            if not isinstance(ids, (list, tuple)):
+                raise ValueError(f"stories[{index}] must be a list of token IDs, got {ids!r}")
+            for position, token_id in enumerate(ids):
+                model.check_token_id(token_id, f"stories[{index}][{position}] =")
         seen = {}
         for ids in stories:
             for n in range(1, longest + 1):
@@ -71,10 +80,16 @@ def generate_speculative(params, tok, prompt, max_new_tokens=60, temperature=0.0
     random numbers, exactly as it would one at a time, and a drafted token counts only
     where it is the token chosen. The positions after the first that is not are rolled
     back with crop. The drafter is prompt lookup in the story unless another is given
-    (anything with propose(ids, lookahead), such as an NgramDrafter). Given a cache that
-    holds the start of the prompt, starts from a copy of it (one that cannot roll back is
-    refused before anything is generated)."""
-    drafter = drafter or PromptLookup()
+    (anything with propose(ids, lookahead), such as an NgramDrafter): it is given the
+    story's token IDs as a tuple, and must return a list of at most lookahead token IDs,
+    or the generation is refused, naming it. Given a cache that holds the start of the
+    prompt, starts from a copy of it (one that cannot roll back is refused before
+    anything is generated)."""
+    if drafter is None:
+        drafter = PromptLookup()
+    elif not callable(getattr(drafter, "propose", None)):
+        raise ValueError(f"drafter must have a method propose(ids, lookahead), got "
+                         f"{drafter!r}")
     model.check_int("lookahead", lookahead, 1)
     if cache is None:
         cache = KVCache(params)
@@ -99,11 +114,25 @@ def generate_speculative(params, tok, prompt, max_new_tokens=60, temperature=0.0
             if generation.stopped:
                 return generation.result()
             cache.crop(len(ids) - 1)              # roll back every position not chosen
-            draft = drafter.propose(ids, min(lookahead, model.CONTEXT - len(ids),
-                                             max_new_tokens - len(generation.steps) - 1))
+            room = min(lookahead, model.CONTEXT - len(ids),
+                       max_new_tokens - len(generation.steps) - 1)
+            draft = _checked(drafter, drafter.propose(tuple(ids), room), room)
             rows = prefill.prefill(params, cache, [ids[-1], *draft], len(ids) - 1)
     finally:
         cache.free()   # the copy is this call's own
+
+
+def _checked(drafter, draft, room):
+    """The draft, if it is a list of at most room token IDs; else a refusal naming the
+    drafter."""
+    what = (f"the drafter {type(drafter).__name__} proposed {draft!r}, where a draft must "
+            f"be a list of at most {room} token IDs")
+    if not isinstance(draft, (list, tuple)) or len(draft) > room:
+        raise ValueError(what)
+    for token_id in draft:
+        if not model.is_int(token_id) or not 0 <= token_id < model.VOCAB_SIZE:
+            raise ValueError(f"{what} (ints 0 to {model.VOCAB_SIZE - 1})")
+    return draft
 
 
 # ---- the experiment (a stage of trace_kv.py, one drafter and lookahead a case) -----

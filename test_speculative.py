@@ -5,11 +5,12 @@ import unittest
 from unittest import mock
 
 import lossy
+import prefill
 import speculative
 from kv_cache import generate_cached
 from train import split_stories
 import test_kv_cache
-from instruments import plant, replacing
+from instruments import plant, recording, replacing
 from test_kv_cache import (OPENINGS, PARAMS, TOK, assert_equal, filled_cache, setUpModule,
                            snapshot, tearDownModule)   # the module set-up: run from elsewhere
 
@@ -107,6 +108,56 @@ class Speculative(unittest.TestCase):
                 except ValueError:
                     found = ["raises"]
                 self.assertNotEqual(found, [])
+
+
+class Drafters(unittest.TestCase):
+    """A drafter that misbehaves is refused, naming it; one that behaves is used as given."""
+
+    class Proposing:
+        """A drafter that proposes what it is told to, and keeps what it was given."""
+
+        def __init__(self, draft):
+            self.draft, self.given = draft, []
+
+        def propose(self, ids, lookahead):
+            self.given.append(ids)
+            return self.draft
+
+        def __len__(self):   # falsy, as an empty container is
+            return 0
+
+    def test_a_draft_that_is_not_a_short_list_of_token_ids_is_refused_naming_the_drafter(self):
+        for draft in (None, 5, "ab", [96], [1.0], [True], [1] * 5):
+            with self.subTest(draft=draft), self.assertRaisesRegex(
+                    ValueError, r"the drafter Proposing proposed .*, where a draft must be a "
+                                r"list of at most 4 token IDs"):
+                speculative.generate_speculative(PARAMS, TOK, OPENINGS[0],
+                                                 drafter=self.Proposing(draft))
+
+    def test_a_drafter_without_propose_is_refused_before_anything_is_computed(self):
+        for drafter in (5, "lookup", object()):
+            with self.subTest(drafter=drafter), recording(prefill, "prefill") as calls, \
+                    self.assertRaisesRegex(ValueError, "drafter must have a method propose"):
+                speculative.generate_speculative(PARAMS, TOK, OPENINGS[0], drafter=drafter)
+            self.assertEqual(calls, [])
+
+    def test_a_falsy_drafter_is_used_and_given_the_story_as_a_tuple(self):
+        drafter = self.Proposing([])
+        result = speculative.generate_speculative(PARAMS, TOK, OPENINGS[0], max_new_tokens=5,
+                                                  drafter=drafter)
+        self.assertEqual(result, generate_cached(PARAMS, TOK, OPENINGS[0], max_new_tokens=5))
+        self.assertEqual(len(drafter.given), 4)   # after each chosen token but the last
+        self.assertTrue(all(isinstance(ids, tuple) for ids in drafter.given))
+
+    def test_drafters_refuse_bad_settings(self):
+        for make, fragment in ((lambda: speculative.PromptLookup("3"), "longest must be"),
+                               (lambda: speculative.PromptLookup(0), "longest must be"),
+                               (lambda: speculative.NgramDrafter(None), "stories must be"),
+                               (lambda: speculative.NgramDrafter([[1, 96]]),
+                                r"stories\[0\]\[1\] = 96 is outside the vocabulary"),
+                               (lambda: speculative.NgramDrafter(["mia"]), "stories.0. must be")):
+            with self.subTest(fragment=fragment), self.assertRaisesRegex(ValueError, fragment):
+                make()
 
 
 if __name__ == "__main__":
