@@ -28,6 +28,7 @@ CACHE_FORMAT = "kv-lab-cache-2"
 def weights_signature(params):
     """A hash of every parameter's floats, written exactly (repr): two params objects
     have the same signature only if they hold the same weights."""
+    model.check_shapes(params)
     data = json.dumps([params[name] for name in sorted(params)])
     return hashlib.sha256(data.encode("utf-8")).hexdigest()[:16]
 

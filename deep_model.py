@@ -14,22 +14,15 @@ import random
 import sys
 
 from instruments import largest_gap
-from model import (CONTEXT, VOCAB_SIZE, WIDTH, add, band, causal, check_int, check_token_id,
-                   dot, is_int, layernorm, linear, relu, softmax_row)
+from model import (CONTEXT, VOCAB_SIZE, WIDTH, add, band, causal, check_ids, check_int,
+                   check_token_id, dot, is_int, layernorm, linear, relu, softmax_row)
 
 
 def init_params(layers, heads, kv_heads, width, seed):
     """Random params of this shape: per layer ln1, Wq (width x width), Wk and Wv (width x
     kv_heads * head width), Wo, ln2 and an MLP of 4 x width; embeddings and the output
     layer as model.py's. The shape is kept in params["shape"]."""
-    for name, value in (("layers", layers), ("heads", heads), ("kv_heads", kv_heads),
-                        ("width", width)):
-        check_int(name, value, 1)
-    if width % heads:
-        raise ValueError(f"width {width} must be a multiple of heads {heads}")
-    if heads % kv_heads:
-        raise ValueError(f"heads {heads} must be a multiple of kv_heads {kv_heads}: each "
-                         f"key-value head serves the same number of query heads")
+    _check_shape(layers, heads, kv_heads, width)
     rng = random.Random(seed)
     kv_width = kv_heads * (width // heads)
 
@@ -50,6 +43,19 @@ def init_params(layers, heads, kv_heads, width, seed):
             "W_out": matrix(width, VOCAB_SIZE, width ** -0.5), "b_out": [0.0] * VOCAB_SIZE}
 
 
+def _check_shape(layers, heads, kv_heads, width):
+    """Refuse a shape that cannot be built: counts that are not ints >= 1, or heads that
+    do not divide the width, or key-value heads that do not divide the heads."""
+    for name, value in (("layers", layers), ("heads", heads), ("kv_heads", kv_heads),
+                        ("width", width)):
+        check_int(name, value, 1)
+    if width % heads:
+        raise ValueError(f"width {width} must be a multiple of heads {heads}")
+    if heads % kv_heads:
+        raise ValueError(f"heads {heads} must be a multiple of kv_heads {kv_heads}: each "
+                         f"key-value head serves the same number of query heads")
+
+
 def _columns(params):
     """Each block's matrices, and the output layer, by columns (ready for linear)."""
     def cols(matrix):
@@ -65,13 +71,55 @@ def _heads(shape):
             1 / math.sqrt(head_width))
 
 
+def shapes(shape):
+    """The shape of every parameter of a model of this shape (layers, heads, kv_heads,
+    width): name -> (rows, columns), or (entries,) for a vector; per block under
+    "blocks"."""
+    width, kv_width = shape["width"], shape["kv_heads"] * (shape["width"] // shape["heads"])
+    block = {"ln1_g": (width,), "ln1_b": (width,), "Wq": (width, width),
+             "Wk": (width, kv_width), "Wv": (width, kv_width), "Wo": (width, width),
+             "ln2_g": (width,), "ln2_b": (width,), "W1": (width, 4 * width),
+             "b1": (4 * width,), "W2": (4 * width, width), "b2": (width,)}
+    return {"tok_emb": (VOCAB_SIZE, width), "pos_emb": (CONTEXT, width),
+            "blocks": [block] * shape["layers"], "lnf_g": (width,), "lnf_b": (width,),
+            "W_out": (width, VOCAB_SIZE), "b_out": (VOCAB_SIZE,)}
+
+
+def check_params(params):
+    """Refuse anything but params of a consistent shape, as init_params makes them: a
+    shape that init_params accepts, and every matrix and vector of that shape."""
+    if not isinstance(params, dict) or not isinstance(params.get("shape"), dict) \
+            or set(params["shape"]) != {"layers", "heads", "kv_heads", "width"}:
+        raise ValueError("params must be deep_model.init_params(...)'s: a dict with a "
+                         "\"shape\" of layers, heads, kv_heads and width")
+    shape = params["shape"]
+    _check_shape(**shape)
+
+    def check(value, wanted, name):
+        rows = [value] if len(wanted) == 1 else value
+        if not isinstance(rows, list) or len(rows) != (1 if len(wanted) == 1 else wanted[0]) \
+                or not all(isinstance(r, list) and len(r) == wanted[-1] for r in rows):
+            raise ValueError(f"params: {name} must have shape {' x '.join(map(str, wanted))}")
+    wanted = shapes(shape)
+    if set(params) - {"shape"} != set(wanted):
+        raise ValueError(f"params must hold {sorted(wanted)} besides its shape")
+    if not isinstance(params["blocks"], list) or len(params["blocks"]) != shape["layers"]:
+        raise ValueError(f"params: blocks must be a list of {shape['layers']} blocks")
+    for name, dims in wanted.items():
+        if name != "blocks":
+            check(params[name], dims, name)
+    for layer, (block, dims) in enumerate(zip(params["blocks"], wanted["blocks"])):
+        if not isinstance(block, dict) or set(block) != set(dims):
+            raise ValueError(f"params: blocks[{layer}] must hold {sorted(dims)}")
+        for name, wanted_dims in dims.items():
+            check(block[name], wanted_dims, f"blocks[{layer}][{name!r}]")
+
+
 def forward(params, ids, mask=causal):
     """Next-token logits for every position of ids: layer by layer, first every
     position's q, k and v, then each position's heads attending to positions mask(i)."""
-    if not ids or len(ids) > CONTEXT:
-        raise ValueError(f"ids must hold 1 to {CONTEXT} token IDs, got {len(ids)}")
-    for index, token_id in enumerate(ids):
-        check_token_id(token_id, f"ids[{index}] =")
+    check_params(params)
+    check_ids(ids)
     block_cols, out_cols = _columns(params)
     heads, d, group, scale = _heads(params["shape"])
     xs = [add(params["tok_emb"][token_id], params["pos_emb"][position])
@@ -107,8 +155,7 @@ class DeepCache:
     mask(i), causal unless given, is which held positions position i attends to."""
 
     def __init__(self, params, mask=causal):
-        if not isinstance(params, dict) or "shape" not in params:
-            raise ValueError("params must be deep_model.init_params(...)'s")
+        check_params(params)
         self.params, self.mask = params, mask
         self.block_columns, self.out_columns = _columns(params)
         self.tokens = []

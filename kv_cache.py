@@ -124,12 +124,16 @@ def feed(params, cache, ids):
     """Feed the tokens of ids that the cache does not hold yet, one forward_step each
     (positions len(cache) to len(ids) - 1); the logits of each, in order. A refused step
     leaves the positions fed before it in the cache, each whole."""
+    check_cache(cache, params)
     return [forward_step(params, cache, ids[position], position)
             for position in range(held_prefix(cache, ids), len(ids))]
 
 
 def held_prefix(cache, ids):
-    """How many tokens of ids the cache holds, after checking that they are its first."""
+    """How many tokens of ids the cache holds, after checking that ids is a list of
+    token IDs and that the cache's tokens are its first."""
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"ids must be a list of token IDs, got {type(ids).__name__}")
     held = len(cache)
     if list(cache.tokens) != list(ids[:held]):
         raise ValueError(f"the cache holds {held} tokens that do not begin ids; feed a "

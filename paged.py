@@ -88,9 +88,18 @@ class BlockPool:
                              f"{self.block_size} positions, {self.free_blocks()} free, and "
                              f"{blocks} more are needed; free a sequence or make a larger pool")
 
+    def block(self, block_id):
+        """The Block of block_id, refusing an id the pool does not have."""
+        model.check_int("block id", block_id, 0, len(self.blocks) - 1)
+        return self.blocks[block_id]
+
     def take(self, tokens=(), keys=(), values=()):
-        """A free block for one table, holding copies of the given positions; a cached
-        block taken for it leaves the prefix index (it is evicted)."""
+        """A free block for one table, holding copies of the given positions (at most
+        block_size); a cached block taken for it leaves the prefix index (it is evicted)."""
+        if not len(tokens) == len(keys) == len(values) <= self.block_size:
+            raise ValueError(f"a block holds up to {self.block_size} positions, one token, "
+                             f"key and value each; got {len(tokens)} tokens, {len(keys)} "
+                             f"keys and {len(values)} values")
         self.check_room(1)
         block_id, _ = self.free_list.popitem(last=False)
         block = self.blocks[block_id]
@@ -103,14 +112,20 @@ class BlockPool:
 
     def share(self, block_id):
         """One more table holds the block (a cached block leaves the free list)."""
-        if self.blocks[block_id].ref_count == 0:
+        block = self.block(block_id)
+        if block.ref_count == 0:
+            if block.prefix is None:
+                raise ValueError(f"block {block_id} is free and holds nothing to share")
             del self.free_list[block_id]
-        self.blocks[block_id].ref_count += 1
+        block.ref_count += 1
 
     def release(self, block_id):
         """One table less holds the block. When none does, a full block stays findable at
         the back of the free list; any other is emptied and goes to its front."""
-        block = self.blocks[block_id]
+        block = self.block(block_id)
+        if block.ref_count == 0:
+            raise ValueError(f"block {block_id} is held by no table: release a block once "
+                             f"for each table that took or shared it")
         block.ref_count -= 1
         if block.ref_count == 0:
             self.free_list[block_id] = None
@@ -121,7 +136,12 @@ class BlockPool:
     def append(self, block_id, token_id, k, v, prefix):
         """One more position in a block that one table holds; prefix: the tokens of its
         sequence so far, under which the block is indexed when it fills up."""
-        block = self.blocks[block_id]
+        block = self.block(block_id)
+        slot = len(block.tokens)
+        if slot == self.block_size or block.ref_count != 1:
+            why = "full" if slot == self.block_size else f"held by {block.ref_count} tables"
+            raise ValueError(f"block {block_id}, slot {slot}: a position is written only into "
+                             f"a block one table holds that is not full, and this one is {why}")
         block.tokens.append(token_id)
         block.keys.append(k)
         block.values.append(v)
@@ -131,7 +151,8 @@ class BlockPool:
 
     def truncate(self, block_id, length):
         """Keep the first length positions of a block that one table holds."""
-        block = self.blocks[block_id]
+        block = self.block(block_id)
+        model.check_int("length", length, 0, len(block.tokens))
         del block.tokens[length:], block.keys[length:], block.values[length:]
         self._unindex(block_id)   # no longer full
 

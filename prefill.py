@@ -67,6 +67,7 @@ def prefill_in_chunks(params, cache, ids, size):
     prefill call per chunk (servers call it chunked prefill); the logits of each. A
     refused chunk (a pool out of blocks) leaves the chunks before it in the cache."""
     model.check_int("chunk size", size, 1)
+    check_cache(cache, params)
     return [logits for first in range(held_prefix(cache, ids), len(ids), size)
             for logits in prefill(params, cache, ids[first:first + size], first)]
 

@@ -117,6 +117,8 @@ class CacheFiles(unittest.TestCase):
             cache_files.load_cache(PARAMS, os.path.join(test_kv_cache.HERE, "best.json"))
         with self.assertRaises(FileNotFoundError):
             cache_files.load_cache(PARAMS, os.path.join(self.folder.name, "missing.json"))
+        with self.assertRaisesRegex(ValueError, "params must be a dict"):
+            cache_files.weights_signature(None)
         with self.assertRaisesRegex(ValueError, "saves a KVCache or a paged sequence"):
             cache_files.save_cache(lossy.WindowCache(PARAMS, 8), self.path)
         for path, fragment in ((None, "a file name is needed"), (5, "a file name is needed"),

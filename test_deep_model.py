@@ -3,12 +3,14 @@ attention, one to four layers, every cached row equals the full pass's with ==; 
 mistakes of layers and heads, planted in the real forward_step, are caught; a window
 drops what a row sees in one layer but not through several."""
 import ast
+import copy
 import random
 import unittest
 from unittest import mock
 
 import deep_model
 import model
+from generate import load_trained
 from instruments import plant, replacing
 from test_kv_cache import first_difference
 
@@ -136,6 +138,30 @@ class Refusals(unittest.TestCase):
                     call()
                 self.assertEqual(len(cache), 3)
                 self.assertEqual([len(layer["keys"]) for layer in cache.layers], [3, 3])
+
+
+    def test_params_of_another_shape_or_model_and_bad_ids_are_refused(self):
+        lesson, _ = load_trained()
+        good = deep_model.init_params(1, 4, 2, 16, 0)
+        three_heads = copy.deepcopy(good)
+        three_heads["shape"]["heads"] = 3
+        short_key = copy.deepcopy(good)
+        short_key["blocks"][0]["Wk"].pop()
+        one_layer_short = dict(good, shape=dict(good["shape"], layers=2))
+        for params, fragment in ((lesson, "params must be deep_model.init_params"),
+                                 (None, "params must be deep_model.init_params"),
+                                 (three_heads, "width 16 must be a multiple of heads 3"),
+                                 (short_key, r"blocks\[0\]\['Wk'\] must have shape 16 x 8"),
+                                 (one_layer_short, "blocks must be a list of 2 blocks")):
+            with self.subTest(fragment=fragment):
+                for attempt in (lambda: deep_model.forward(params, [1, 2]),
+                                lambda: deep_model.DeepCache(params)):
+                    with self.assertRaisesRegex(ValueError, fragment):
+                        attempt()
+        for ids, fragment in ((None, "ids must be a list"), ([], "ids is empty"),
+                              ([1, 96], r"ids\[1\] = 96 is outside")):
+            with self.subTest(ids=ids), self.assertRaisesRegex(ValueError, fragment):
+                deep_model.forward(good, ids)
 
 
 if __name__ == "__main__":

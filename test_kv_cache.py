@@ -715,6 +715,14 @@ class Misuse(unittest.TestCase):
             with self.subTest(token_id=token_id):
                 self.assertRefused("outside the vocabulary", token_id=token_id)
 
+    def test_feed_refuses_what_is_not_a_cache_or_a_list_of_token_ids(self):
+        for cache, ids, fragment in ((None, [1, 2], "cache must be a KVCache, got NoneType"),
+                                     (self.cache, None, "ids must be a list of token IDs"),
+                                     (self.cache, 5, "ids must be a list of token IDs"),
+                                     (self.cache, iter(self.ids), "ids must be a list")):
+            with self.subTest(fragment=fragment), self.assertRaisesRegex(ValueError, fragment):
+                feed(PARAMS, cache, ids)
+
     def test_params_of_the_wrong_shape_are_refused_by_both_generators(self):
         missing = {k: v for k, v in PARAMS.items() if k != "Wq"}
         short = dict(PARAMS, b1=PARAMS["b1"][:3])

@@ -66,20 +66,23 @@ def paged_scenario():
     """Write a sequence, fork it, let both sides write, and find its prefix again from a
     new sequence, all one forward_step at a time; None if every sequence holds what a
     KVCache fed its tokens holds, else where_sequence_differs's line for the first that
-    does not."""
+    does not (or the pool's refusal, which names the block and slot it guards)."""
     ids = TOK.encode(OPENINGS[0] + " she was")
     pool = paged.BlockPool(PARAMS, 16, 4)
 
     def write(seq, tokens):
         for token_id in tokens:
             forward_step(PARAMS, seq, token_id, len(seq))
-    parent = pool.sequence()
-    write(parent, ids[:10])                      # blocks of 4, 4 and 2 positions
-    fork = parent.copy()
-    write(fork, ids[10:12])                      # into the shared, partly filled block
-    write(parent, TOK.encode(" tom"))
-    found = pool.sequence(ids[:10])              # a prefix hit: the two full blocks
-    write(found, ids[len(found):10])
+    try:
+        parent = pool.sequence()
+        write(parent, ids[:10])                  # blocks of 4, 4 and 2 positions
+        fork = parent.copy()
+        write(fork, ids[10:12])                  # into the shared, partly filled block
+        write(parent, TOK.encode(" tom"))
+        found = pool.sequence(ids[:10])          # a prefix hit: the two full blocks
+        write(found, ids[len(found):10])
+    except ValueError as refused:                # the pool's own guards
+        return f"the pool refused: {refused}"
     for label, seq, tokens in (("the parent", parent, ids[:10] + TOK.encode(" tom")),
                                ("the fork", fork, ids[:12]), ("the prefix hit", found, ids[:10])):
         why = where_sequence_differs(label, seq, filled_cache(tokens))
@@ -121,12 +124,9 @@ class PagedTeeth(unittest.TestCase):
                 planted = plant(owner, method, mistake)
                 self.assertIsNotNone(planted, f"the planting site of {what!r} is gone")
                 with mock.patch.object(owner, method, planted):
-                    try:
-                        why = paged_scenario()
-                    except ValueError as refused:
-                        why = f"refused: {refused}"
-                self.assertRegex(why or "", r"position \d+ \(block \d+, slot \d+\)|holds \d+ "
-                                            r"positions, where", why)
+                    why = paged_scenario()
+                self.assertRegex(why or "", r"block \d+, slot \d+|holds \d+ positions, where",
+                                 why)
 
 
 class Paged(unittest.TestCase):
@@ -344,6 +344,31 @@ class Paged(unittest.TestCase):
             attempt()
         self.assertIn(fragment, str(caught.exception))
         assert_equal(self, pool_snapshot(pool), before, "the pool")
+
+    def test_the_pool_refuses_misuse_of_its_own_methods(self):
+        pool = paged.BlockPool(PARAMS, 4, 4)
+        seq = pool.sequence()
+        feed(PARAMS, seq, TOK.encode(OPENINGS[0])[:4])   # block 0, full
+        k = seq.keys[0]
+        for attempt, fragment in (
+                (lambda: pool.release(1), "block 1 is held by no table"),
+                (lambda: pool.share(9), "block id must be an int from 0 to 3, got 9"),
+                (lambda: pool.share(True), "block id must be an int"),
+                (lambda: pool.share(2), "block 2 is free and holds nothing to share"),
+                (lambda: pool.take([1] * 5, [k] * 5, [k] * 5), "a block holds up to 4"),
+                (lambda: pool.take([1], [k], []), "got 1 tokens, 1 keys and 0 values"),
+                (lambda: pool.append(0, 1, k, k, [1] * 5), "this one is full"),
+                (lambda: pool.truncate(0, 5), "length must be an int from 0 to 4")):
+            with self.subTest(fragment=fragment):
+                self.assert_refused(pool, attempt, fragment)
+        part = pool.sequence()
+        feed(PARAMS, part, [5, 6])                        # block 1: two of its four slots
+        fork = part.copy()
+        self.assert_refused(pool, lambda: pool.append(part.table[0], 1, k, k, [5, 6, 1]),
+                            f"block {part.table[0]}, slot 2: a position is written only into "
+                            f"a block one table holds that is not full, and this one is held "
+                            f"by 2 tables")
+        fork.free()
 
     def test_refusals_leave_the_pool_unchanged(self):
         pool = paged.BlockPool(PARAMS, 3, 4)

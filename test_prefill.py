@@ -83,6 +83,9 @@ class OnePassPrefill(unittest.TestCase):
 
     def test_chunks_need_a_size_and_the_cache_s_own_sequence(self):
         ids = TOK.encode(OPENINGS[0])
+        for cache, fragment in ((None, "cache must be a KVCache"), ([], "cache must be a")):
+            with self.subTest(cache=cache), self.assertRaisesRegex(ValueError, fragment):
+                prefill.prefill_in_chunks(PARAMS, cache, ids, 2)
         for size in (0, -1, 2.0, True, None):
             with self.subTest(size=size), self.assertRaisesRegex(ValueError, "chunk size"):
                 prefill.prefill_in_chunks(PARAMS, KVCache(PARAMS), ids, size)
