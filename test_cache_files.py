@@ -5,6 +5,7 @@ import copy
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -17,8 +18,8 @@ import lossy
 import paged
 from kv_cache import feed, generate_cached
 import test_kv_cache
-from test_kv_cache import (OPENINGS, PARAMS, TOK, assert_equal, filled_cache, setUpModule,
-                           snapshot, tearDownModule)   # the module set-up: run from elsewhere
+from test_kv_cache import (OPENINGS, PARAMS, TOK, assert_equal, check_every_case, filled_cache,
+                           random_cases, setUpModule, snapshot, tearDownModule)   # the module set-up: run from elsewhere
 
 
 class CacheFiles(unittest.TestCase):
@@ -131,6 +132,42 @@ class CacheFiles(unittest.TestCase):
         with self.assertRaisesRegex(FileNotFoundError, f"cannot write .*the folder .* does "
                                                        f"not exist"):
             cache_files.save_cache(filled_cache([5]), nowhere)
+
+    def test_a_randomly_corrupted_file_loads_exactly_or_is_refused_naming_it(self):
+        """Case n changes the saved file with random.Random(n): one character replaced,
+        a piece cut out, or a piece copied elsewhere. Every load gives exactly the saved
+        cache or a ValueError naming the file."""
+        cache = filled_cache(TOK.encode(OPENINGS[1]))
+        cache_files.save_cache(cache, self.path)
+        with open(self.path, encoding="utf-8") as f:
+            saved = f.read()
+        loaded_exactly = refused = 0
+
+        def check(index):
+            nonlocal loaded_exactly, refused
+            rng = random.Random(index)
+            at, end = sorted(rng.randrange(len(saved)) for _ in range(2))
+            how = rng.choice(("replace", "cut", "copy"))
+            if how == "replace":
+                text = saved[:at] + rng.choice('0123456789.,-e[]{}":ab ') + saved[at + 1:]
+            elif how == "cut":
+                text = saved[:at] + saved[end:]
+            else:
+                where = rng.randrange(len(saved))
+                text = saved[:where] + saved[at:end] + saved[where:]
+            with open(self.path, "w", encoding="utf-8") as f:
+                f.write(text)
+            try:
+                loaded = cache_files.load_cache(PARAMS, self.path)
+            except ValueError as e:
+                refused += 1
+                return None if self.path in str(e) else f"a refusal without the file: {e}"
+            loaded_exactly += 1
+            if snapshot(loaded) != snapshot(cache):
+                return f"{how} at {at}: it loaded, but not as the saved cache"
+            return None
+        check_every_case(self, ((f"case {n}", n) for n in range(random_cases(100))), check)
+        self.assertGreater(refused, 0)
 
     def test_a_failed_write_keeps_the_previous_file(self):
         cache_files.save_cache(filled_cache(TOK.encode(OPENINGS[0])), self.path)

@@ -12,7 +12,7 @@ import deep_model
 import model
 from generate import load_trained
 from instruments import plant, replacing
-from test_kv_cache import first_difference
+from test_kv_cache import check_every_case, first_difference, random_cases
 
 SHAPES = [(layers, heads, kv_heads) for layers in (1, 2, 3, 4)
           for heads, kv_heads in ((1, 1), (4, 4), (4, 2), (4, 1))]   # MHA, GQA, MQA
@@ -46,6 +46,31 @@ class Exactness(unittest.TestCase):
             params = deep_model.init_params(layers, heads, kv_heads, 16, 1)
             with self.subTest(layers=layers, heads=heads, kv_heads=kv_heads):
                 self.assertIsNone(where(params, ids))
+
+    def test_random_shapes_masks_and_inputs(self):
+        """Case n draws, from random.Random(n), 1 to 3 layers, a width of 4 to 24, heads
+        that divide it and key-value heads that divide those, a seed, 1 to 20 random
+        tokens, and the causal mask or a band of 1 to 8 (with sinks): every cached row ==
+        the full pass's, and the cache keeps 2 x layers x kv_heads x head width numbers
+        a position."""
+        def check(index):
+            rng = random.Random(index)
+            width = rng.choice((4, 6, 8, 12, 16, 24))
+            heads = rng.choice([h for h in range(1, width + 1) if width % h == 0])
+            kv_heads = rng.choice([k for k in range(1, heads + 1) if heads % k == 0])
+            layers = rng.randint(1, 3)
+            params = deep_model.init_params(layers, heads, kv_heads, width, rng.randrange(99))
+            window = rng.randint(1, 8)
+            mask = rng.choice((deep_model.causal, model.band(window, rng.randrange(window))))
+            ids = tokens(rng.randint(1, 20), seed=index)
+            rows, cache = cached_rows(params, ids, mask)
+            label = f"{layers} layers, {heads} heads, {kv_heads} kv heads, width {width}"
+            if rows != deep_model.forward(params, ids, mask):
+                return f"{label}: {where(params, ids, mask)}"
+            if cache.floats_per_position() != 2 * layers * kv_heads * (width // heads):
+                return f"{label}: {cache.floats_per_position()} numbers a position"
+            return None
+        check_every_case(self, ((f"case {n}", n) for n in range(random_cases(30))), check)
 
     def test_the_cache_keeps_2_x_layers_x_kv_heads_x_head_width_numbers_per_position(self):
         for layers, heads, kv_heads in SHAPES:

@@ -226,6 +226,14 @@ def check_every_case(test, cases, check):
         test.fail(f"{failed} of {count} cases fail; the first, {first}")
 
 
+def random_cases(default):
+    """How many cases a seeded random test runs: its default, or as many as
+    KV_LAB_RANDOM_CASES asks for (checked as RandomModels checks it), if more."""
+    if os.environ.get("KV_LAB_RANDOM_CASES") is None:
+        return default
+    return max(default, RandomModels.requested_cases())
+
+
 class Exactness(unittest.TestCase):
     """The lesson's check, the command to run after any change to forward_step (a few
     seconds): python3 -m unittest test_kv_cache.Exactness

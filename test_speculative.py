@@ -1,18 +1,20 @@
 """Speculative decoding (speculative.py): every result is generate.generate's, whatever the
 drafter proposes; verifier mistakes planted in the real function are caught."""
 import ast
+import random
 import unittest
 from unittest import mock
 
 import lossy
+import model
 import prefill
 import speculative
 from kv_cache import generate_cached
-from train import split_stories
+from train import split_stories, story_ids
 import test_kv_cache
 from instruments import plant, recording, replacing
-from test_kv_cache import (OPENINGS, PARAMS, TOK, assert_equal, filled_cache, setUpModule,
-                           snapshot, tearDownModule)   # the module set-up: run from elsewhere
+from test_kv_cache import (OPENINGS, PARAMS, TOK, assert_equal, check_every_case, filled_cache,
+                           random_cases, setUpModule, snapshot, tearDownModule)   # the module set-up: run from elsewhere
 
 
 def is_rollback(node):
@@ -148,6 +150,50 @@ class Drafters(unittest.TestCase):
         self.assertEqual(result, generate_cached(PARAMS, TOK, OPENINGS[0], max_new_tokens=5))
         self.assertEqual(len(drafter.given), 4)   # after each chosen token but the last
         self.assertTrue(all(isinstance(ids, tuple) for ids in drafter.given))
+
+    def test_random_drafters_give_generate_s_result_or_a_refusal_naming_them(self):
+        """Case n: a drafter that proposes, from random.Random(n), random tokens, the
+        true continuation, nothing, or now and then something that is not a draft (too
+        long, a token outside the vocabulary, None), with a random lookahead and setting,
+        from a cache holding a random start of the prompt. Every run gives the cached
+        generator's result (which is generate's) or a refusal naming the drafter, and
+        leaves the given cache as it was."""
+        class Random:
+            def __init__(self, rng, truth):
+                self.rng, self.truth = rng, truth
+
+            def propose(self, ids, lookahead):
+                pick = self.rng.random()
+                if pick < 0.05:
+                    return self.rng.choice((None, [96], [1] * (lookahead + 1)))
+                if pick < 0.4:
+                    return list(self.truth[len(ids):len(ids) + self.rng.randint(0, lookahead)])
+                return [self.rng.randrange(model.VOCAB_SIZE)
+                        for _ in range(self.rng.randint(0, lookahead))]
+        refused = 0
+
+        def check(index):
+            nonlocal refused
+            rng = random.Random(index)
+            prompt = rng.choice(OPENINGS[:12])
+            settings = rng.choice(({}, {"temperature": 1.0, "seed": index},
+                                   {"temperature": 0.8, "top_k": 3, "seed": index}))
+            expected = generate_cached(PARAMS, TOK, prompt, **settings)
+            truth = story_ids(TOK, prompt, expected)
+            cache = filled_cache(TOK.encode(prompt)[:rng.randint(0, 4)])
+            before = snapshot(cache)
+            try:
+                result = speculative.generate_speculative(
+                    PARAMS, TOK, prompt, lookahead=rng.randint(1, 6), cache=cache,
+                    drafter=Random(rng, truth), **settings)
+            except ValueError as e:
+                refused += 1
+                result = expected if "the drafter Random proposed" in str(e) else str(e)
+            if snapshot(cache) != before:
+                return "the given cache changed"
+            return None if result == expected else f"{prompt!r} {settings}: {result}"
+        check_every_case(self, ((f"case {n}", n) for n in range(random_cases(30))), check)
+        self.assertGreater(refused, 0)
 
     def test_drafters_refuse_bad_settings(self):
         for make, fragment in ((lambda: speculative.PromptLookup("3"), "longest must be"),
