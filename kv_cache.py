@@ -59,6 +59,15 @@ class KVCache:
         """End the sequence: forget every position (a paged sequence returns its blocks)."""
         self.crop(0)
 
+    def room_for(self, positions):
+        """Whether the cache can keep that many more positions (a list always can; a
+        paged sequence asks its pool)."""
+        return True
+
+    def room_left(self):
+        """What limits the positions the cache can keep, in words."""
+        return "nothing but the model's 64 positions"
+
     def copy(self):
         """An independent cache holding the same positions: a fork of this sequence. The
         fork has copies of the lists the cache keeps (the same params and columns, and
@@ -165,7 +174,8 @@ def generate_cached(params, tok, prompt, max_new_tokens=60, temperature=0.0, top
     if cache is None:
         cache = KVCache(params)
     ids = generate.check_request(tok, prompt, max_new_tokens, temperature, top_k, seed)
-    cache = fork_for_prompt(params, cache, ids, tok)
+    cache = fork_for_prompt(params, cache, ids, tok,
+                            min(len(ids) + max_new_tokens, model.CONTEXT) - 1)
 
     def next_logits(ids):
         # The whole prompt on the first call (prefill), then only the token chosen last
@@ -178,9 +188,10 @@ def generate_cached(params, tok, prompt, max_new_tokens=60, temperature=0.0, top
         cache.free()   # the copy is this call's own
 
 
-def fork_for_prompt(params, cache, ids, tok):
+def fork_for_prompt(params, cache, ids, tok, most=model.CONTEXT):
     """A copy of cache to continue the prompt ids from, after checking that the cache
-    belongs to params and holds a prefix of ids."""
+    belongs to params, holds a prefix of ids, and has room for as many as most positions
+    (what the generation may hold), so that a refusal comes before anything changes."""
     check_cache(cache, params)
     if len(cache.tokens) != len(cache):
         raise ValueError(f"the cache holds {len(cache)} keys but {len(cache.tokens)} tokens, "
@@ -203,6 +214,12 @@ def fork_for_prompt(params, cache, ids, tok):
             fork.free()
             raise ValueError(f"the cache holds the whole prompt, and its copy cannot give "
                              f"the last position back to feed it again: {refused}") from None
+    more = most - len(fork)
+    if not fork.room_for(more):
+        fork.free()
+        raise ValueError(f"the cache has no room for the {more} more positions "
+                         f"this generation may need ({most} in all, for a prompt of {len(ids)} "
+                         f"tokens and its max_new_tokens): {cache.room_left()}")
     return fork
 
 

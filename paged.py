@@ -224,6 +224,16 @@ class PagedSequence(KVCache):
         copy = positions > 0 and room > 0 and self._last_block_is_shared()
         return math.ceil(max(0, positions - room) / self.pool.block_size) + copy
 
+    def room_for(self, positions):
+        """Whether the pool has the blocks that many more positions need."""
+        return self.blocks_needed(max(0, positions)) <= self.pool.free_blocks()
+
+    def room_left(self):
+        """What limits the positions the sequence can keep, in words."""
+        return (f"its pool has {self.pool.free_blocks()} of its {len(self.pool.blocks)} blocks "
+                f"of {self.pool.block_size} positions free; free a sequence or make a larger "
+                f"pool")
+
     def extend(self, token_ids, keys, values):
         """Keep several more positions: the last block first, then new blocks; a block
         that fills up joins the prefix index. Before writing into its last block the
@@ -287,7 +297,7 @@ def experiment(lab, runs):
     reserved = {"static, 64 per story": model.CONTEXT * len(held)}
     reserved.update({f"blocks of {size}": sum(math.ceil(n / size) * size for n in held)
                      for size in BLOCK_SIZES})
-    pool = BlockPool(params, model.CONTEXT * len(prompts) // 4, 4)
+    pool = BlockPool(params, (model.CONTEXT // 4 + 1) * len(prompts), 4)   # a context each, and a copy
     rows_without = rows_with = shared = identical = 0
     for prompt, result in zip(prompts, runs.greedy):
         ids = tok.encode(prompt)

@@ -98,7 +98,8 @@ def generate_speculative(params, tok, prompt, max_new_tokens=60, temperature=0.0
                          f"and a {type(cache).__name__} drops positions a crop may need; "
                          f"pass a cache that keeps every position")
     ids = generate.check_request(tok, prompt, max_new_tokens, temperature, top_k, seed)
-    cache = fork_for_prompt(params, cache, ids, tok)
+    cache = fork_for_prompt(params, cache, ids, tok,
+                            min(len(ids) + max_new_tokens, model.CONTEXT) - 1)
     try:
         generation = generate.Generation(tok, ids, max_new_tokens, temperature, top_k, seed)
         if generation.stopped:

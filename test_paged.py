@@ -263,13 +263,34 @@ class Paged(unittest.TestCase):
         seq = pool.sequence()
         feed(PARAMS, seq, TOK.encode("tom ran"))
         before, held = pool_snapshot(pool), snapshot(seq)
-        with self.assertRaisesRegex(ValueError, "the pool is out of blocks: it has 1 blocks "
-                                                "of 3 positions, 0 free, and 1 more"):
+        with self.assertRaisesRegex(ValueError, "the cache has no room for the 60 more "
+                                                "positions this generation may need .* its pool "
+                                                "has 0 of its 1 blocks of 3 positions free"):
             generate_cached(PARAMS, TOK, "tom ran", cache=seq)
         assert_equal(self, pool_snapshot(pool), before, "the pool")
         assert_equal(self, snapshot(seq), held, "the sequence")
         seq.free()
         self.assertEqual(pool.free_blocks(), 1)
+
+    def test_a_generation_the_pool_may_not_hold_is_refused_before_anything_changes(self):
+        """A pool of 4 blocks of 4 with "zoe went" cached: a generation of up to 30 new
+        tokens from a sequence of "mia was sad." may need more blocks than the pool has
+        free, so it is refused at once, the prefix cache included (it used to run until the
+        pool was out, evicting the cached block on the way)."""
+        pool = paged.BlockPool(PARAMS, 4, 4)
+        cached = pool.sequence()
+        feed(PARAMS, cached, TOK.encode("zoe went to"))
+        cached.free()                                     # its full blocks stay cached
+        seq = pool.sequence()
+        feed(PARAMS, seq, TOK.encode("mia was sad."))
+        before, held = pool_snapshot(pool), snapshot(seq)
+        with self.assertRaisesRegex(ValueError, "no room for the 30 more positions"):
+            generate_cached(PARAMS, TOK, "mia was sad.", max_new_tokens=30, cache=seq)
+        assert_equal(self, pool_snapshot(pool), before, "the pool")
+        assert_equal(self, snapshot(seq), held, "the sequence")
+        self.assertEqual(pool.evictions, 0)
+        short = generate_cached(PARAMS, TOK, "mia was sad.", max_new_tokens=3, cache=seq)
+        self.assertEqual(short, generate_cached(PARAMS, TOK, "mia was sad.", max_new_tokens=3))
 
     def test_feed_and_chunked_prefill_keep_what_was_fed_before_a_refusal(self):
         """Each position joins whole or not at all: a refusal in the middle of an input
