@@ -15,7 +15,7 @@ import sys
 
 from instruments import largest_gap
 from model import (CONTEXT, VOCAB_SIZE, WIDTH, add, band, causal, check_ids, check_int,
-                   check_token_id, dot, is_int, layernorm, linear, relu, softmax_row)
+                   check_mask, check_token_id, dot, is_int, layernorm, linear, relu, softmax_row)
 
 
 def init_params(layers, heads, kv_heads, width, seed):
@@ -120,6 +120,7 @@ def forward(params, ids, mask=causal):
     position's q, k and v, then each position's heads attending to positions mask(i)."""
     check_params(params)
     check_ids(ids)
+    check_mask(mask, len(ids))
     block_cols, out_cols = _columns(params)
     heads, d, group, scale = _heads(params["shape"])
     xs = [add(params["tok_emb"][token_id], params["pos_emb"][position])
@@ -185,6 +186,7 @@ def forward_step(params, cache, token_id, position):
         raise ValueError(f"position {position} is beyond the {CONTEXT} positions of the "
                          f"model's table")
     check_token_id(token_id)
+    check_mask(cache.mask, position + 1)   # before anything is kept: the step is whole
     heads, d, group, scale = _heads(params["shape"])
     cache.tokens.append(token_id)
     x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])

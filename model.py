@@ -186,6 +186,16 @@ def band(window, sinks=0):
     return mask
 
 
+def check_mask(mask, positions):
+    """Refuse a mask that gives a position nothing to attend to, or a position it cannot
+    attend to (a later one, or before 0): mask(i) must be a non-empty part of 0..i."""
+    for i in range(positions):
+        attended = list(mask(i))
+        if not attended or not set(attended) <= set(range(i + 1)):
+            raise ValueError(f"mask({i}) gives {attended!r}: position {i} must attend to "
+                             f"at least one of positions 0 to {i}, and to no other")
+
+
 def forward(params, ids, mask=causal):
     """Next-token logits for every position of ids, and what the backward pass needs.
 
@@ -195,6 +205,8 @@ def forward(params, ids, mask=causal):
     line for line. Training (the backward pass) uses the causal mask.
     """
     check_ids(ids)
+    if mask is not causal:
+        check_mask(mask, len(ids))
     cols = columns(params)
     saved = Saved(*([] for _ in Saved._fields))
     for position, token_id in enumerate(ids):

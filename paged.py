@@ -78,7 +78,9 @@ class BlockPool:
             holders = self.prefix_index.get(tuple(ids[:end]))
             if not holders:
                 break
-            found.append(holders[0])
+            # a block some table holds already, before a cached one nobody holds (which
+            # would leave the free list, and hold the same positions twice)
+            found.append(min(holders, key=lambda block_id: self.blocks[block_id].ref_count == 0))
         return found
 
     def check_room(self, blocks):

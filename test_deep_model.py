@@ -183,6 +183,15 @@ class Refusals(unittest.TestCase):
                                 lambda: deep_model.DeepCache(params)):
                     with self.assertRaisesRegex(ValueError, fragment):
                         attempt()
+        nothing = lambda i: []   # a mask that leaves a position nothing to attend to
+        for attempt in (lambda: deep_model.forward(good, [1, 2], nothing),
+                        lambda: model.forward(lesson, [1, 2], nothing)):
+            with self.assertRaisesRegex(ValueError, r"mask\(0\) gives \[\]: position 0 must"):
+                attempt()
+        cache = deep_model.DeepCache(good, lambda i: [i + 1])   # a later position
+        with self.assertRaisesRegex(ValueError, r"mask\(0\) gives \[1\]"):
+            deep_model.forward_step(good, cache, 5, 0)
+        self.assertEqual((len(cache), [len(layer["keys"]) for layer in cache.layers]), (0, [0]))
         for ids, fragment in ((None, "ids must be a list"), ([], "ids is empty"),
                               ([1, 96], r"ids\[1\] = 96 is outside")):
             with self.subTest(ids=ids), self.assertRaisesRegex(ValueError, fragment):

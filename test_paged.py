@@ -100,9 +100,10 @@ NO_COPY_ON_WRITE = replacing(   # the shared last block is written as if it were
                   and isinstance(node.test.func, ast.Attribute)
                   and node.test.func.attr == "_last_block_is_shared"),
     lambda node: ast.If(ast.Constant(False), node.body, node.orelse))
-WRONG_BLOCK_FOUND = replacing(   # holders[0] becomes holders[0] + 1: the next block's id
-    lambda node: (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name)
-                  and node.value.id == "holders"),
+WRONG_BLOCK_FOUND = replacing(   # the holder found, plus 1: the next block's id
+    lambda node: (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id == "min" and isinstance(node.args[0], ast.Name)
+                  and node.args[0].id == "holders"),
     lambda node: ast.BinOp(node, ast.Add(), ast.Constant(1)))
 
 
@@ -365,6 +366,23 @@ class Paged(unittest.TestCase):
             attempt()
         self.assertIn(fragment, str(caught.exception))
         assert_equal(self, pool_snapshot(pool), before, "the pool")
+
+    def test_a_prefix_hit_shares_a_held_block_before_a_cached_one(self):
+        """Two full blocks hold the same tokens, one cached (nobody holds it), one held:
+        a new sequence of those tokens shares the held one, and the cached one stays on
+        the free list."""
+        pool = paged.BlockPool(PARAMS, 4, 4)
+        ids = TOK.encode(OPENINGS[0])[:4]
+        first = pool.sequence()
+        feed(PARAMS, first, ids)
+        cached = first.table[0]
+        first.free()                                 # its block stays cached
+        second = pool.sequence()                     # no prefix given: a block of its own
+        feed(PARAMS, second, ids)
+        self.assertEqual(len(pool.prefix_index[tuple(ids)]), 2)
+        third = pool.sequence(ids)
+        self.assertEqual(third.table, second.table)
+        self.assertIn(cached, pool.free_list)
 
     def test_the_pool_refuses_misuse_of_its_own_methods(self):
         pool = paged.BlockPool(PARAMS, 4, 4)
