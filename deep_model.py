@@ -186,7 +186,7 @@ def forward_step(params, cache, token_id, position):
         raise ValueError(f"position {position} is beyond the {CONTEXT} positions of the "
                          f"model's table")
     check_token_id(token_id)
-    check_mask(cache.mask, position + 1)   # before anything is kept: the step is whole
+    check_mask(cache.mask, position + 1, position)   # before anything is kept
     heads, d, group, scale = _heads(params["shape"])
     cache.tokens.append(token_id)
     x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])

@@ -186,10 +186,10 @@ def band(window, sinks=0):
     return mask
 
 
-def check_mask(mask, positions):
-    """Refuse a mask that gives a position nothing to attend to, or a position it cannot
-    attend to (a later one, or before 0): mask(i) must be a non-empty part of 0..i."""
-    for i in range(positions):
+def check_mask(mask, positions, start=0):
+    """Refuse a mask that gives a position (from start to positions - 1) nothing to attend
+    to, or a position it cannot attend to: mask(i) must be a non-empty part of 0..i."""
+    for i in range(start, positions):
         attended = list(mask(i))
         if not attended or not set(attended) <= set(range(i + 1)):
             raise ValueError(f"mask({i}) gives {attended!r}: position {i} must attend to "
