@@ -60,7 +60,7 @@ class OnePassPrefill(unittest.TestCase):
         assert_same_rows(self, rows, cached_rows(PARAMS, ids))
 
     def test_every_chunk_size_on_random_models(self):
-        for index in range(0, 200, 10):
+        for index in (0, *range(5, 100, 10)):   # case 0 has a long prompt
             params, prompt, _, label = test_kv_cache.RandomModels.case(index)
             ids = TOK.encode(prompt)
             full, _ = model.forward(params, ids)
