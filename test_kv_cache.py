@@ -291,8 +291,8 @@ class RandomModels(unittest.TestCase):
     of the lab's shapes, random prompts and random settings. Case n draws everything from
     random.Random(n), so RandomModels.case(n) rebuilds any case that fails."""
 
-    DEFAULT_CASES = 60      # KV_LAB_RANDOM_CASES=1000 runs cases 0..999 instead
-    LONG_EVERY = 30         # cases 0 and 30 (and 60, ...): a long prompt, run until context full
+    DEFAULT_CASES = 40      # KV_LAB_RANDOM_CASES=1000 runs cases 0..999 instead
+    LONG_EVERY = 20         # cases 0 and 20 (and 40, ...): a long prompt, run until context full
     SCALES = (0.1, 0.3, 1.0, 2.0, 5.0)          # weight matrices and biases
     EMBEDDING_SCALES = (0.1, 1.0, 5.0)
     TEMPERATURES = (0.0, 0.3, 1.0, 2.5)         # 0.0 is greedy
