@@ -22,7 +22,7 @@ import generate
 import kv_cache
 import model
 from generate import load_trained, never_ending
-from instruments import plant, recording, replacing
+from instruments import plant, recording, replacing, sums_in_another_order
 from kv_cache import KVCache, feed, forward_step, generate_cached
 from train import openings, split_stories, story_ids
 
@@ -535,6 +535,16 @@ class Teeth(unittest.TestCase):
             with self.subTest(mistake=mistake, planted_in=f"{module.__name__}.{function}"):
                 self.assertEqual(set(self.verdict(mistake, module, function, planting)
                                      .values()), {caught})
+
+    def test_the_same_order_is_what_makes_the_rows_equal(self):
+        """With every sum a plain left-to-right addition (last term first) in both paths,
+        the rows change, and the cached ones still equal the full pass's: the two paths
+        agree because they add the same terms in the same order (README section 13)."""
+        exact = model.forward(PARAMS, self.ids)[0]
+        with sums_in_another_order():
+            full = model.forward(PARAMS, self.ids)[0]
+            assert_changed(self, full, exact, "the full pass with plain sums")
+            assert_every_row_equal(self, PARAMS, self.ids, "plain sums in both paths")
 
     def test_harmless_edits_are_not_mistakes(self):
         for edit, module, function, planting in self.HARMLESS:
