@@ -17,7 +17,9 @@ BLOCK_SIZES = (4, 8, 16)   # the experiment's block sizes, positions per block
 class Block:
     """One block of a pool: the tokens, keys and values of up to block_size positions; how
     many block tables hold it; and, once it is full, its place in the prefix index: the
-    tokens of every position from 0 to its end, which its keys and values depend on."""
+    tokens of every position from 0 to its end (in a model of several layers its keys
+    and values depend on all of them; in the lesson's one-block model, on its own tokens
+    and positions alone)."""
 
     def __init__(self):
         self.tokens, self.keys, self.values = [], [], []
