@@ -15,7 +15,8 @@ import sys
 
 from instruments import largest_gap
 from model import (CONTEXT, VOCAB_SIZE, WIDTH, add, band, causal, check_ids, check_int,
-                   check_mask, check_token_id, dot, is_int, layernorm, linear, relu, softmax_row)
+                   check_mask, check_shape, check_token_id, dot, is_int, layernorm, linear,
+                   relu, softmax_row)
 
 
 def init_params(layers, heads, kv_heads, width, seed):
@@ -71,7 +72,7 @@ def _heads(shape):
             1 / math.sqrt(head_width))
 
 
-def shapes(shape):
+def param_shapes(shape):
     """The shape of every parameter of a model of this shape (layers, heads, kv_heads,
     width): name -> (rows, columns), or (entries,) for a vector; per block under
     "blocks"."""
@@ -94,25 +95,19 @@ def check_params(params):
                          "\"shape\" of layers, heads, kv_heads and width")
     shape = params["shape"]
     _check_shape(**shape)
-
-    def check(value, wanted, name):
-        rows = [value] if len(wanted) == 1 else value
-        if not isinstance(rows, list) or len(rows) != (1 if len(wanted) == 1 else wanted[0]) \
-                or not all(isinstance(r, list) and len(r) == wanted[-1] for r in rows):
-            raise ValueError(f"params: {name} must have shape {' x '.join(map(str, wanted))}")
-    wanted = shapes(shape)
+    wanted = param_shapes(shape)
     if set(params) - {"shape"} != set(wanted):
         raise ValueError(f"params must hold {sorted(wanted)} besides its shape")
     if not isinstance(params["blocks"], list) or len(params["blocks"]) != shape["layers"]:
         raise ValueError(f"params: blocks must be a list of {shape['layers']} blocks")
     for name, dims in wanted.items():
         if name != "blocks":
-            check(params[name], dims, name)
+            check_shape(params[name], dims, name)
     for layer, (block, dims) in enumerate(zip(params["blocks"], wanted["blocks"])):
         if not isinstance(block, dict) or set(block) != set(dims):
             raise ValueError(f"params: blocks[{layer}] must hold {sorted(dims)}")
         for name, wanted_dims in dims.items():
-            check(block[name], wanted_dims, f"blocks[{layer}][{name!r}]")
+            check_shape(block[name], wanted_dims, f"blocks[{layer}][{name!r}]")
 
 
 def forward(params, ids, mask=causal):

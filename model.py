@@ -46,10 +46,16 @@ def check_shapes(params):
     if extra:
         raise ValueError(f"params with unexpected names {extra}")
     for name, shape in SHAPES.items():
-        rows = _rows(params, name)
-        if (not isinstance(rows, list) or len(rows) != (1 if len(shape) == 1 else shape[0])
-                or not all(isinstance(r, list) and len(r) == shape[-1] for r in rows)):
-            raise ValueError(f"params: {name} must have shape {' x '.join(map(str, shape))}")
+        check_shape(params[name], shape, name)
+
+
+def check_shape(value, shape, name):
+    """Refuse a parameter that is not a list of lists of this shape, (rows, columns), or
+    a list of this length, (entries,)."""
+    rows = [value] if len(shape) == 1 else value
+    if (not isinstance(rows, list) or len(rows) != (1 if len(shape) == 1 else shape[0])
+            or not all(isinstance(r, list) and len(r) == shape[-1] for r in rows)):
+        raise ValueError(f"params: {name} must have shape {' x '.join(map(str, shape))}")
 
 
 def check_params(params):
@@ -188,7 +194,10 @@ def band(window, sinks=0):
 
 def check_mask(mask, positions, start=0):
     """Refuse a mask that gives a position (from start to positions - 1) nothing to attend
-    to, or a position it cannot attend to: mask(i) must be a non-empty part of 0..i."""
+    to, or a position it cannot attend to: mask(i) must be a non-empty part of 0..i. The
+    causal mask is 0..i itself, so it is not looked at."""
+    if mask is causal:
+        return
     for i in range(start, positions):
         attended = list(mask(i))
         if not attended or not set(attended) <= set(range(i + 1)):
@@ -205,8 +214,7 @@ def forward(params, ids, mask=causal):
     line for line. Training (the backward pass) uses the causal mask.
     """
     check_ids(ids)
-    if mask is not causal:
-        check_mask(mask, len(ids))
+    check_mask(mask, len(ids))
     cols = columns(params)
     saved = Saved(*([] for _ in Saved._fields))
     for position, token_id in enumerate(ids):
