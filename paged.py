@@ -230,7 +230,7 @@ class PagedSequence(KVCache):
 
     def room_for(self, positions):
         """Whether the pool has the blocks that many more positions need."""
-        return self.blocks_needed(max(0, positions)) <= self.pool.free_blocks()
+        return self.blocks_needed(positions) <= self.pool.free_blocks()
 
     def room_left(self):
         """What limits the positions the sequence can keep, in words."""

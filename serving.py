@@ -133,7 +133,7 @@ class _Served:
     def decode(self, counts):
         """Feed the token just chosen (one row); False, with nothing changed, if the pool
         lacks the block it needs."""
-        if self.seq.blocks_needed(1) > self.pool.free_blocks():
+        if not self.seq.room_for(1):
             return False
         ids = self.generation.ids
         self.logits = forward_step(self.params, self.seq, ids[-1], len(ids) - 1)
