@@ -31,6 +31,12 @@ TIMES = re.compile(r"\d[\d,]*\.\d+ (s|µs)\b")   # seconds vary from run to run
 SPEED_UP = re.compile(r"\d[\d.]*x faster")      # and so does their ratio
 
 
+def shown(figure):
+    """A float as the README prints it: 0.0 as 0.0, any other with 4 significant digits
+    (the record keeps every digit)."""
+    return "0.0" if figure == 0 else f"{figure:.4g}"
+
+
 def readme():
     with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
         return f.read()
@@ -245,6 +251,19 @@ class Examples(unittest.TestCase):
         self.assertEqual(lesson_words(text),
                          ["1.", "One", "Two", "words,", "[a", "link].", "a", "list", "`item`"])
 
+    def test_no_figure_in_the_text_has_more_than_6_significant_digits(self):
+        """In the prose and tables before the Reference (not in what a command prints),
+        a decimal figure is rounded for a reader; the record keeps every digit."""
+        text = readme()
+        text = re.sub(r"^```.*?^```$", "", text[:text.index("## Reference")],
+                      flags=re.M | re.S)
+        prose = "\n".join(line for line in text.splitlines() if not line.startswith("    "))
+        for figure in re.findall(r"\d[\d,]*\.\d+(?:e[-+]?\d+)?", prose):
+            digits = re.sub(r"e.*|\D", "", figure).lstrip("0")
+            with self.subTest(figure=figure):
+                self.assertLessEqual(len(digits), 6, f"README.md prints {figure}: round it "
+                                                     f"(test_readme.shown does)")
+
     def test_a_line_shown_must_match_except_times_and_elided_lines(self):
         printed = ["uncached: 198 rows, 0.067 s", "a", "b", "c", "identical: yes"]
         self.assertIsNone(mismatch(["uncached: 198 rows, 1.234 s", "...", "identical: yes"],
@@ -325,7 +344,7 @@ class RecordedFigures(unittest.TestCase):
 
 def readme_figures(r):
     """Every figure of the record r that README.md quotes, as it is written there."""
-    sharing = r["prefix_sharing"]
+    sharing, reordered = r["prefix_sharing"], r["sums_in_another_order"]
     every_row = r["every_row_of_every_story"]
     quoted = [f"{count:,}" for count in r["work"].values()] + [
         f"every position of the {every_row['stories']} stories (60 greedy, 60 sampled): "
@@ -347,7 +366,9 @@ def readme_figures(r):
         f"{sharing['prompt_rows_without_sharing']:,} ("
         f"{sharing['prompt_rows_without_sharing'] - sharing['prompt_rows_with_sharing']:,} "
         f"rows saved)",
-        repr(r["sums_in_another_order"]["largest_logit_gap_first_story"]),
+        f"test story stays\n**{shown(reordered['largest_logit_gap_first_story_in_both_paths'])}**",
+        f"it becomes\n**{shown(reordered['largest_logit_gap_first_story'])}**, and "
+        f"**{reordered['greedy_identical']} of 60** greedy stories stay identical",
     ] + [text.rstrip("\n") for text in r["greedy_examples"]] + [
         f"| {e['positions']} | {e['uncached_rows']:,} | {e['cached_rows']:,} | "
         f"{e['uncached_scores']:,} | {e['cached_scores']:,} |" for e in r["cost_by_length"]]
@@ -374,7 +395,7 @@ def readme_figures(r):
     for rung in r["ladder"]["rungs"]:
         size, kept = rung["bytes_per_position"], rung["positions_kept"]
         quoted.append(f"| {rung['cache']} | {'—' if size is None else f'{size:g}'} | "
-                      f"{'all' if kept is None else kept} | {rung['largest_logit_gap']!r} | "
+                      f"{'all' if kept is None else kept} | {shown(rung['largest_logit_gap'])} | "
                       f"{rung['greedy_stories_changed']} | {rung['sampled_stories_changed']} |")
     for kind in ("greedy", "sampled"):
         q = r["story_quality"][kind]
@@ -439,19 +460,23 @@ def readme_figures(r):
                f"take {files['bytes']:,} bytes in files for {files['positions']:,} positions,",
                f"**{files['bytes_per_position']} bytes per position**"]
     deep = r["deep_models"]
-    for shape in deep["shapes"]:
-        kind = {4: "multi-head (4 key-value heads)", 2: "grouped-query (2 key-value heads)",
-                1: "multi-query (1 key-value head)"}[shape["kv_heads"]]
-        quoted.append(f"| {shape['layers']} | {kind} | **{shape['largest_logit_gap']}** | "
-                      f"{shape['floats_per_position']:g} | {shape['formula']} | "
-                      f"{shape['bytes_per_position_as_8_byte_floats']:g} | ")
+    for kv_heads, kind in ((4, "multi-head (4 key-value heads)"),
+                           (2, "grouped-query (2 key-value heads)"),
+                           (1, "multi-query (1 key-value head)")):
+        shapes = [shape for shape in deep["shapes"] if shape["kv_heads"] == kv_heads]
+        assert [shape["floats_per_position"] for shape in shapes] \
+            == [shape["formula"] for shape in shapes], "the cache keeps what the formula says"
+        gaps = " / ".join(shown(shape["largest_logit_gap"]) for shape in shapes)
+        counts = " / ".join(f"{shape['floats_per_position']:g}" for shape in shapes)
+        quoted.append(f"| {kind} | **{gaps}** | {counts} | "
+                      f"{shapes[0]['bytes_per_position_as_8_byte_floats']:g} | ")
     one, two, three = deep["window_through_layers"]
     quoted += [f"changes the rows up to position {one['last_position_token_0_reaches']} with one "
                f"layer, {two['last_position_token_0_reaches']} with two and "
                f"{three['last_position_token_0_reaches']}",
-               f"largest logit change is **{one['largest_logit_change_at_position_14']}** with "
-               f"one layer, **{two['largest_logit_change_at_position_14']}** with two and "
-               f"**{three['largest_logit_change_at_position_14']}**"]
+               f"largest logit change is **{shown(one['largest_logit_change_at_position_14'])}** "
+               f"with one layer, **{shown(two['largest_logit_change_at_position_14'])}** with "
+               f"two and\n**{shown(three['largest_logit_change_at_position_14'])}**"]
     attention = r["attention_to_position_0"]
     quoted += [f"(of {r['ladder']['stories']})", f"on all {r['ladder']['stories']} openings",
                f"**{attention['mean_weight']}**",
