@@ -159,6 +159,9 @@ class RecordedFigures(unittest.TestCase):
         assert_changed(self, reordered, full, "the rows with sums in another order")
         self.assertEqual(largest_gap(full, reordered),
                          self.record["sums_in_another_order"]["largest_logit_gap_first_story"])
+        self.assertEqual(self.record["sums_in_another_order"]
+                         ["largest_logit_gap_first_story_in_both_paths"], 0.0,
+                         "with plain sums in both paths the rows must still be equal")
         assert_same_rows(self, cached_rows(PARAMS, ids), full)
 
 
