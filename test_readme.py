@@ -366,7 +366,7 @@ def readme_figures(r):
         f"{sharing['prompt_rows_without_sharing']:,} ("
         f"{sharing['prompt_rows_without_sharing'] - sharing['prompt_rows_with_sharing']:,} "
         f"rows saved)",
-        f"test story stays\n**{shown(reordered['largest_logit_gap_first_story_in_both_paths'])}**",
+        f"gap between them stays **{shown(reordered['largest_logit_gap_first_story_in_both_paths'])}**",
         f"it becomes\n**{shown(reordered['largest_logit_gap_first_story'])}**, and "
         f"**{reordered['greedy_identical']} of 60** greedy stories stay identical",
     ] + [text.rstrip("\n") for text in r["greedy_examples"]] + [
