@@ -152,12 +152,18 @@ def serving_timeline():
     return lines, counts
 
 
-def lesson_words(text):
-    """The words of the lesson (sections 1 to 14), without its code blocks, tables,
-    indented formula blocks, comments and link targets."""
-    lesson = text[text.index("### 1. "):text.index("## Part 2")]
-    lesson = re.sub(r"^```.*?^```$", "", lesson, flags=re.M | re.S)
-    kept = [line for line in lesson.splitlines()
+PARTS = (("the lesson (Part 1)", "### 1. ", "## Part 2"), ("Part 2", "## Part 2", "## Part 3"),
+         ("Part 3", "## Part 3", "## Part 4"), ("Part 4", "## Part 4", "## Reference"),
+         ("the Reference", "## Reference", "### References"))
+
+
+def prose_words(text, start="### 1. ", end="## Part 2"):
+    """The words of the prose from the heading start to the heading end (by default the
+    lesson, sections 1 to 14), without code blocks, tables, indented formula blocks,
+    comments and link targets."""
+    part = text[text.index(start):text.index(end)]
+    part = re.sub(r"^```.*?^```$", "", part, flags=re.M | re.S)
+    kept = [line for line in part.splitlines()
             if not line.startswith(("|", "    ", "<!--"))]
     prose = re.sub(r"\]\([^)]*\)", "]", "\n".join(kept))
     return [word for word in prose.split() if re.search(r"[A-Za-z0-9]", word)]
@@ -240,15 +246,34 @@ class Examples(unittest.TestCase):
                                 f"source any more. {ON_PURPOSE}: copy the lines again.")
 
     def test_the_lesson_is_at_most_2500_words(self):
-        words = len(lesson_words(readme()))
+        words = len(prose_words(readme()))
         self.assertLessEqual(words, 2500, "the lesson (sections 1 to 14, without code, "
                                           "tables and formulas) has grown past 2,500 words")
         self.assertIn(f"{words:,} words", readme())   # the README says its own length
 
+    def test_each_part_gives_its_own_length(self):
+        """The table of what each Part takes quotes its words of prose, and the minutes
+        they take at 200 words a minute."""
+        text = readme()
+        for part, start, end in PARTS:
+            words = len(prose_words(text, start, end))
+            with self.subTest(part=part):
+                self.assertRegex(text, rf"\n\| {re.escape(part)}[^|\n]* \| [^|\n]* \| "
+                                       rf"{words:,} words, about {round(words / 200)} minutes \|",
+                                 f"README.md's table of times must give {part} {words:,} "
+                                 f"words of prose")
+                with_code = re.search(rf"\n\| {re.escape(part)}[^\n]* \| (\d+ to \d+) minutes",
+                                      text).group(1)
+                if part != "the Reference":   # optional: it has no opening to say so
+                    opening = text[text.index(start.replace("### 1. ", "## The lesson")):
+                                   text.index(end)]
+                    self.assertIn(f"With its code, {with_code} minutes.",
+                                  " ".join(opening.split()))
+
     def test_the_lesson_counts_its_words_without_code_tables_and_formulas(self):
         text = ("### 1. One\n\nTwo words, [a link](https://x.y/z).\n\n```python\nx = 1\n```\n"
                 "| a | table |\n    a formula\n<!-- a comment -->\n- a list `item`\n## Part 2\n")
-        self.assertEqual(lesson_words(text),
+        self.assertEqual(prose_words(text),
                          ["1.", "One", "Two", "words,", "[a", "link].", "a", "list", "`item`"])
 
     def test_no_figure_in_the_text_has_more_than_6_significant_digits(self):
