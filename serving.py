@@ -1,35 +1,43 @@
-"""Serving many requests from one pool (Part 3, sections 18 and 19): continuous batching,
-preemption by recompute, and a prefix cache that outlives requests. Each request's result
-is exactly generate.generate's: the pool changes the work and the memory, never a token.
+"""Serving many requests from one pool (Part 3, sections 18 to 20): continuous batching,
+preemption by recompute, and a prefix cache that outlives requests. Each step computes the
+running requests' rows together (batched.forward_rows). With the lab's exact product each
+request's result is exactly generate.generate's: the pool and the batch change the work
+and the memory, never a token. With an engine's kernel (batched.by_batch) they change it.
 """
+import hashlib
 import math
 from collections import deque
 
 import generate
 import model
-import prefill
+from batched import batch_invariant, by_batch, exact, forward_rows
 from instruments import chosen_rows, largest_gap, recording
-from kv_cache import forward_step
 from paged import BlockPool
 from train import story_ids
 
 PREFIX_CACHE_BLOCKS = 64          # the experiment: a pool far smaller than the 60 stories
 MAX_BATCH, SMALL_POOL = 8, 24     # the experiment: 120 requests, preempting in a small pool
+KERNELS = {"batch-dependent": by_batch, "batch-invariant": batch_invariant}
+KERNEL_RUNS = (*(("batch-dependent", batch, "ample") for batch in (1, 2, 4, 8)),
+               ("batch-dependent", 8, "small"),
+               *(("batch-invariant", batch, "ample") for batch in (1, 8)))
 
 
-def serve(params, tok, requests, pool, max_batch, log=None):
+def serve(params, tok, requests, pool, max_batch, log=None, product=exact):
     """Run requests (each a dict of generate.generate's keyword arguments, prompt
     included) to completion from one pool, with continuous batching as servers do: at
-    each step every running request chooses one token and is fed it (one decode row); a
-    waiting request is admitted, its tokens prefilled in one pass, as soon as the batch
-    and the pool have room; a finished one leaves at once. When a running request needs
-    a block and none is free, the most recently admitted one is preempted by recompute:
-    its blocks are freed, and when it is admitted again its prompt and the tokens it had
-    chosen are prefilled again (its random numbers go on where they were: none is drawn
-    twice). Returns (results, counts): each result exactly generate.generate's for its
-    request, in request order, and what serving did. log(step, request index, event), if
-    given, is told each "prefill", "decode", "preempted" and "finished" as it happens. If
-    anything raises (log itself, say), every block serve took goes back to the pool."""
+    each step every running request chooses one token, and all of them are fed theirs
+    in one batch (a decode row each, forward_rows with product); a waiting request is
+    admitted, its tokens prefilled in one pass, as soon as the batch and the pool have
+    room; a finished one leaves at once. When the running requests need more blocks than
+    are free, the most recently admitted one is preempted by recompute: its blocks are
+    freed, and when it is admitted again its prompt and the tokens it had chosen are
+    prefilled again (its random numbers go on where they were: none is drawn twice).
+    Returns (results, counts): each result, in request order, exactly generate.generate's
+    for its request with the exact product, and what serving did. log(step, request
+    index, event), if given, is told each "prefill", "decode", "preempted" and "finished"
+    as it happens. If anything raises (log itself, say), every block serve took goes
+    back to the pool."""
     if log is not None and not callable(log):
         raise ValueError(f"log must be a function of (step, request index, event), got {log!r}")
     log = log or (lambda step, index, event: None)
@@ -49,31 +57,31 @@ def serve(params, tok, requests, pool, max_batch, log=None):
         counts["peak_blocks"] = max(counts["peak_blocks"], len(pool.blocks) - pool.free_blocks())
     try:
         while waiting or running:
-            while waiting and len(running) < max_batch and waiting[0].admit(counts):
+            while waiting and len(running) < max_batch and waiting[0].admit(counts, product):
                 running.append(waiting.popleft())
                 note_peak()
                 log(counts["steps"] + 1, running[-1].index, "prefill")
             counts["steps"] += 1
             for request in list(running):
-                if request not in running:
-                    continue                        # preempted earlier in this step
                 request.generation.choose(request.logits)
                 if request.generation.stopped:
                     running.remove(request)
                     request.seq.free()
                     log(counts["steps"], request.index, "finished")
-                    continue
-                while not request.decode(counts):
-                    victim = running.pop()          # the most recently admitted
-                    victim.preempt()
-                    waiting.appendleft(victim)
-                    counts["preemptions"] += 1
-                    log(counts["steps"], victim.index, "preempted")
-                    if victim is request:
-                        break
-                else:
-                    note_peak()
+            while sum(request.seq.blocks_needed(1) for request in running) \
+                    > pool.free_blocks():
+                victim = running.pop()              # the most recently admitted
+                victim.preempt()
+                waiting.appendleft(victim)
+                counts["preemptions"] += 1
+                log(counts["steps"], victim.index, "preempted")
+            if running:
+                rows = forward_rows(params, [request.next_item() for request in running],
+                                    product)
+                for request, logits in zip(running, rows):
+                    request.fed(logits, counts)
                     log(counts["steps"], request.index, "decode")
+                note_peak()
     finally:   # on the way out, normally or not, no block stays taken
         for request in served:
             if request.seq is not None:
@@ -111,7 +119,7 @@ class _Served:
         self.params, self.pool, self.index = params, pool, index
         self.seq, self.logits, self.computed = None, None, 0
 
-    def admit(self, counts):
+    def admit(self, counts, product):
         """Prefill the tokens so far into a new sequence, in one pass, after the full
         blocks the pool has cached for them (never the last position: its logits are
         needed); False, with nothing changed, if the pool lacks room."""
@@ -123,23 +131,25 @@ class _Served:
             return False
         self.seq = self.pool.sequence(ids[:-1])
         start = len(self.seq)
-        self.logits = prefill.prefill(self.params, self.seq, ids[start:], start)[-1]
+        self.logits = forward_rows(self.params, [(self.seq, token_id, position) for position,
+                                                 token_id in enumerate(ids[start:], start)],
+                                   product)[-1]
         counts["rows"] += len(ids) - start
         counts["recomputed_rows"] += max(0, self.computed - start)
         counts["prefix_hits"] += len(cached)
         self.computed = max(self.computed, len(ids))
         return True
 
-    def decode(self, counts):
-        """Feed the token just chosen (one row); False, with nothing changed, if the pool
-        lacks the block it needs."""
-        if not self.seq.room_for(1):
-            return False
+    def next_item(self):
+        """The token just chosen, at its position: this request's row of a decode step."""
         ids = self.generation.ids
-        self.logits = forward_step(self.params, self.seq, ids[-1], len(ids) - 1)
+        return self.seq, ids[-1], len(ids) - 1
+
+    def fed(self, logits, counts):
+        """Keep the logits of the decode row just computed, and count it."""
+        self.logits = logits
         counts["rows"] += 1
-        self.computed = max(self.computed, len(ids))
-        return True
+        self.computed = max(self.computed, len(self.generation.ids))
 
     def preempt(self):
         """Give the blocks back; the generation keeps its tokens and random numbers."""
@@ -186,14 +196,19 @@ def prefix_cache(lab, runs):
     return record
 
 
+def _all_openings(lab):
+    """The 60 greedy and the 60 sampled openings as 120 requests, in that order."""
+    return ([{"prompt": prompt} for prompt in lab.prompts]
+            + [{"prompt": prompt, "temperature": 1.0, "seed": index}
+               for index, prompt in enumerate(lab.prompts)])
+
+
 def many_requests(lab, runs):
     """The 60 greedy and the 60 sampled openings as 120 requests, served in that order
     with batches of up to MAX_BATCH: from a pool of SMALL_POOL blocks of 4, which forces
     preemptions, and from an ample one; and the steps static batching takes for the same
     requests (each batch of MAX_BATCH starts together and waits for its longest)."""
-    requests = ([{"prompt": prompt} for prompt in lab.prompts]
-                + [{"prompt": prompt, "temperature": 1.0, "seed": index}
-                   for index, prompt in enumerate(lab.prompts)])
+    requests = _all_openings(lab)
     results = runs.greedy + runs.sampled
     record = {"requests": len(requests), "max_batch": MAX_BATCH}
     for name, blocks in (("small pool", SMALL_POOL), ("ample pool", len(requests) * 16)):
@@ -206,3 +221,58 @@ def many_requests(lab, runs):
     record["static_batching_steps"] = sum(max(lengths[first:first + MAX_BATCH])
                                           for first in range(0, len(lengths), MAX_BATCH))
     return record
+
+
+def kernel_run(lab, case, runs):
+    """The 60 sampled openings served with the engine's kernel of KERNEL_RUNS[case] for
+    every matrix product (prefill and decode rows alike): what serving did, each story's
+    token IDs, how many are generate's, the largest gap between a logit a token was
+    chosen with and the uncached full pass's for the same tokens, and a digest of all
+    those logits (equal digests: bit-identical logits). Sampled stories only: a greedy
+    one changes only where the drift exceeds the lead of its best token."""
+    kernel, max_batch, pool = KERNEL_RUNS[case]
+    requests = _all_openings(lab)[len(lab.prompts):]
+    blocks = SMALL_POOL if pool == "small" else len(requests) * 16
+    with recording(generate.Generation, "choose") as choices:
+        served, counts = serve(lab.params, lab.tok, requests, BlockPool(lab.params, blocks, 4),
+                               max_batch, product=KERNELS[kernel])
+    exact_stories = [story_ids(lab.tok, request["prompt"], result)
+                     for request, result in zip(requests, runs.sampled)]
+    exact_rows = {tuple(ids[:position + 1]): row
+                  for ids, rows in zip(exact_stories, runs.sampled_rows)
+                  for position, row in enumerate(rows)}
+    stories = [story_ids(lab.tok, request["prompt"], result)
+               for request, result in zip(requests, served)]
+    chosen = sorted((tuple(generation.ids[:position + 1]), logits)
+                    for generation, position, logits in chosen_rows(choices))
+    return {"kernel": kernel, "max_batch": max_batch, "pool": pool, "blocks": blocks,
+            "steps": counts["steps"], "preemptions": counts["preemptions"],
+            "prefix_hits": counts["prefix_hits"], "stories": stories,
+            "stories_identical_to_generate": sum(a == b for a, b in zip(stories,
+                                                                        exact_stories)),
+            "largest_logit_gap_against_exact": max(largest_gap([logits], [exact_rows[ids]])
+                                                   for ids, logits in chosen
+                                                   if ids in exact_rows),
+            "logits_digest": hashlib.sha256(repr(chosen).encode()).hexdigest()}
+
+
+def kernel_table(lab, runs_of_kernels):
+    """Each kernel run against the same kernel's run with batches of 1, and against the
+    uncached generator: stories identical, the first position where a story parts, and
+    whether every logit is bit for bit the same."""
+    alone = {run["kernel"]: run for run in runs_of_kernels if run["max_batch"] == 1}
+    table = []
+    for run in runs_of_kernels:
+        first = alone[run["kernel"]]
+        parted = [next(position for position, (a, b) in enumerate(zip(story + [None],
+                                                                       other + [None]))
+                       if a != b)
+                  for story, other in zip(run["stories"], first["stories"]) if story != other]
+        table.append({**{key: value for key, value in run.items()
+                         if key not in ("stories", "logits_digest")},
+                      "stories_identical_to_batches_of_1": sum(
+                          a == b for a, b in zip(run["stories"], first["stories"])),
+                      "first_position_parting_from_batches_of_1": min(parted, default=None),
+                      "logits_as_with_batches_of_1": run["logits_digest"]
+                      == first["logits_digest"]})
+    return {"requests": len(runs_of_kernels[0]["stories"]), "runs": table}

@@ -474,6 +474,16 @@ def readme_figures(r):
                f"takes {many['static_batching_steps']} steps for the same requests; continuous "
                f"batching, {many['ample pool']['steps']}",
                f"recomputes {many['small pool']['recomputed_rows']} rows"]
+    kernels = r["batched_decode"]
+    for run in kernels["runs"]:
+        parts = run["first_position_parting_from_batches_of_1"]
+        quoted.append(f"| {run['kernel']} | {run['max_batch']} | {run['pool']} ({run['blocks']:,} "
+                      f"blocks) | {run['steps']} | {run['preemptions']} | "
+                      f"{run['stories_identical_to_batches_of_1']} of {kernels['requests']} | "
+                      f"{'—' if parts is None else parts} | "
+                      f"{'yes' if run['logits_as_with_batches_of_1'] else 'no'} | "
+                      f"{run['stories_identical_to_generate']} of {kernels['requests']} | "
+                      f"{shown(run['largest_logit_gap_against_exact'])} |")
     for run in r["speculative_decoding"]:
         quoted.append(f"| {run['drafter']} | {run['lookahead']} | {run['model_calls']:,} | "
                       f"{run['rows']:,} | {run['accepted']:,} of {run['drafted']:,} "

@@ -92,6 +92,15 @@ class TheRecord(unittest.TestCase):
                              (120, 0.0), run)
         for shape in record["deep_models"]["shapes"]:
             self.assertEqual(shape["largest_logit_gap"], 0.0, shape)
+        batched = record["batched_decode"]
+        for run in batched["runs"]:   # a batch-invariant kernel's rows never see the batch
+            if run["kernel"] == "batch-invariant":
+                self.assertEqual((run["logits_as_with_batches_of_1"],
+                                  run["stories_identical_to_batches_of_1"]),
+                                 (True, batched["requests"]), run)
+        self.assertIn(False, [run["logits_as_with_batches_of_1"] for run in batched["runs"]
+                              if run["kernel"] == "batch-dependent"],
+                      "the batch-dependent kernel must give other logits in larger batches")
 
     def test_recorded_trace(self):
         """kv-trace.json is this run's record, key for key."""

@@ -75,6 +75,8 @@ STAGES = (
     Stage(3, "many_requests", serving.many_requests, ("runs",)),
     Stage(3, "speculative_decoding", speculative.experiment, ("runs",),
           cases=range(len(speculative.DRAFTS))),
+    Stage(3, "batched_decode", serving.kernel_run, ("runs",),
+          cases=range(len(serving.KERNEL_RUNS)), gather=serving.kernel_table),
     Stage(3, "cache_files", cache_files.experiment, ("runs",)),
     Stage(4, "deep_models", deep_model.experiment),
 )

@@ -1,0 +1,132 @@
+"""Batched rows (Part 3, section 20): the rows of several requests computed together, as
+a server's step computes them. Each weight matrix is applied once to every row of the
+batch (a matrix times a matrix); each row attends over its own cache.
+
+How a matrix product adds its terms is the product's business, passed in as product:
+
+- exact, the lab's: each output one correctly rounded fsum, whatever the batch, so
+  every row is forward_step's, bit for bit;
+- by_batch, as a GPU library's kernel does it: each dot product cut into more pieces the
+  fewer rows the product has (split-K: the pieces keep every processor busy), each
+  piece's sum rounded to a 16-bit float and then the pieces' total too, so what a row
+  gets depends on how many rows came with it;
+- batch_invariant: the pieces of by_batch for a full batch, whatever the batch, so a
+  row gets the same numbers in every batch, though not the exact ones.
+"""
+import struct
+from collections import Counter
+from math import fsum
+from operator import mul
+
+import model
+from kv_cache import check_cache
+from model import SCALE, add, dot, layernorm, linear, relu, softmax_row
+
+PROCESSORS = 4   # by_batch cuts each dot product so that rows x pieces fills them
+
+
+def exact(rows, cols):
+    """rows times the matrix given by its columns, each output one fsum (model.linear)."""
+    return [linear(x, cols) for x in rows]
+
+
+def in_pieces(rows, cols, pieces):
+    """rows times the matrix given by its columns as a 16-bit kernel with split-K
+    computes it: each dot product cut into pieces runs of consecutive terms, each run's
+    sum rounded to the nearest 16-bit float, and their total rounded again."""
+    if pieces == 1:                        # one run: its sum, rounded once
+        return [_half(linear(x, cols)) for x in rows]
+    terms = len(cols[0])
+    size = -(-terms // pieces)
+    cuts = [slice(first, first + size) for first in range(0, terms, size)]
+    cut_cols = [[col[cut] for col in cols] for cut in cuts]
+    out = []
+    for x in rows:
+        sums = [_half([fsum(map(mul, x[cut], col)) for col in piece])
+                for cut, piece in zip(cuts, cut_cols)]
+        out.append(_half([fsum(run) for run in zip(*sums)]))
+    return out
+
+
+def by_batch(rows, cols):
+    """in_pieces with PROCESSORS // len(rows) pieces (at least one): fewer rows, more."""
+    return in_pieces(rows, cols, max(1, PROCESSORS // len(rows)))
+
+
+def batch_invariant(rows, cols):
+    """in_pieces with the pieces of a full batch (one), however many rows there are."""
+    return in_pieces(rows, cols, 1)
+
+
+def _half(numbers):
+    """Each number rounded to the nearest 16-bit float (IEEE half precision)."""
+    try:
+        return list(struct.unpack(f"{len(numbers)}e", struct.pack(f"{len(numbers)}e",
+                                                                   *numbers)))
+    except OverflowError:
+        raise ValueError(f"a sum beyond 65504, the largest 16-bit float: {max(numbers, key=abs)}"
+                         ) from None
+
+
+def forward_rows(params, items, product=exact):
+    """Next-token logits for each item (cache, token_id, position), computed together:
+    each weight matrix applied once to every item's row, every new key and value kept
+    first, then each row attending to its own cache's positions 0..position. Items may
+    share a cache (a prompt's tokens, in order). Refuses, before anything changes, what
+    forward_step refuses, and a batch its caches have no room for."""
+    _check_items(params, items)
+    cols = items[0][0].columns
+    x0s = [add(params["tok_emb"][token_id], params["pos_emb"][i]) for _, token_id, i in items]
+    h1s = [layernorm(x0, params["ln1_g"], params["ln1_b"]) for x0 in x0s]
+    qs, ks, vs = product(h1s, cols["Wq"]), product(h1s, cols["Wk"]), product(h1s, cols["Wv"])
+    for (cache, token_id, _), k, v in zip(items, ks, vs):
+        cache.append(token_id, k, v)       # before attention: a position attends to itself
+    mixed = []
+    for (cache, _, i), q in zip(items, qs):
+        keys, values = cache.keys[:i + 1], cache.values[:i + 1]   # its own positions 0..i
+        scores = [dot(q, k_j) * SCALE for k_j in keys]
+        weights = softmax_row(scores)
+        mixed.append([dot(weights, column) for column in zip(*values)])
+    x1s = [add(x0, o) for x0, o in zip(x0s, product(mixed, cols["Wo"]))]
+    h2s = [layernorm(x1, params["ln2_g"], params["ln2_b"]) for x1 in x1s]
+    hidden = [relu(add(z, params["b1"])) for z in product(h2s, cols["W1"])]
+    x2s = [add(x1, add(m, params["b2"]))          # the MLP output plus its bias first
+           for x1, m in zip(x1s, product(hidden, cols["W2"]))]
+    hfs = [layernorm(x2, params["lnf_g"], params["lnf_b"]) for x2 in x2s]
+    return [add(z, params["b_out"]) for z in product(hfs, cols["W_out"])]
+
+
+def _check_items(params, items):
+    """What forward_step checks, for every item in turn, counting the items before it
+    that share its cache; then that each cache, and each pool, has room for its items."""
+    if not isinstance(items, (list, tuple)) or not items:
+        raise ValueError(f"items must be a non-empty list of (cache, token_id, position), "
+                         f"got {items!r}")
+    earlier = Counter()
+    for index, item in enumerate(items):
+        if not isinstance(item, tuple) or len(item) != 3:
+            raise ValueError(f"items[{index}] must be (cache, token_id, position), got {item!r}")
+        cache, token_id, position = item
+        check_cache(cache, params)
+        if not cache.keeps_every_position:
+            raise ValueError(f"items[{index}]: a {type(cache).__name__} drops positions, and "
+                             f"a batched row attends to every one; feed it one token at a time")
+        expected = len(cache) + earlier[id(cache)]
+        if not model.is_int(position) or position != expected:
+            raise ValueError(f"items[{index}]: expected position {expected}, got {position!r}")
+        if position >= model.CONTEXT:
+            raise ValueError(f"items[{index}]: position {position} is beyond the "
+                             f"{model.CONTEXT} positions of the model's table")
+        model.check_token_id(token_id, f"items[{index}]: token ID")
+        earlier[id(cache)] += 1
+    caches = {id(cache): cache for cache, _, _ in items}
+    for key, cache in caches.items():
+        if not cache.room_for(earlier[key]):
+            raise ValueError(f"no room for {earlier[key]} more positions: {cache.room_left()}")
+    pools = {}
+    for key, cache in caches.items():
+        if hasattr(cache, "blocks_needed"):    # paged sequences share their pool's blocks
+            pools.setdefault(id(cache.pool), [cache.pool, 0])[1] += cache.blocks_needed(
+                earlier[key])
+    for pool, blocks in pools.values():
+        pool.check_room(blocks)

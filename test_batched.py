@@ -1,0 +1,192 @@
+"""Batched rows (batched.py): with the lab's exact product every row of a batch is
+forward_step's, whatever rides with it; an engine's kernel makes a row depend on its
+batch, and a batch-invariant one does not; three mistakes planted in the real
+forward_rows are caught; a bad batch is refused before anything changes."""
+import ast
+import random
+import unittest
+from unittest import mock
+
+import batched
+import model
+import paged
+from instruments import plant, replacing
+from kv_cache import KVCache, feed
+from lossy import WindowCache
+from test_kv_cache import (PARAMS, STORIES, TOK, assert_changed, assert_same_rows,
+                           check_every_case, first_difference, random_cases, setUpModule,
+                           tearDownModule)
+
+IDS = [TOK.encode(story) for story in STORIES[:3]]
+
+
+def in_batches(params, caches, ids, product=batched.exact, seed=0):
+    """Feed each cache its ids through forward_rows, in steps that mix, at random from
+    seed, a chunk of one cache's next tokens with one next token of each other cache:
+    the rows of each cache, in position order."""
+    rng = random.Random(seed)
+    rows = [[] for _ in caches]
+    while any(len(cache) < len(own) for cache, own in zip(caches, ids)):
+        items, owners = [], []
+        for index, (cache, own) in enumerate(zip(caches, ids)):
+            count = min(rng.choice((0, 1, 1, 3)), len(own) - len(cache))
+            for position in range(len(cache), len(cache) + count):
+                items.append((cache, own[position], position))
+                owners.append(index)
+        if items:
+            for index, logits in zip(owners, batched.forward_rows(params, items, product)):
+                rows[index].append(logits)
+    return rows
+
+
+def where(rows, params, ids):
+    """None if each cache's batched rows are forward_step's, else the first that differs."""
+    for index, (got, own) in enumerate(zip(rows, ids)):
+        found = first_difference(got, feed(params, KVCache(params), own))
+        if found:
+            return (f"sequence {index}, position and logit {found[0]}: {found[1]} batched, "
+                    f"{found[2]} from forward_step")
+    return None
+
+
+class ExactProduct(unittest.TestCase):
+
+    def test_every_batched_row_equals_forward_step(self):
+        """Three stories in mixed steps (chunks and single tokens), in KVCaches and in
+        paged sequences of one pool."""
+        pool = paged.BlockPool(PARAMS, 64, 4)
+        for caches in ([KVCache(PARAMS) for _ in IDS], [pool.sequence() for _ in IDS]):
+            with self.subTest(cache=type(caches[0]).__name__):
+                self.assertIsNone(where(in_batches(PARAMS, caches, IDS), PARAMS, IDS))
+
+    def test_random_models_and_batches(self):
+        """Case n draws, from random.Random(n), a model (init_params with a random seed)
+        and 1 to 5 random token sequences, fed in random mixed steps."""
+        def check(index):
+            rng = random.Random(index)
+            params = model.init_params(rng.randrange(10 ** 6))
+            ids = [[rng.randrange(model.VOCAB_SIZE) for _ in range(rng.randint(1, 20))]
+                   for _ in range(rng.randint(1, 5))]
+            caches = [KVCache(params) for _ in ids]
+            return where(in_batches(params, caches, ids, seed=index), params, ids)
+        check_every_case(self, ((f"case {n}", n) for n in range(random_cases(10))), check)
+
+
+class Kernels(unittest.TestCase):
+    """One story's rows, computed alone and with 1, 3 and 7 other stories' rows."""
+
+    def rows_with(self, product, companions):
+        caches = [KVCache(PARAMS) for _ in range(1 + companions)]
+        ids = [IDS[0]] + [IDS[1 + n % 2] for n in range(companions)]
+        steps = min(len(own) for own in ids)
+        rows = []
+        for position in range(steps):
+            rows.append(batched.forward_rows(
+                PARAMS, [(cache, own[position], position) for cache, own in zip(caches, ids)],
+                product)[0])
+        return rows
+
+    def test_the_exact_product_gives_forward_step_s_rows_in_any_batch(self):
+        alone = feed(PARAMS, KVCache(PARAMS), IDS[0])
+        for companions in (0, 1, 3, 7):
+            with self.subTest(companions=companions):
+                rows = self.rows_with(batched.exact, companions)
+                assert_same_rows(self, rows, alone[:len(rows)])
+
+    def test_an_engine_s_kernel_gives_a_row_that_depends_on_its_batch(self):
+        alone = self.rows_with(batched.by_batch, 0)
+        for companions in (1, 3, 7):
+            with self.subTest(companions=companions):
+                rows = self.rows_with(batched.by_batch, companions)
+                assert_changed(self, rows, alone[:len(rows)], "the rows in a larger batch")
+
+    def test_a_batch_invariant_kernel_gives_the_same_row_in_any_batch(self):
+        alone = self.rows_with(batched.batch_invariant, 0)
+        assert_changed(self, alone, feed(PARAMS, KVCache(PARAMS), IDS[0])[:len(alone)],
+                       "the batch-invariant kernel's rows against the exact ones")
+        for companions in (1, 3, 7):
+            with self.subTest(companions=companions):
+                rows = self.rows_with(batched.batch_invariant, companions)
+                assert_same_rows(self, rows, alone[:len(rows)])
+
+
+class Teeth(unittest.TestCase):
+    """Each mistake planted in the real batched.forward_rows makes a row differ."""
+
+    MISTAKES = {
+        "a row attends to its cache without its own position (keys[:i])":
+            replacing(lambda node: isinstance(node, ast.Slice) and isinstance(node.upper, ast.BinOp)
+                      and isinstance(node.upper.left, ast.Name) and node.upper.left.id == "i",
+                      lambda node: ast.Slice(None, node.upper.left, None)),
+        "the new keys and values kept after attention instead of before":
+            lambda tree: _append_after_attention(tree),
+        "each row mixes with the next item's query (the batch misaligned)":
+            replacing(lambda node: isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                      and node.func.id == "zip" and len(node.args) == 2
+                      and isinstance(node.args[1], ast.Name) and node.args[1].id == "qs",
+                      lambda node: ast.Call(node.func, [node.args[0], ast.parse(
+                          "qs[1:] + qs[:1]", mode="eval").body], [])),
+    }
+
+    def test_each_mistake_in_forward_rows_is_caught(self):
+        caches = [KVCache(PARAMS) for _ in IDS]
+        self.assertIsNone(where(in_batches(PARAMS, caches, IDS), PARAMS, IDS))
+        for mistake, planting in self.MISTAKES.items():
+            planted = plant(batched, "forward_rows", planting)
+            with self.subTest(mistake=mistake):
+                if planted is None:
+                    self.skipTest(f"the planting site of {mistake!r} is gone from "
+                                  f"batched.forward_rows")
+                with mock.patch.object(batched, "forward_rows", planted):
+                    caches = [KVCache(PARAMS) for _ in IDS]
+                    try:
+                        found = where(in_batches(PARAMS, caches, IDS), PARAMS, IDS)
+                    except ValueError as error:   # position 0 left with nothing to attend to
+                        found = f"refused: {error}"
+                    self.assertIsNotNone(found)
+
+
+def _append_after_attention(tree):
+    """Move forward_rows' loop that keeps the new keys and values to after the loop that
+    attends (None if either is gone)."""
+    function = tree.body[0]
+    loops = [s for s in function.body if isinstance(s, ast.For)]
+    keeping = next((s for s in loops if "append" in ast.unparse(s) and "cache" in
+                    ast.unparse(s.target)), None)
+    attending = next((s for s in loops if "softmax_row" in ast.unparse(s)), None)
+    if keeping is None or attending is None:
+        return None
+    function.body.remove(keeping)
+    function.body.insert(function.body.index(attending) + 1, keeping)
+    return tree
+
+
+class Refusals(unittest.TestCase):
+
+    def test_a_bad_batch_is_refused_before_anything_changes(self):
+        held, other = KVCache(PARAMS), KVCache(model.init_params(1))
+        feed(PARAMS, held, IDS[0][:3])
+        full = paged.BlockPool(PARAMS, 1, 4)
+        first, second = full.sequence(), full.sequence()
+        for items, fragment in (
+                ([], "items must be a non-empty list"),
+                (None, "items must be a non-empty list"),
+                ([(held, 5)], r"items\[0\] must be \(cache, token_id, position\)"),
+                ([(other, 5, 0)], "different parameters"),
+                ([(held, 5, 3), (held, 6, 3)], r"items\[1\]: expected position 4, got 3"),
+                ([(held, 5, 3), (KVCache(PARAMS), 96, 0)], r"items\[1\]: token ID 96 is outside"),
+                ([(WindowCache(PARAMS, 8), 5, 0)], "WindowCache drops positions"),
+                ([(first, 5, 0), (second, 5, 0)], "the pool is out of blocks")):
+            with self.subTest(fragment=fragment), self.assertRaisesRegex(ValueError, fragment):
+                batched.forward_rows(PARAMS, items)
+            self.assertEqual((len(held), len(first), len(second), full.free_blocks()),
+                             (3, 0, 0, 1))
+        long = KVCache(PARAMS)
+        long.keys, long.values = [[0.0] * 16] * model.CONTEXT, [[0.0] * 16] * model.CONTEXT
+        long.tokens = [0] * model.CONTEXT
+        with self.assertRaisesRegex(ValueError, "beyond the 64 positions"):
+            batched.forward_rows(PARAMS, [(long, 5, model.CONTEXT)])
+
+
+if __name__ == "__main__":
+    unittest.main()
