@@ -8,6 +8,15 @@ Every row does the lesson's arithmetic (model.py's shared operations, one math.f
 dot product), per layer and per head. Head h of width d = width / heads reads columns
 h*d .. (h+1)*d - 1 of q, and key-value head h // (heads / kv_heads) of k and v; the heads'
 outputs are placed side by side in that order before Wo.
+
+With positions="rotary" there is no position table: in every layer, q and k are turned
+by their position, as in RoFormer (Su et al., 2021) and Llama, with base 10,000. Pair
+(2i, 2i + 1) of each head turns by the angle position x 10000^(-2i/d): adjacent pairs, as
+the RoFormer paper writes it, rather than Hugging Face Llama's halves (i, i + d/2). The
+two are the same model with Wq's and Wk's columns reordered (Hugging Face's conversion of
+Llama reorders them so), so the choice changes no figure; adjacent pairs keep the two
+numbers that turn together side by side. A query rotated by i and a key rotated by j
+meet at the angle i - j: attention sees only how far apart they are.
 """
 import math
 import random
@@ -19,11 +28,15 @@ from model import (CONTEXT, VOCAB_SIZE, WIDTH, add, band, causal, check_ids, che
                    relu, softmax_row)
 
 
-def init_params(layers, heads, kv_heads, width, seed):
+BASE = 10000.0   # of the rotary angles
+
+
+def init_params(layers, heads, kv_heads, width, seed, positions="learned"):
     """Random params of this shape: per layer ln1, Wq (width x width), Wk and Wv (width x
     kv_heads * head width), Wo, ln2 and an MLP of 4 x width; embeddings and the output
-    layer as model.py's. The shape is kept in params["shape"]."""
-    _check_shape(layers, heads, kv_heads, width)
+    layer as model.py's, without pos_emb if positions is "rotary". The shape, positions
+    included, is kept in params["shape"]."""
+    _check_shape(layers, heads, kv_heads, width, positions)
     rng = random.Random(seed)
     kv_width = kv_heads * (width // heads)
 
@@ -38,15 +51,19 @@ def init_params(layers, heads, kv_heads, width, seed):
                "W1": matrix(width, 4 * width, width ** -0.5), "b1": [0.0] * (4 * width),
                "W2": matrix(4 * width, width, (4 * width) ** -0.5), "b2": [0.0] * width}
               for _ in range(layers)]
-    return {"shape": {"layers": layers, "heads": heads, "kv_heads": kv_heads, "width": width},
-            "tok_emb": matrix(VOCAB_SIZE, width, 0.5), "pos_emb": matrix(CONTEXT, width, 0.5),
+    tok_emb = matrix(VOCAB_SIZE, width, 0.5)
+    table = {"pos_emb": matrix(CONTEXT, width, 0.5)} if positions == "learned" else {}
+    return {"shape": {"layers": layers, "heads": heads, "kv_heads": kv_heads, "width": width,
+                      "positions": positions},
+            "tok_emb": tok_emb, **table,
             "blocks": blocks, "lnf_g": [1.0] * width, "lnf_b": [0.0] * width,
             "W_out": matrix(width, VOCAB_SIZE, width ** -0.5), "b_out": [0.0] * VOCAB_SIZE}
 
 
-def _check_shape(layers, heads, kv_heads, width):
-    """Refuse a shape that cannot be built: counts that are not ints >= 1, or heads that
-    do not divide the width, or key-value heads that do not divide the heads."""
+def _check_shape(layers, heads, kv_heads, width, positions):
+    """Refuse a shape that cannot be built: counts that are not ints >= 1, heads that do
+    not divide the width, key-value heads that do not divide the heads, positions other
+    than "learned" or "rotary", or, for rotary, an odd head width."""
     for name, value in (("layers", layers), ("heads", heads), ("kv_heads", kv_heads),
                         ("width", width)):
         check_int(name, value, 1)
@@ -55,6 +72,11 @@ def _check_shape(layers, heads, kv_heads, width):
     if heads % kv_heads:
         raise ValueError(f"heads {heads} must be a multiple of kv_heads {kv_heads}: each "
                          f"key-value head serves the same number of query heads")
+    if positions not in ("learned", "rotary"):
+        raise ValueError(f"positions must be \"learned\" or \"rotary\", got {positions!r}")
+    if positions == "rotary" and width // heads % 2:
+        raise ValueError(f"rotary positions turn pairs of numbers: the head width "
+                         f"{width // heads} (width {width} / heads {heads}) must be even")
 
 
 def _columns(params):
@@ -72,16 +94,28 @@ def _heads(shape):
             1 / math.sqrt(head_width))
 
 
+def rotate(x, position, thetas):
+    """x with each pair (x[2i], x[2i + 1]) turned by the angle position * thetas[i] (as
+    many pairs as both have), each number one correctly rounded sum."""
+    turned = []
+    for i, theta in zip(range(len(x) // 2), thetas):
+        a, b = x[2 * i], x[2 * i + 1]
+        cos, sin = math.cos(position * theta), math.sin(position * theta)
+        turned += [dot((a, b), (cos, -sin)), dot((a, b), (sin, cos))]
+    return turned
+
+
 def param_shapes(shape):
     """The shape of every parameter of a model of this shape (layers, heads, kv_heads,
-    width): name -> (rows, columns), or (entries,) for a vector; per block under
-    "blocks"."""
+    width, positions): name -> (rows, columns), or (entries,) for a vector; per block
+    under "blocks". A rotary model has no pos_emb."""
     width, kv_width = shape["width"], shape["kv_heads"] * (shape["width"] // shape["heads"])
     block = {"ln1_g": (width,), "ln1_b": (width,), "Wq": (width, width),
              "Wk": (width, kv_width), "Wv": (width, kv_width), "Wo": (width, width),
              "ln2_g": (width,), "ln2_b": (width,), "W1": (width, 4 * width),
              "b1": (4 * width,), "W2": (4 * width, width), "b2": (width,)}
-    return {"tok_emb": (VOCAB_SIZE, width), "pos_emb": (CONTEXT, width),
+    table = {"pos_emb": (CONTEXT, width)} if shape["positions"] == "learned" else {}
+    return {"tok_emb": (VOCAB_SIZE, width), **table,
             "blocks": [block] * shape["layers"], "lnf_g": (width,), "lnf_b": (width,),
             "W_out": (width, VOCAB_SIZE), "b_out": (VOCAB_SIZE,)}
 
@@ -90,11 +124,17 @@ def check_params(params):
     """Refuse anything but params of a consistent shape, as init_params makes them: a
     shape that init_params accepts, and every matrix and vector of that shape."""
     if not isinstance(params, dict) or not isinstance(params.get("shape"), dict) \
-            or set(params["shape"]) != {"layers", "heads", "kv_heads", "width"}:
+            or set(params["shape"]) != {"layers", "heads", "kv_heads", "width", "positions"}:
         raise ValueError("params must be deep_model.init_params(...)'s: a dict with a "
-                         "\"shape\" of layers, heads, kv_heads and width")
+                         "\"shape\" of layers, heads, kv_heads, width and positions")
     shape = params["shape"]
     _check_shape(**shape)
+    if shape["positions"] == "rotary" and "pos_emb" in params:
+        raise ValueError("params: a rotary model has no pos_emb (it turns q and k by their "
+                         "position instead); drop it, or make the shape's positions "
+                         "\"learned\"")
+    if shape["positions"] == "learned" and "pos_emb" not in params:
+        raise ValueError("params: a model of learned positions needs its pos_emb table")
     wanted = param_shapes(shape)
     if set(params) - {"shape"} != set(wanted):
         raise ValueError(f"params must hold {sorted(wanted)} besides its shape")
@@ -118,14 +158,23 @@ def forward(params, ids, mask=causal):
     check_mask(mask, len(ids))
     block_cols, out_cols = _columns(params)
     heads, d, group, scale = _heads(params["shape"])
-    xs = [add(params["tok_emb"][token_id], params["pos_emb"][position])
-          for position, token_id in enumerate(ids)]
+    rotary = params["shape"]["positions"] == "rotary"
+    if rotary:   # the pair from c of q or k is pair (c % d) / 2 of its head
+        xs = [params["tok_emb"][token_id] for token_id in ids]
+        thetas = [BASE ** (-(c % d) / d) for c in range(0, params["shape"]["width"], 2)]
+    else:
+        xs = [add(params["tok_emb"][token_id], params["pos_emb"][position])
+              for position, token_id in enumerate(ids)]
     for block, cols in zip(params["blocks"], block_cols):
         qs, ks, vs = [], [], []
-        for x0 in xs:
+        for position, x0 in enumerate(xs):
             h1 = layernorm(x0, block["ln1_g"], block["ln1_b"])
-            qs.append(linear(h1, cols["Wq"]))
-            ks.append(linear(h1, cols["Wk"]))
+            q = linear(h1, cols["Wq"])
+            k = linear(h1, cols["Wk"])
+            if rotary:
+                q, k = rotate(q, position, thetas), rotate(k, position, thetas)
+            qs.append(q)
+            ks.append(k)
             vs.append(linear(h1, cols["Wv"]))
         for i, x0 in enumerate(xs):
             keys, values = [ks[j] for j in mask(i)], [vs[j] for j in mask(i)]
@@ -148,7 +197,9 @@ def forward(params, ids, mask=causal):
 class DeepCache:
     """The keys and values of one sequence, per layer: layers[L] holds, for each
     position, the key and the value of layer L's kv_heads key-value heads side by side.
-    mask(i), causal unless given, is which held positions position i attends to."""
+    mask(i), causal unless given, is which held positions position i attends to. With
+    rotary positions a key is kept after its rotation by its own position, so a later
+    query, rotated by its own, reads it as it is; the rotation adds no number."""
 
     def __init__(self, params, mask=causal):
         check_params(params)
@@ -183,12 +234,20 @@ def forward_step(params, cache, token_id, position):
     check_token_id(token_id)
     check_mask(cache.mask, position + 1, position)   # before anything is kept
     heads, d, group, scale = _heads(params["shape"])
+    rotary = params["shape"]["positions"] == "rotary"
     cache.tokens.append(token_id)
-    x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])
+    if rotary:   # the pair from c of q or k is pair (c % d) / 2 of its head
+        x0 = params["tok_emb"][token_id]
+        thetas = [BASE ** (-(c % d) / d) for c in range(0, params["shape"]["width"], 2)]
+    else:
+        x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])
     for block, cols, layer in zip(params["blocks"], cache.block_columns, cache.layers):
         h1 = layernorm(x0, block["ln1_g"], block["ln1_b"])
         q = linear(h1, cols["Wq"])
-        layer["keys"].append(linear(h1, cols["Wk"]))     # before attention: a position
+        k = linear(h1, cols["Wk"])
+        if rotary:
+            q, k = rotate(q, position, thetas), rotate(k, position, thetas)
+        layer["keys"].append(k)                          # before attention: a position
         layer["values"].append(linear(h1, cols["Wv"]))   # attends to itself too
         attended = cache.mask(position)
         keys = [layer["keys"][j] for j in attended]
