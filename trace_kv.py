@@ -77,6 +77,7 @@ STAGES = (
           cases=range(len(speculative.DRAFTS))),
     Stage(3, "cache_files", cache_files.experiment, ("runs",)),
     Stage(4, "deep_models", deep_model.experiment),
+    Stage(4, "rotary", deep_model.rotary_experiment),
 )
 
 
