@@ -8,22 +8,33 @@ Every row does the lesson's arithmetic (model.py's shared operations, one math.f
 dot product), per layer and per head. Head h of width d = width / heads reads columns
 h*d .. (h+1)*d - 1 of q, and key-value head h // (heads / kv_heads) of k and v; the heads'
 outputs are placed side by side in that order before Wo.
+
+With positions="rotary" there is no position table: in every layer, q and k are turned
+by their position (RoFormer, Su et al., 2021; Llama), base 10,000: pair (2i, 2i + 1) of
+each head by the angle position x 10000^(-2i/d). Adjacent pairs, as RoFormer writes it,
+keep the two numbers that turn together side by side; Hugging Face's Llama turns the
+halves (i, i + d/2) instead, the same model with Wq's and Wk's columns reordered. A query
+turned by i and a key turned by j meet at the angle i - j: only the distance counts.
 """
 import math
 import random
 import sys
 
-from instruments import largest_gap
+from instruments import largest_gap, recording
 from model import (CONTEXT, VOCAB_SIZE, WIDTH, add, band, causal, check_ids, check_int,
                    check_mask, check_shape, check_token_id, dot, is_int, layernorm, linear,
                    relu, softmax_row)
 
 
-def init_params(layers, heads, kv_heads, width, seed):
+BASE = 10000.0   # of the rotary angles
+
+
+def init_params(layers, heads, kv_heads, width, seed, positions="learned"):
     """Random params of this shape: per layer ln1, Wq (width x width), Wk and Wv (width x
     kv_heads * head width), Wo, ln2 and an MLP of 4 x width; embeddings and the output
-    layer as model.py's. The shape is kept in params["shape"]."""
-    _check_shape(layers, heads, kv_heads, width)
+    layer as model.py's, without pos_emb if positions is "rotary". The shape, positions
+    included, is kept in params["shape"]."""
+    _check_shape(layers, heads, kv_heads, width, positions)
     rng = random.Random(seed)
     kv_width = kv_heads * (width // heads)
 
@@ -38,15 +49,19 @@ def init_params(layers, heads, kv_heads, width, seed):
                "W1": matrix(width, 4 * width, width ** -0.5), "b1": [0.0] * (4 * width),
                "W2": matrix(4 * width, width, (4 * width) ** -0.5), "b2": [0.0] * width}
               for _ in range(layers)]
-    return {"shape": {"layers": layers, "heads": heads, "kv_heads": kv_heads, "width": width},
-            "tok_emb": matrix(VOCAB_SIZE, width, 0.5), "pos_emb": matrix(CONTEXT, width, 0.5),
+    tok_emb = matrix(VOCAB_SIZE, width, 0.5)
+    table = {"pos_emb": matrix(CONTEXT, width, 0.5)} if positions == "learned" else {}
+    return {"shape": {"layers": layers, "heads": heads, "kv_heads": kv_heads, "width": width,
+                      "positions": positions},
+            "tok_emb": tok_emb, **table,
             "blocks": blocks, "lnf_g": [1.0] * width, "lnf_b": [0.0] * width,
             "W_out": matrix(width, VOCAB_SIZE, width ** -0.5), "b_out": [0.0] * VOCAB_SIZE}
 
 
-def _check_shape(layers, heads, kv_heads, width):
-    """Refuse a shape that cannot be built: counts that are not ints >= 1, or heads that
-    do not divide the width, or key-value heads that do not divide the heads."""
+def _check_shape(layers, heads, kv_heads, width, positions):
+    """Refuse a shape that cannot be built: counts that are not ints >= 1, heads that do
+    not divide the width, key-value heads that do not divide the heads, positions other
+    than "learned" or "rotary", or, for rotary, an odd head width."""
     for name, value in (("layers", layers), ("heads", heads), ("kv_heads", kv_heads),
                         ("width", width)):
         check_int(name, value, 1)
@@ -55,6 +70,11 @@ def _check_shape(layers, heads, kv_heads, width):
     if heads % kv_heads:
         raise ValueError(f"heads {heads} must be a multiple of kv_heads {kv_heads}: each "
                          f"key-value head serves the same number of query heads")
+    if positions not in ("learned", "rotary"):
+        raise ValueError(f"positions must be \"learned\" or \"rotary\", got {positions!r}")
+    if positions == "rotary" and width // heads % 2:
+        raise ValueError(f"rotary positions turn pairs of numbers: the head width "
+                         f"{width // heads} (width {width} / heads {heads}) must be even")
 
 
 def _columns(params):
@@ -72,16 +92,28 @@ def _heads(shape):
             1 / math.sqrt(head_width))
 
 
+def rotate(x, position, thetas):
+    """x with each pair (x[2i], x[2i + 1]) turned by the angle position * thetas[i] (as
+    many pairs as both have), each number one correctly rounded sum."""
+    turned = []
+    for i, theta in zip(range(len(x) // 2), thetas):
+        a, b = x[2 * i], x[2 * i + 1]
+        cos, sin = math.cos(position * theta), math.sin(position * theta)
+        turned += [dot((a, b), (cos, -sin)), dot((a, b), (sin, cos))]
+    return turned
+
+
 def param_shapes(shape):
     """The shape of every parameter of a model of this shape (layers, heads, kv_heads,
-    width): name -> (rows, columns), or (entries,) for a vector; per block under
-    "blocks"."""
+    width, positions): name -> (rows, columns), or (entries,) for a vector; per block
+    under "blocks". A rotary model has no pos_emb."""
     width, kv_width = shape["width"], shape["kv_heads"] * (shape["width"] // shape["heads"])
     block = {"ln1_g": (width,), "ln1_b": (width,), "Wq": (width, width),
              "Wk": (width, kv_width), "Wv": (width, kv_width), "Wo": (width, width),
              "ln2_g": (width,), "ln2_b": (width,), "W1": (width, 4 * width),
              "b1": (4 * width,), "W2": (4 * width, width), "b2": (width,)}
-    return {"tok_emb": (VOCAB_SIZE, width), "pos_emb": (CONTEXT, width),
+    table = {"pos_emb": (CONTEXT, width)} if shape["positions"] == "learned" else {}
+    return {"tok_emb": (VOCAB_SIZE, width), **table,
             "blocks": [block] * shape["layers"], "lnf_g": (width,), "lnf_b": (width,),
             "W_out": (width, VOCAB_SIZE), "b_out": (VOCAB_SIZE,)}
 
@@ -90,11 +122,17 @@ def check_params(params):
     """Refuse anything but params of a consistent shape, as init_params makes them: a
     shape that init_params accepts, and every matrix and vector of that shape."""
     if not isinstance(params, dict) or not isinstance(params.get("shape"), dict) \
-            or set(params["shape"]) != {"layers", "heads", "kv_heads", "width"}:
+            or set(params["shape"]) != {"layers", "heads", "kv_heads", "width", "positions"}:
         raise ValueError("params must be deep_model.init_params(...)'s: a dict with a "
-                         "\"shape\" of layers, heads, kv_heads and width")
+                         "\"shape\" of layers, heads, kv_heads, width and positions")
     shape = params["shape"]
     _check_shape(**shape)
+    if shape["positions"] == "rotary" and "pos_emb" in params:
+        raise ValueError("params: a rotary model has no pos_emb (it turns q and k by their "
+                         "position instead); drop it, or make the shape's positions "
+                         "\"learned\"")
+    if shape["positions"] == "learned" and "pos_emb" not in params:
+        raise ValueError("params: a model of learned positions needs its pos_emb table")
     wanted = param_shapes(shape)
     if set(params) - {"shape"} != set(wanted):
         raise ValueError(f"params must hold {sorted(wanted)} besides its shape")
@@ -118,14 +156,23 @@ def forward(params, ids, mask=causal):
     check_mask(mask, len(ids))
     block_cols, out_cols = _columns(params)
     heads, d, group, scale = _heads(params["shape"])
-    xs = [add(params["tok_emb"][token_id], params["pos_emb"][position])
-          for position, token_id in enumerate(ids)]
+    rotary = params["shape"]["positions"] == "rotary"
+    if rotary:   # the pair from c of q or k is pair (c % d) / 2 of its head
+        xs = [params["tok_emb"][token_id] for token_id in ids]
+        thetas = [BASE ** (-(c % d) / d) for c in range(0, params["shape"]["width"], 2)]
+    else:
+        xs = [add(params["tok_emb"][token_id], params["pos_emb"][position])
+              for position, token_id in enumerate(ids)]
     for block, cols in zip(params["blocks"], block_cols):
         qs, ks, vs = [], [], []
-        for x0 in xs:
+        for position, x0 in enumerate(xs):
             h1 = layernorm(x0, block["ln1_g"], block["ln1_b"])
-            qs.append(linear(h1, cols["Wq"]))
-            ks.append(linear(h1, cols["Wk"]))
+            q = linear(h1, cols["Wq"])
+            k = linear(h1, cols["Wk"])
+            if rotary:
+                q, k = rotate(q, position, thetas), rotate(k, position, thetas)
+            qs.append(q)
+            ks.append(k)
             vs.append(linear(h1, cols["Wv"]))
         for i, x0 in enumerate(xs):
             keys, values = [ks[j] for j in mask(i)], [vs[j] for j in mask(i)]
@@ -148,7 +195,9 @@ def forward(params, ids, mask=causal):
 class DeepCache:
     """The keys and values of one sequence, per layer: layers[L] holds, for each
     position, the key and the value of layer L's kv_heads key-value heads side by side.
-    mask(i), causal unless given, is which held positions position i attends to."""
+    mask(i), causal unless given, is which held positions position i attends to. With
+    rotary positions a key is kept after its rotation by its own position, so a later
+    query, rotated by its own, reads it as it is; the rotation adds no number."""
 
     def __init__(self, params, mask=causal):
         check_params(params)
@@ -183,12 +232,20 @@ def forward_step(params, cache, token_id, position):
     check_token_id(token_id)
     check_mask(cache.mask, position + 1, position)   # before anything is kept
     heads, d, group, scale = _heads(params["shape"])
+    rotary = params["shape"]["positions"] == "rotary"
     cache.tokens.append(token_id)
-    x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])
+    if rotary:   # the pair from c of q or k is pair (c % d) / 2 of its head
+        x0 = params["tok_emb"][token_id]
+        thetas = [BASE ** (-(c % d) / d) for c in range(0, params["shape"]["width"], 2)]
+    else:
+        x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])
     for block, cols, layer in zip(params["blocks"], cache.block_columns, cache.layers):
         h1 = layernorm(x0, block["ln1_g"], block["ln1_b"])
         q = linear(h1, cols["Wq"])
-        layer["keys"].append(linear(h1, cols["Wk"]))     # before attention: a position
+        k = linear(h1, cols["Wk"])
+        if rotary:
+            q, k = rotate(q, position, thetas), rotate(k, position, thetas)
+        layer["keys"].append(k)                          # before attention: a position
         layer["values"].append(linear(h1, cols["Wv"]))   # attends to itself too
         attended = cache.mask(position)
         keys = [layer["keys"][j] for j in attended]
@@ -273,3 +330,126 @@ def cache_bytes(lab):
         measured.append({"layers": layers, "kv_heads": kv_heads,
                          "bytes_per_position": round(objects / len(ids), 2)})
     return measured
+
+
+# ---- rotary positions: an exact cache, and shifting it as a deliberate loss ----------
+
+SEQUENCE, CONTINUED = 12, 6   # positions fed; rows continued after the shift
+DROPPED = SEQUENCE // 2       # the oldest half, as llama.cpp's context shift drops
+
+
+def _held(params, tokens, layers, mask=causal):
+    """A DeepCache holding tokens and, per layer, these (keys, values) (placeholders
+    where no row attends)."""
+    cache = DeepCache(params, mask)
+    cache.tokens = list(tokens)
+    cache.layers = [{"keys": list(keys), "values": list(values)} for keys, values in layers]
+    return cache
+
+
+def _fed(params, cache, ids):
+    """The rows of feeding ids to cache, from its next position on."""
+    return [forward_step(params, cache, token_id, len(cache)) for token_id in ids]
+
+
+def _key_gap(keys, other_keys):
+    """The largest difference between two caches' keys (per layer, per position)."""
+    return largest_gap(*([k for layer in layers for k in layer] for layers in (keys, other_keys)))
+
+
+def _continued(params, reused, references, first):
+    """The reused cache continued greedily for CONTINUED rows from token first, and each
+    reference fed the same tokens: for each, the largest logit gap of those rows and
+    whether its own greedy continuation changes (a row's first highest score differs)."""
+    fed, rows = [first], []
+    for _ in range(CONTINUED):
+        rows.append(forward_step(params, reused, fed[-1], len(reused)))
+        fed.append(max(range(VOCAB_SIZE), key=rows[-1].__getitem__))
+    compared = []
+    for reference in references:
+        other = _fed(params, reference, fed[:-1])
+        compared.append({"largest_logit_gap": largest_gap(rows, other),
+                         "continuation_changed": fed[1:] != [
+                             max(range(VOCAB_SIZE), key=row.__getitem__) for row in other]})
+    return compared
+
+
+def _shift(layers, kv_heads, seed, elsewhere):
+    """A random rotary model of this shape (4 query heads, the lab's width) fed SEQUENCE
+    random tokens: its cached rows against the full pass; its cache, the oldest DROPPED
+    dropped and the kept keys rotated back, against those keys unrotated and rotated once
+    (rounding alone), and against a recompute of the kept tokens. elsewhere: also the
+    recompute's keys rotated on by DROPPED, with nothing before them or after the
+    dropped tokens, and the model with a learned table instead, its old keys kept."""
+    rng = random.Random(f"tokens {seed}")
+    ids = [rng.randrange(VOCAB_SIZE) for _ in range(SEQUENCE + 1)]
+    kept, first = ids[DROPPED:SEQUENCE], ids[SEQUENCE]
+    params = init_params(layers, 4, kv_heads, WIDTH, seed, "rotary")
+    original = DeepCache(params)
+    with recording(sys.modules[__name__], "rotate") as turns:
+        rows = _fed(params, original, ids[:SEQUENCE])
+    thetas = turns[0].args[2]
+    # forward_step turns q, then k, in every layer: the second one turned is the key
+    once = [[rotate(turns[2 * (p * layers + layer) + 1].args[0], p - DROPPED, thetas)
+             for p in range(DROPPED, SEQUENCE)] for layer in range(layers)]
+    back = [[rotate(k, -DROPPED, thetas) for k in layer["keys"][DROPPED:]]
+            for layer in original.layers]
+    values = [layer["values"][DROPPED:] for layer in original.layers]
+    recomputed = DeepCache(params)
+    _fed(params, recomputed, kept)
+    fresh = [(list(layer["keys"]), list(layer["values"])) for layer in recomputed.layers]
+    case = {"layers": layers, "kv_heads": kv_heads,
+            "largest_logit_gap": largest_gap(rows, forward(params, ids[:SEQUENCE])),
+            "floats_per_position": original.floats_per_position(),
+            "key_gap_rotated_back_vs_rotated_once": _key_gap(back, once),
+            "layer_1_keys_rotated_once_equal_recomputed": once[0] == fresh[0][0],
+            "key_gap_rotated_once_vs_recomputed": _key_gap(once, [k for k, _ in fresh])}
+    case["rounding"], case["against_recompute"] = _continued(
+        params, _held(params, kept, zip(back, values)),
+        [_held(params, kept, zip(once, values)), recomputed], first)
+    if elsewhere:
+        moved = [([rotate(k, DROPPED, thetas) for k in keys], vs) for keys, vs in fresh]
+        blank, later = [None] * DROPPED, lambda i: range(DROPPED, i + 1)
+        alone = _held(params, blank + kept, [(blank + k, blank + v) for k, v in moved], later)
+        alone_recomputed = _held(params, blank, [(blank, blank)] * layers, later)
+        _fed(params, alone_recomputed, kept)
+        after = _held(params, ids[:SEQUENCE], [(layer["keys"][:DROPPED] + k,
+                                                layer["values"][:DROPPED] + v)
+                                               for layer, (k, v) in zip(original.layers, moved)])
+        case["offset_with_nothing_before"], = _continued(params, alone, [alone_recomputed], first)
+        case["offset_after_other_tokens"], = _continued(params, after, [original], first)
+        learned = init_params(layers, 4, kv_heads, WIDTH, seed)
+        table, table_recomputed = DeepCache(learned), DeepCache(learned)
+        _fed(learned, table, ids[:SEQUENCE])
+        _fed(learned, table_recomputed, kept)
+        old = _held(learned, kept, [(layer["keys"][DROPPED:], layer["values"][DROPPED:])
+                                    for layer in table.layers])
+        case["learned_old_keys_against_recompute"], = _continued(learned, old,
+                                                                 [table_recomputed], first)
+    return case
+
+
+def rotary_experiment(lab):
+    """_shift for every shape of experiment() (one model and one sequence each; elsewhere
+    for the grouped-query ones), and the largest gaps and changed continuations over
+    them: rounding alone over all, against a recompute per number of layers."""
+    cases = [_shift(layers, kv_heads, seed, kv_heads == 2)
+             for seed, (layers, kv_heads) in enumerate(DEEP_SHAPES)]
+
+    def over(name, chosen):
+        return {"models": len(chosen),
+                "largest_logit_gap": max(c[name]["largest_logit_gap"] for c in chosen),
+                "continuations_changed": sum(c[name]["continuation_changed"] for c in chosen)}
+    grouped = [c for c in cases if c["kv_heads"] == 2]
+    return {"positions": SEQUENCE, "dropped": DROPPED, "continued": CONTINUED, "heads": 4,
+            "width": WIDTH, "base": BASE, "shapes": cases,
+            "key_gap_rotated_back_vs_rotated_once":
+                max(c["key_gap_rotated_back_vs_rotated_once"] for c in cases),
+            "rounding": over("rounding", cases),
+            "against_recompute_by_layers": [
+                {"layers": layers, **over("against_recompute",
+                                          [c for c in cases if c["layers"] == layers])}
+                for layers in (1, 2, 3, 4)],
+            "offset_with_nothing_before": over("offset_with_nothing_before", grouped),
+            "learned_old_keys_against_recompute":
+                over("learned_old_keys_against_recompute", grouped)}

@@ -49,22 +49,26 @@ class Exactness(unittest.TestCase):
 
     def test_random_shapes_masks_and_inputs(self):
         """Case n draws, from random.Random(n), 1 to 3 layers, a width of 4 to 24, heads
-        that divide it and key-value heads that divide those, a seed, 1 to 20 random
-        tokens, and the causal mask or a band of 1 to 8 (with sinks): every cached row ==
-        the full pass's, and the cache keeps 2 x layers x kv_heads x head width numbers
-        a position."""
+        that divide it and key-value heads that divide those, learned or (for an even
+        head width) rotary positions, a seed, 1 to 20 random tokens, and the causal mask
+        or a band of 1 to 8 (with sinks): every cached row == the full pass's, and the
+        cache keeps 2 x layers x kv_heads x head width numbers a position (the rotation
+        adds none)."""
         def check(index):
             rng = random.Random(index)
             width = rng.choice((4, 6, 8, 12, 16, 24))
             heads = rng.choice([h for h in range(1, width + 1) if width % h == 0])
             kv_heads = rng.choice([k for k in range(1, heads + 1) if heads % k == 0])
             layers = rng.randint(1, 3)
-            params = deep_model.init_params(layers, heads, kv_heads, width, rng.randrange(99))
+            positions = rng.choice(("learned", "rotary")) if width // heads % 2 == 0 else "learned"
+            params = deep_model.init_params(layers, heads, kv_heads, width, rng.randrange(99),
+                                            positions)
             window = rng.randint(1, 8)
             mask = rng.choice((deep_model.causal, model.band(window, rng.randrange(window))))
             ids = tokens(rng.randint(1, 20), seed=index)
             rows, cache = cached_rows(params, ids, mask)
-            label = f"{layers} layers, {heads} heads, {kv_heads} kv heads, width {width}"
+            label = (f"{layers} layers, {heads} heads, {kv_heads} kv heads, width {width}, "
+                     f"{positions} positions")
             if rows != deep_model.forward(params, ids, mask):
                 return f"{label}: {where(params, ids, mask)}"
             if cache.floats_per_position() != 2 * layers * kv_heads * (width // heads):
@@ -79,6 +83,11 @@ class Exactness(unittest.TestCase):
             with self.subTest(layers=layers, heads=heads, kv_heads=kv_heads):
                 self.assertEqual(cache.floats_per_position(),
                                  2 * layers * kv_heads * (16 // heads))
+
+
+def both(*mistakes):
+    """A mistake for plant made of several, each of which must find its place."""
+    return lambda tree: all([mistake(tree) for mistake in mistakes])
 
 
 class Teeth(unittest.TestCase):
@@ -103,11 +112,41 @@ class Teeth(unittest.TestCase):
                                                         ast.Name("mixed", ast.Load())))),
     }
 
+    ROTATION_MISTAKES = {
+        "keys cached before their rotation, and rotated when read by the reading position":
+            both(replacing(lambda node: isinstance(node, ast.Assign)
+                           and ast.unparse(node.targets[0]) == "(q, k)",
+                           lambda node: ast.Assign([ast.Name("q", ast.Store())],
+                                                   node.value.elts[0])),
+                 replacing(lambda node: isinstance(node, ast.ListComp)
+                           and ast.unparse(node.elt) == "layer['keys'][j]",
+                           lambda node: ast.ListComp(
+                               ast.parse("rotate(layer['keys'][j], position, thetas)",
+                                         mode="eval").body, node.generators))),
+        "the query rotated by len(cache), read after the token was appended (position + 1)":
+            replacing(lambda node: isinstance(node, ast.Call)
+                      and ast.unparse(node).startswith("rotate(q,"),
+                      lambda node: ast.Call(node.func, [node.args[0],
+                                                        ast.parse("len(cache)", mode="eval").body,
+                                                        *node.args[2:]], [])),
+        "the frequency index counted from the start of q, not restarted at each head":
+            replacing(lambda node: isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod)
+                      and ast.unparse(node) == "c % d",
+                      lambda node: node.left),
+    }
+
     def test_each_mistake_of_layers_and_heads_is_caught(self):
-        params = deep_model.init_params(2, 4, 2, 16, 0)   # GQA: two query heads a group
+        self.check_caught(deep_model.init_params(2, 4, 2, 16, 0), self.MISTAKES)
+
+    def test_each_mistake_of_the_rotation_is_caught(self):
+        self.check_caught(deep_model.init_params(2, 4, 2, 16, 0, "rotary"),
+                          self.ROTATION_MISTAKES)
+
+    def check_caught(self, params, mistakes):
+        """params is a GQA model: two query heads a group."""
         ids = tokens(12)
         self.assertIsNone(where(params, ids))
-        for mistake, planting in self.MISTAKES.items():
+        for mistake, planting in mistakes.items():
             planted = plant(deep_model, "forward_step", planting)
             with self.subTest(mistake=mistake):
                 if planted is None:
@@ -143,7 +182,11 @@ class Refusals(unittest.TestCase):
         for args, fragment in (((0, 4, 2, 16, 0), "layers must be an int >= 1"),
                                ((1, 3, 1, 16, 0), "width 16 must be a multiple of heads 3"),
                                ((1, 4, 3, 16, 0), "heads 4 must be a multiple of kv_heads 3"),
-                               ((1, 4, 2.0, 16, 0), "kv_heads must be an int >= 1")):
+                               ((1, 4, 2.0, 16, 0), "kv_heads must be an int >= 1"),
+                               ((1, 4, 2, 16, 0, "circular"),
+                                "positions must be \"learned\" or \"rotary\", got 'circular'"),
+                               ((1, 4, 2, 12, 0, "rotary"),
+                                r"the head width 3 \(width 12 / heads 4\) must be even")):
             with self.subTest(args=args), self.assertRaisesRegex(ValueError, fragment):
                 deep_model.init_params(*args)
         params = deep_model.init_params(2, 4, 2, 16, 0)
@@ -173,8 +216,20 @@ class Refusals(unittest.TestCase):
         short_key = copy.deepcopy(good)
         short_key["blocks"][0]["Wk"].pop()
         one_layer_short = dict(good, shape=dict(good["shape"], layers=2))
+        rotary = deep_model.init_params(1, 4, 2, 16, 0, "rotary")
+        without_positions = dict(good, shape={name: value for name, value in good["shape"].items()
+                                              if name != "positions"})
         for params, fragment in ((lesson, "params must be deep_model.init_params"),
                                  (None, "params must be deep_model.init_params"),
+                                 (without_positions, "params must be deep_model.init_params"),
+                                 (dict(rotary, pos_emb=good["pos_emb"]),
+                                  "a rotary model has no pos_emb"),
+                                 (dict(good, shape=dict(good["shape"], positions="rotary")),
+                                  "a rotary model has no pos_emb"),
+                                 (dict(rotary, shape=dict(rotary["shape"], positions="learned")),
+                                  "learned positions needs its pos_emb table"),
+                                 (dict(rotary, shape=dict(rotary["shape"], positions=None)),
+                                  "positions must be .* got None"),
                                  (three_heads, "width 16 must be a multiple of heads 3"),
                                  (short_key, r"blocks\[0\]\['Wk'\] must have shape 16 x 8"),
                                  (one_layer_short, "blocks must be a list of 2 blocks")):

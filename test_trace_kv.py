@@ -90,7 +90,7 @@ class TheRecord(unittest.TestCase):
         for run in record["speculative_decoding"]:
             self.assertEqual((run["identical"], run["largest_logit_gap_of_choosing_rows"]),
                              (120, 0.0), run)
-        for shape in record["deep_models"]["shapes"]:
+        for shape in record["deep_models"]["shapes"] + record["rotary"]["shapes"]:
             self.assertEqual(shape["largest_logit_gap"], 0.0, shape)
         batched = record["batched_decode"]
         for run in batched["runs"]:   # a batch-invariant kernel's rows never see the batch
@@ -101,6 +101,16 @@ class TheRecord(unittest.TestCase):
         self.assertIn(False, [run["logits_as_with_batches_of_1"] for run in batched["runs"]
                               if run["kernel"] == "batch-dependent"],
                       "the batch-dependent kernel must give other logits in larger batches")
+        rotary = record["rotary"]
+        for shape, learned in zip(rotary["shapes"], record["deep_models"]["shapes"]):
+            self.assertEqual(shape["floats_per_position"], learned["floats_per_position"])
+            self.assertTrue(shape["layer_1_keys_rotated_once_equal_recomputed"], shape)
+            if shape["layers"] == 1:   # a recompute differs from the shift by rounding alone
+                self.assertEqual(shape["against_recompute"], shape["rounding"], shape)
+        self.assertEqual(rotary["rounding"]["continuations_changed"], 0)
+        self.assertLess(rotary["rounding"]["largest_logit_gap"], 1e-12)
+        for deeper in rotary["against_recompute_by_layers"][1:]:   # and content from layer 2 on
+            self.assertGreater(deeper["continuations_changed"], 0, deeper)
 
     def test_recorded_trace(self):
         """kv-trace.json is this run's record, key for key."""

@@ -79,6 +79,7 @@ STAGES = (
           cases=range(len(serving.KERNEL_RUNS)), gather=serving.kernel_table),
     Stage(3, "cache_files", cache_files.experiment, ("runs",)),
     Stage(4, "deep_models", deep_model.experiment),
+    Stage(4, "rotary", deep_model.rotary_experiment),
 )
 
 
