@@ -26,6 +26,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from math import fsum
 
 import cache_files
+import context_shift
 import deep_model
 import kv_cache
 import lossy
@@ -79,7 +80,7 @@ STAGES = (
           cases=range(len(serving.KERNEL_RUNS)), gather=serving.kernel_table),
     Stage(3, "cache_files", cache_files.experiment, ("runs",)),
     Stage(4, "deep_models", deep_model.experiment),
-    Stage(4, "rotary", deep_model.rotary_experiment),
+    Stage(4, "rotary", context_shift.experiment),
 )
 
 

@@ -1,0 +1,35 @@
+"""Shifting a rotary cache (context_shift.py): the caches the experiment builds from
+kept keys and values go on exactly as caches fed the same tokens, so its figures measure
+the shift and nothing else. The figures themselves are the record's (test_trace_kv)."""
+import random
+import unittest
+
+import context_shift
+import deep_model
+from model import VOCAB_SIZE
+
+
+class HeldCaches(unittest.TestCase):
+
+    def test_a_cache_built_from_kept_keys_and_values_goes_on_as_the_fed_one(self):
+        rng = random.Random(0)
+        ids = [rng.randrange(VOCAB_SIZE) for _ in range(10)]
+        for positions in ("learned", "rotary"):
+            params = deep_model.init_params(2, 4, 2, 16, 0, positions)
+            fed = deep_model.DeepCache(params)
+            context_shift._fed(params, fed, ids[:6])
+            held = context_shift._held(params, fed.tokens,
+                                       [(layer["keys"], layer["values"]) for layer in fed.layers])
+            with self.subTest(positions=positions):
+                self.assertEqual(context_shift._fed(params, held, ids[6:]),
+                                 context_shift._fed(params, fed, ids[6:]))
+
+    def test_a_turn_by_no_position_leaves_a_key_as_it_is(self):
+        rng = random.Random(1)
+        key = [rng.gauss(0.0, 1.0) for _ in range(16)]
+        thetas = [deep_model.BASE ** (-c / 4) for c in (0, 2)] * 4
+        self.assertEqual(deep_model.rotate(key, 0, thetas), key)
+
+
+if __name__ == "__main__":
+    unittest.main()
