@@ -512,6 +512,31 @@ def readme_figures(r):
                f"largest logit change is **{shown(one['largest_logit_change_at_position_14'])}** "
                f"with one layer, **{shown(two['largest_logit_change_at_position_14'])}** with "
                f"two and\n**{shown(three['largest_logit_change_at_position_14'])}**"]
+    rotary = r["rotary"]
+    by_layers, grouped = rotary["against_recompute_by_layers"], [
+        shape for shape in rotary["shapes"] if shape["kv_heads"] == 2]
+    quoted += [
+        f"gap **{shown(max(shape['largest_logit_gap'] for shape in rotary['shapes']))}**). "
+        f"Three mistakes",
+        f"each shape, fed {rotary['positions']} random tokens; the oldest {rotary['dropped']} "
+        f"dropped; {rotary['continued']} tokens continued greedily.",
+        f"position by at most {shown(rotary['key_gap_rotated_back_vs_rotated_once'])}, the rows "
+        f"by {shown(rotary['rounding']['largest_logit_gap'])}; "
+        f"{rotary['rounding']['continuations_changed']} of {rotary['rounding']['models']} "
+        f"continuations change.",
+        f"alone ({shown(by_layers[0]['largest_logit_gap'])}, "
+        f"{by_layers[0]['continuations_changed']} of {by_layers[0]['models']} change)",
+        f"gaps of {', '.join(shown(e['largest_logit_gap']) for e in by_layers[1:])} for 2, 3 "
+        f"and 4 layers,\n  and {', '.join(str(e['continuations_changed']) for e in by_layers[1:])}"
+        f" of {by_layers[1]['models']} continuations change.",
+        f"with nothing before them, differ by "
+        f"{shown(rotary['offset_with_nothing_before']['largest_logit_gap'])}\n"
+        f"({rotary['offset_with_nothing_before']['models']} grouped-query models, "
+        f"{rotary['offset_with_nothing_before']['continuations_changed']} change); after other "
+        f"tokens, by {', '.join(shown(s['offset_after_other_tokens']['largest_logit_gap']) for s in grouped[1:])}",
+        f"gives gaps up to\n{shown(rotary['learned_old_keys_against_recompute']['largest_logit_gap'])}, "
+        f"and {rotary['learned_old_keys_against_recompute']['continuations_changed']} of "
+        f"{rotary['learned_old_keys_against_recompute']['models']} continuations change."]
     attention = r["attention_to_position_0"]
     quoted += [f"(of {r['ladder']['stories']})", f"on all {r['ladder']['stories']} openings",
                f"**{attention['mean_weight']}**",
