@@ -529,11 +529,15 @@ def readme_figures(r):
         f"gaps of {', '.join(shown(e['largest_logit_gap']) for e in by_layers[1:])} for 2, 3 "
         f"and 4 layers,\n  and {', '.join(str(e['continuations_changed']) for e in by_layers[1:])}"
         f" of {by_layers[1]['models']} continuations change.",
-        f"with nothing before them, differ by "
-        f"{shown(rotary['offset_with_nothing_before']['largest_logit_gap'])}\n"
-        f"({rotary['offset_with_nothing_before']['models']} grouped-query models, "
-        f"{rotary['offset_with_nothing_before']['continuations_changed']} change); after other "
-        f"tokens, by {', '.join(shown(s['offset_after_other_tokens']['largest_logit_gap']) for s in grouped[1:])}",
+        f"positions 0 to {rotary['dropped'] - 1} and turned on by {rotary['dropped']}",
+        f"computed at {rotary['dropped']} to {rotary['positions'] - 1} by {shown(rotary['offset_with_nothing_before']['largest_logit_gap'])}"
+        f"\n({rotary['offset_with_nothing_before']['models']} grouped-query models, "
+        f"{rotary['offset_with_nothing_before']['continuations_changed']} change)",
+        f"original cache, they differ by "
+        f"{', '.join(shown(s['offset_after_other_tokens']['largest_logit_gap']) for s in grouped[1:])}"
+        f" for\n2, 3 and 4 layers, and "
+        f"{'every' if all(s['offset_after_other_tokens']['continuation_changed'] for s in grouped[1:]) else 'not every'}"
+        f" continuation changes",
         f"gives gaps up to\n{shown(rotary['learned_old_keys_against_recompute']['largest_logit_gap'])}, "
         f"and {rotary['learned_old_keys_against_recompute']['continuations_changed']} of "
         f"{rotary['learned_old_keys_against_recompute']['models']} continuations change."]
