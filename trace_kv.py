@@ -67,7 +67,7 @@ STAGES = (
           gather=kv_cache.gather_runs, record=None),
     Stage(1, "lesson", kv_cache.lesson_figures, ("runs",), record="top"),
     Stage(1, "prefix_sharing", kv_cache.share_prefixes, ("runs",)),
-    Stage(1, "sums_in_another_order", kv_cache.reordered_sums, ("runs",)),
+    Stage(1, "sums_in_another_order", kv_cache.reordered_sums),
     Stage(2, "one_pass_prefill", prefill.experiment, ("runs",)),
     Stage(2, "paged", paged.experiment, ("runs",)),
     Stage(2, "ladder", lossy.ladder_rung, ("runs",), cases=range(len(lossy.RUNGS)),
