@@ -13,7 +13,7 @@ from instruments import largest_gap, recording, results
 from kv_cache import KVCache, check_cache, held_prefix
 from model import SCALE, add, dot, layernorm, linear, relu, softmax_row
 
-CHUNKS = (1, 2, 4, 8)   # the experiment's chunk sizes, tokens per call
+CHUNKS = (1, 4, 8)   # the experiment's chunk sizes, tokens per call (test_prefill: 2 too)
 
 
 def prefill(params, cache, token_ids, start):
@@ -88,7 +88,7 @@ def generate_one_pass(params, tok, prompt, max_new_tokens=60, temperature=0.0, t
 # ---- the experiment (a stage of trace_kv.py) ---------------------------------------
 
 def experiment(lab, runs):
-    """The openings prefilled in chunks of 1, 2, 4 and 8 tokens, one pass per chunk, and
+    """The openings prefilled in chunks of CHUNKS tokens, one pass per chunk, and
     the greedy stories generated with the whole prompt in one pass: every row against the
     uncached full pass, every result against the uncached one."""
     params, tok, prompts = lab.params, lab.tok, lab.prompts
