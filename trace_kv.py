@@ -4,7 +4,7 @@ then every Part's experiments. Each experiment is a stage, declared once in STAG
 Part, its name in the record, its function, what it needs) and run by one small loop
 that the machine's cores share.
 
-    python3 trace_kv.py              runs it (about 40 s on 2 cores): a summary
+    python3 trace_kv.py              runs it (about 35 s on 2 cores): a summary
     python3 trace_kv.py --part 1     runs only the lesson's stages (Part 1)
     python3 trace_kv.py --json       prints the whole record instead, as JSON
     python3 trace_kv.py --check      also fails if the record differs from kv-trace.json
@@ -43,7 +43,7 @@ from train import openings, positive_int, split_stories, story_ids
 
 TRACE, TIMES = "kv-trace.json", "kv-time.json"
 PARTS = 4
-DURATION = "about 40 s on 2 cores, 75 s on 1"   # measured on the lab's 2-core machine
+DURATION = "about 35 s on 2 cores, 60 s on 1"   # measured on the lab's 2-core machine
 
 
 # ---- the stages of every Part, and the loop that runs them ---------------------------
