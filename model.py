@@ -129,6 +129,9 @@ def layernorm_forward(rows, g, b):
 
 def softmax_row(scores):
     """Probabilities from scores: subtract the max, exponentiate, divide by the sum."""
+    if not scores:
+        raise ValueError("softmax_row got no scores: the row attends to no position (a "
+                         "position attends at least to itself)")
     top = max(scores)
     exps = [math.exp(s - top) for s in scores]
     total = fsum(exps)

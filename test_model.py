@@ -237,6 +237,11 @@ class SharedOperationsTest(unittest.TestCase):
         exps = [math.exp(-2.0), math.exp(-1.0), math.exp(0.0)]
         self.assertEqual(model.softmax_row([0.0, 1.0, 2.0]), [e / fsum(exps) for e in exps])
 
+    def test_softmax_row_of_no_scores_says_the_row_attends_to_nothing(self):
+        with self.assertRaisesRegex(ValueError, "softmax_row got no scores: the row attends to "
+                                                "no position"):
+            model.softmax_row([])
+
     def test_layernorm_gives_mean_zero_and_variance_one(self):
         rng = random.Random(22)
         rows = [[rng.gauss(3.0, 2.0) for _ in range(model.WIDTH)] for _ in range(5)]
