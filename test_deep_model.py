@@ -6,13 +6,13 @@ import ast
 import copy
 import random
 import unittest
-from unittest import mock
 
 import deep_model
 import model
 from generate import load_trained
-from instruments import plant, replacing
-from test_kv_cache import check_every_case, first_difference, random_cases
+from instruments import replacing
+from test_kv_cache import (assert_each_mistake_is_caught, check_every_case, first_difference,
+                           random_cases)
 
 SHAPES = [(layers, heads, kv_heads) for layers in (1, 2, 3, 4)
           for heads, kv_heads in ((1, 1), (4, 4), (4, 2), (4, 1))]   # MHA, GQA, MQA
@@ -146,14 +146,8 @@ class Teeth(unittest.TestCase):
         """params is a GQA model: two query heads a group."""
         ids = tokens(12)
         self.assertIsNone(where(params, ids))
-        for mistake, planting in mistakes.items():
-            planted = plant(deep_model, "forward_step", planting)
-            with self.subTest(mistake=mistake):
-                if planted is None:
-                    self.skipTest(f"the planting site of {mistake!r} is gone from "
-                                  f"deep_model.forward_step")
-                with mock.patch.object(deep_model, "forward_step", planted):
-                    self.assertIsNotNone(where(params, ids))
+        assert_each_mistake_is_caught(self, deep_model, "forward_step", mistakes,
+                                      lambda: where(params, ids))
 
 
 class Window(unittest.TestCase):

@@ -226,6 +226,20 @@ def check_every_case(test, cases, check):
         test.fail(f"{failed} of {count} cases fail; the first, {first}")
 
 
+def assert_each_mistake_is_caught(test, module, name, mistakes, difference):
+    """Plant each of mistakes (what it is -> a planting for instruments.plant) in turn in
+    the real module.name, and assert that difference(), None when nothing differs, finds
+    one while it stands; a mistake whose planting site an edit removed is skipped, named."""
+    for mistake, planting in mistakes.items():
+        planted = plant(module, name, planting)
+        with test.subTest(mistake=mistake):
+            if planted is None:
+                test.skipTest(f"the planting site of {mistake!r} is gone from "
+                              f"{module.__name__}.{name}")
+            with mock.patch.object(module, name, planted):
+                test.assertIsNotNone(difference())
+
+
 def random_cases(default):
     """How many cases a seeded random test runs: its default, or as many as
     KV_LAB_RANDOM_CASES asks for (checked as RandomModels checks it), if more."""
