@@ -119,14 +119,13 @@ def _check_items(params, items):
                              f"{model.CONTEXT} positions of the model's table")
         model.check_token_id(token_id, f"items[{index}]: token ID")
         earlier[id(cache)] += 1
-    caches = {id(cache): cache for cache, _, _ in items}
-    for key, cache in caches.items():
-        if not cache.room_for(earlier[key]):
-            raise ValueError(f"no room for {earlier[key]} more positions: {cache.room_left()}")
     pools = {}
-    for key, cache in caches.items():
+    for cache in {id(cache): cache for cache, _, _ in items}.values():
+        if not cache.room_for(earlier[id(cache)]):
+            raise ValueError(f"no room for {earlier[id(cache)]} more positions: "
+                             f"{cache.room_left()}")
         if hasattr(cache, "blocks_needed"):    # paged sequences share their pool's blocks
             pools.setdefault(id(cache.pool), [cache.pool, 0])[1] += cache.blocks_needed(
-                earlier[key])
+                earlier[id(cache)])
     for pool, blocks in pools.values():
         pool.check_room(blocks)
