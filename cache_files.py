@@ -20,7 +20,7 @@ import model
 from checkpoint import read_json, write_atomically
 from kv_cache import KVCache, feed, generate_cached
 from paged import PagedSequence
-from train import story_ids
+from stories import story_ids
 
 CACHE_FORMAT = "kv-lab-cache-2"
 

@@ -1,6 +1,7 @@
-"""Checkpoints as plain JSON: the parameters, the config they were trained with, and a
-signature of the data (tokenizer and corpus), so weights are never paired with the
-wrong tokenizer. Python writes floats with repr, so they read back exactly.
+"""Checkpoints as plain JSON: the parameters, the config they were trained with (CONFIG,
+the model's shape and the training settings), and a signature of the data (tokenizer and
+corpus), so weights are never paired with the wrong tokenizer. Python writes floats with
+repr, so they read back exactly.
 
 Also what every command of the lab shares about files: each file this lab writes goes
 through write_atomically (a temporary file beside the target, then a rename, so a crash
@@ -18,6 +19,14 @@ import time
 import model
 
 FORMAT = "kv-lab-checkpoint-1"
+# The model's shape and the training settings: a checkpoint records them, and loading
+# refuses one trained with others.
+CONFIG = {
+    "vocab_size": model.VOCAB_SIZE, "context": model.CONTEXT, "width": model.WIDTH,
+    "hidden": model.HIDDEN, "split_seed": 0, "seed": 1, "test_stories": 60,
+    "val_stories": 100, "epochs": 24, "batch_size": 4, "learning_rate": 0.02,
+    "final_learning_rate": 0.001, "beta1": 0.9, "beta2": 0.99,
+}
 LAB = os.path.dirname(os.path.abspath(__file__))   # corpus.txt, tokenizer.json, best.json...
 RESTORE = ("restore the shipped best.json (git checkout -- best.json, or download it again), "
            "or retrain with python3 train.py")
@@ -40,6 +49,14 @@ def add_folder_flag(parser):
                         help="the folder holding corpus.txt, tokenizer.json, best.json and "
                              "the records (default: the lab's own folder, wherever you run "
                              "the command from)")
+
+
+def positive_int(text):
+    """argparse type: an int of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
 
 
 def run_command(main):

@@ -15,7 +15,7 @@ import sys
 import checkpoint
 import model
 from bpe import Tokenizer
-from train import CONFIG
+from checkpoint import CONFIG
 
 PROMPT_HELP = ("the opening to continue, in lowercase letters, spaces, commas and periods "
                '(the stories\' alphabet), e.g. "zoe went to the park."')

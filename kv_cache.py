@@ -23,7 +23,7 @@ import generate
 import model
 from instruments import largest_gap, recording, results, sums_in_another_order
 from model import SCALE, add, dot, layernorm, linear, relu, softmax_row
-from train import rounded_mean, story_ids, story_quality
+from stories import rounded_mean, story_ids, story_quality
 
 
 class KVCache:

@@ -11,7 +11,7 @@ from array import array
 import model
 from instruments import largest_gap, sums_in_another_order
 from kv_cache import KVCache, feed, generate_cached
-from train import story_ids
+from stories import story_ids
 
 FORMATS = ("float64", "float32", "float16", "int8", "int4")
 

@@ -9,7 +9,7 @@ from collections import OrderedDict
 
 import model
 from kv_cache import KVCache, feed, generate_cached
-from train import story_ids
+from stories import story_ids
 
 BLOCK_SIZES = (4, 8, 16)   # the experiment's block sizes, positions per block
 

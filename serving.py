@@ -13,7 +13,7 @@ import model
 from batched import batch_invariant, by_batch, exact, forward_rows
 from instruments import chosen_rows, largest_gap, recording
 from paged import BlockPool
-from train import story_ids
+from stories import story_ids
 
 PREFIX_CACHE_BLOCKS = 64          # the experiment: a pool far smaller than the 60 stories
 MAX_BATCH, SMALL_POOL = 8, 24     # the experiment: 120 requests, preempting in a small pool

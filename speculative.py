@@ -13,7 +13,7 @@ import model
 import prefill
 from instruments import chosen_rows, largest_gap, recording
 from kv_cache import KVCache, fork_for_prompt
-from train import split_stories, story_ids
+from stories import split_stories, story_ids
 
 # the experiment: by drafter, tokens drafted at a time
 DRAFTS = (("the story so far", 4), *(("training stories", n) for n in (1, 4)))

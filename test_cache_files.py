@@ -56,9 +56,9 @@ class CacheFiles(unittest.TestCase):
                                os.path.join(self.folder.name, f"{index}.json"))
         script = (
             "import json, sys; sys.path.insert(0, sys.argv[1])\n"
-            "import cache_files, generate, kv_cache, train\n"
+            "import cache_files, generate, kv_cache, stories\n"
             "params, tok = generate.load_trained()\n"
-            "prompts = train.openings(train.split_stories(open(sys.argv[1] + "
+            "prompts = stories.openings(stories.split_stories(open(sys.argv[1] + "
             "'/corpus.txt').read())[2])[:6]\n"
             "print(json.dumps([kv_cache.generate_cached(params, tok, prompt, temperature=t, "
             "seed=i, cache=cache_files.load_cache(params, f'{sys.argv[2]}/{i}.json')) "

@@ -24,7 +24,7 @@ import model
 from generate import load_trained, never_ending
 from instruments import plant, recording, replacing, sums_in_another_order
 from kv_cache import KVCache, feed, forward_step, generate_cached
-from train import openings, split_stories, story_ids
+from stories import openings, split_stories, story_ids
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

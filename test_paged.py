@@ -12,7 +12,7 @@ import model
 import paged
 import prefill
 from kv_cache import feed, forward_step, generate_cached
-from train import story_ids
+from stories import story_ids
 import test_kv_cache
 from instruments import plant, replacing
 from test_kv_cache import (OPENINGS, PARAMS, STORIES, TOK, assert_equal,

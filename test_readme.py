@@ -21,7 +21,7 @@ import paged
 import serving
 import trace_kv
 from generate import load_trained
-from train import openings, split_stories
+from stories import openings, split_stories
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ON_PURPOSE = ("If you did not mean to change this, `git diff` shows what did (and `git "

@@ -10,7 +10,7 @@ import model
 import prefill
 import speculative
 from kv_cache import generate_cached
-from train import split_stories, story_ids
+from stories import split_stories, story_ids
 import test_kv_cache
 from instruments import plant, recording, replacing
 from test_kv_cache import (OPENINGS, PARAMS, TOK, assert_equal, check_every_case, filled_cache,

@@ -35,11 +35,11 @@ import paged
 import prefill
 import serving
 import speculative
-from checkpoint import LAB, add_folder_flag, run_command, write_atomically
+from checkpoint import LAB, add_folder_flag, positive_int, run_command, write_atomically
 from generate import generate, load_trained, never_ending
 from instruments import replaced
 from kv_cache import KVCache, feed, generate_cached, work   # trace_kv.work: the contract
-from train import openings, positive_int, split_stories, story_ids
+from stories import openings, split_stories, story_ids
 
 TRACE, TIMES = "kv-trace.json", "kv-time.json"
 PARTS = 4
