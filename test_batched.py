@@ -7,61 +7,28 @@ import random
 import unittest
 
 import batched
+import layers
 import model
 import paged
-import test_kv_cache
+import support
 from instruments import replacing
 from kv_cache import KVCache, feed
 from lossy import WindowCache
-from test_kv_cache import (PARAMS, STORIES, TOK, assert_changed,
-                           assert_each_mistake_is_caught, assert_same_rows, check_every_case, first_difference, random_cases, tearDownModule)
+from support import (PARAMS, STORIES, TOK, assert_changed, assert_each_mistake_is_caught,
+                     assert_same_rows)
 
 IDS = [TOK.encode(story) for story in STORIES[:3]]
 
 
-def in_batches(params, caches, ids, product=batched.exact, seed=0):
-    """Feed each cache its ids through forward_rows, in steps that mix, at random from
-    seed, a chunk of one cache's next tokens with one next token of each other cache:
-    the rows of each cache, in position order."""
-    rng = random.Random(seed)
-    rows = [[] for _ in caches]
-    while any(len(cache) < len(own) for cache, own in zip(caches, ids)):
-        items, owners = [], []
-        for index, (cache, own) in enumerate(zip(caches, ids)):
-            count = min(rng.choice((0, 1, 1, 3)), len(own) - len(cache))
-            for position in range(len(cache), len(cache) + count):
-                items.append((cache, own[position], position))
-                owners.append(index)
-        if items:
-            for index, logits in zip(owners, batched.forward_rows(params, items, product)):
-                rows[index].append(logits)
-    return rows
-
-
-def where(params, caches, ids, seed=0):
-    """None if each cache's rows, fed in_batches, are forward_step's, else (in one line)
-    the first number that differs, or why forward_rows refused."""
-    try:
-        rows = in_batches(params, caches, ids, seed=seed)
-    except ValueError as refused:
-        return f"forward_rows refused: {refused}"
-    for index, (got, own) in enumerate(zip(rows, ids)):
-        found = first_difference(got, feed(params, KVCache(params), own))
-        if found:
-            return (f"sequence {index}, position and logit {found[0]}: {found[1]} batched, "
-                    f"{found[2]} from forward_step")
-    return None
-
-
 def setUpModule():
-    """forward_rows' first check, before any test of this module: three stories fed in
-    mixed batches give forward_step's rows. If not, its one line names the first number
-    that differs (or why forward_rows refused), and no other test runs."""
-    test_kv_cache.setUpModule()   # every test runs from another folder than the lab's
-    why = where(PARAMS, [KVCache(PARAMS) for _ in IDS], IDS)
-    if why:
-        test_kv_cache.tearDownModule()
-        raise AssertionError(f"batched rows are wrong: {why}")
+    """forward_rows' first check (layers.LAYERS["batched"]), before any test of this
+    module: three stories fed in mixed batches give forward_step's rows. If not, its one
+    line names the first number that differs (or why forward_rows refused), and no other
+    test runs."""
+    layers.set_up("batched")
+
+
+tearDownModule = support.tear_down
 
 
 class ExactProduct(unittest.TestCase):
@@ -72,7 +39,7 @@ class ExactProduct(unittest.TestCase):
         pool = paged.BlockPool(PARAMS, 64, 4)
         for caches in ([KVCache(PARAMS) for _ in IDS], [pool.sequence() for _ in IDS]):
             with self.subTest(cache=type(caches[0]).__name__):
-                self.assertIsNone(where(PARAMS, caches, IDS))
+                self.assertIsNone(layers.where_batches_differ(PARAMS, caches, IDS))
 
     def test_random_models_and_batches(self):
         """Case n draws, from random.Random(n), a model (init_params with a random seed)
@@ -83,8 +50,8 @@ class ExactProduct(unittest.TestCase):
             ids = [[rng.randrange(model.VOCAB_SIZE) for _ in range(rng.randint(1, 20))]
                    for _ in range(rng.randint(1, 5))]
             caches = [KVCache(params) for _ in ids]
-            return where(params, caches, ids, seed=index)
-        check_every_case(self, ((f"case {n}", n) for n in range(random_cases(10))), check)
+            return layers.where_batches_differ(params, caches, ids, seed=index)
+        support.check_random_cases(self, 10, check)
 
 
 class Kernels(unittest.TestCase):
@@ -146,7 +113,7 @@ class Teeth(unittest.TestCase):
     def test_each_mistake_in_forward_rows_is_caught(self):
         """Each makes a row differ; the real forward_rows gives none (setUpModule)."""
         assert_each_mistake_is_caught(self, batched, "forward_rows", self.MISTAKES,
-                                      lambda: where(PARAMS, [KVCache(PARAMS) for _ in IDS], IDS))
+                                      lambda: layers.where_batches_differ(PARAMS, [KVCache(PARAMS) for _ in IDS], IDS))
 
 
 def _append_after_attention(tree):

@@ -6,7 +6,16 @@ import unittest
 
 import context_shift
 import deep_model
+from layers import set_up
 from model import VOCAB_SIZE
+from support import tear_down
+
+
+def setUpModule():
+    set_up("context_shift")   # waits if the deeper model is wrong
+
+
+tearDownModule = tear_down
 
 
 class HeldCaches(unittest.TestCase):

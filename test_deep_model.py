@@ -11,8 +11,8 @@ import deep_model
 import model
 from generate import load_trained
 from instruments import replacing
-from test_kv_cache import (assert_each_mistake_is_caught, check_every_case, first_difference,
-                           random_cases)
+from layers import set_up, where_deep_rows_differ
+from support import assert_each_mistake_is_caught, check_random_cases, tear_down
 
 SHAPES = [(layers, heads, kv_heads) for layers in (1, 2, 3, 4)
           for heads, kv_heads in ((1, 1), (4, 4), (4, 2), (4, 1))]   # MHA, GQA, MQA
@@ -29,11 +29,11 @@ def cached_rows(params, ids, mask=deep_model.causal):
             for position, token_id in enumerate(ids)], cache
 
 
-def where(params, ids, mask=deep_model.causal):
-    """None if every cached row equals the full pass's, else where they first differ."""
-    rows, _ = cached_rows(params, ids, mask)
-    found = first_difference(rows, deep_model.forward(params, ids, mask))
-    return found and f"at {found[0]}: {found[1]} cached, {found[2]} in the full pass"
+def setUpModule():
+    set_up("deep_model")   # the deeper model's quick check first
+
+
+tearDownModule = tear_down
 
 
 class Exactness(unittest.TestCase):
@@ -45,7 +45,7 @@ class Exactness(unittest.TestCase):
         for layers, heads, kv_heads in SHAPES:
             params = deep_model.init_params(layers, heads, kv_heads, 16, 1)
             with self.subTest(layers=layers, heads=heads, kv_heads=kv_heads):
-                self.assertIsNone(where(params, ids))
+                self.assertIsNone(where_deep_rows_differ(params, ids))
 
     def test_random_shapes_masks_and_inputs(self):
         """Case n draws, from random.Random(n), 1 to 3 layers, a width of 4 to 24, heads
@@ -70,11 +70,11 @@ class Exactness(unittest.TestCase):
             label = (f"{layers} layers, {heads} heads, {kv_heads} kv heads, width {width}, "
                      f"{positions} positions")
             if rows != deep_model.forward(params, ids, mask):
-                return f"{label}: {where(params, ids, mask)}"
+                return f"{label}: {where_deep_rows_differ(params, ids, mask)}"
             if cache.floats_per_position() != 2 * layers * kv_heads * (width // heads):
                 return f"{label}: {cache.floats_per_position()} numbers a position"
             return None
-        check_every_case(self, ((f"case {n}", n) for n in range(random_cases(30))), check)
+        check_random_cases(self, 30, check)
 
     def test_the_cache_keeps_2_x_layers_x_kv_heads_x_head_width_numbers_per_position(self):
         for layers, heads, kv_heads in SHAPES:
@@ -145,9 +145,9 @@ class Teeth(unittest.TestCase):
     def check_caught(self, params, mistakes):
         """params is a GQA model: two query heads a group."""
         ids = tokens(12)
-        self.assertIsNone(where(params, ids))
+        self.assertIsNone(where_deep_rows_differ(params, ids))
         assert_each_mistake_is_caught(self, deep_model, "forward_step", mistakes,
-                                      lambda: where(params, ids))
+                                      lambda: where_deep_rows_differ(params, ids))
 
 
 class Window(unittest.TestCase):
@@ -162,7 +162,7 @@ class Window(unittest.TestCase):
         for layers in (1, 2, 3):
             params = deep_model.init_params(layers, 4, 2, 16, 0)
             with self.subTest(layers=layers):
-                self.assertIsNone(where(params, ids, band))
+                self.assertIsNone(where_deep_rows_differ(params, ids, band))
                 rows = deep_model.forward(params, ids, band)
                 other = deep_model.forward(params, changed, band)
                 reached = [position for position, (a, b) in enumerate(zip(rows, other))

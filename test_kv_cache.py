@@ -1,18 +1,15 @@
 """The lab's claims, each as a test: the cache changes no float, it does the work the
 formulas say, and every misuse is refused before anything is computed."""
 import ast
-import contextlib
 import copy
 import inspect
 import io
 import json
-import math
 import os
 import random
 import re
 import subprocess
 import sys
-import tempfile
 import textwrap
 import unittest
 from contextlib import redirect_stdout
@@ -21,231 +18,36 @@ from unittest import mock
 import generate
 import kv_cache
 import model
-from generate import load_trained, never_ending
+import support
+from generate import never_ending
 from instruments import plant, recording, replacing, sums_in_another_order
 from kv_cache import KVCache, feed, forward_step, generate_cached
-from stories import openings, split_stories, story_ids
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-PARAMS, TOK = load_trained()
-with open(os.path.join(HERE, "corpus.txt"), encoding="utf-8") as corpus:
-    _, _, STORIES = split_stories(corpus.read())
-OPENINGS = openings(STORIES)
+from layers import skip_unless_sound
+from stories import story_ids
+from support import (HERE, OPENINGS, PARAMS, STORIES, TOK, UNCHANGED, assert_changed,
+                     assert_equal, assert_every_row_equal, assert_same_generation,
+                     assert_same_rows, cached_rows, filled_cache, generation_difference,
+                     lab_file, snapshot, where_rows_differ)
 
 
 def setUpModule():
     """Every test here runs from another folder than the lab's, as a learner might."""
-    global ELSEWHERE
-    ELSEWHERE = tempfile.TemporaryDirectory()
-    os.chdir(ELSEWHERE.name)
+    support.enter_another_folder()
 
 
-def tearDownModule():
-    os.chdir(HERE)
-    ELSEWHERE.cleanup()
-
-
-def lab_file(name):
-    with open(os.path.join(HERE, name), encoding="utf-8") as f:
-        return f.read()
+tearDownModule = support.tear_down
 
 
 NEXT = object()   # stands for "the cache's next position" in Misuse.assertRefused
 
 
-def filled_cache(ids):
-    """A new cache of the trained model holding the keys and values of ids."""
-    cache = KVCache(PARAMS)
-    feed(PARAMS, cache, ids)
-    return cache
+class BuiltOnTheLesson(unittest.TestCase):
+    """A class of tests that need the lesson's rows to be right: when Exactness's quick
+    check fails, they skip (one verdict for one mistake: Exactness's)."""
 
-
-def cached_rows(params, ids):
-    """The logits of every position of ids, fed one at a time through a new cache."""
-    return feed(params, KVCache(params), ids)
-
-
-def snapshot(cache):
-    return (len(cache), list(cache.tokens), [list(k) for k in cache.keys],
-            [list(v) for v in cache.values])
-
-
-def first_difference(got, expected, where=""):
-    """Where two nested lists (or tuples, numbers) first differ, as (where, got, expected)
-    in a few words ("[3][5]", "0.25", "0.5"), or None if they are equal: a failure names
-    one number, never thousands."""
-    if isinstance(got, (list, tuple)) and isinstance(expected, (list, tuple)):
-        if len(got) != len(expected):
-            return where or "the lists", f"{len(got)} items", f"{len(expected)} items"
-        for index, (a, b) in enumerate(zip(got, expected)):
-            found = first_difference(a, b, f"{where}[{index}]")
-            if found:
-                return found
-        return None
-    if got != expected:
-        return where or "the value", str(got)[:80], str(expected)[:80]
-    return None
-
-
-def assert_equal(test, got, expected, what):
-    """assertEqual that names the first differing number instead of printing both sides."""
-    if got == expected:
-        return                # == first: looking for the difference is for a failure
-    found = first_difference(got, expected)
-    if found:
-        test.fail(f"{what} differ at {found[0]}: {found[1]} != {found[2]}")
-
-
-def assert_changed(test, got, unchanged, what):
-    """assertNotEqual that does not print both sides when they are equal."""
-    if got == unchanged:
-        test.fail(f"{what}: nothing changed, but a difference was expected")
-
-
-# The values of one position's row, in the order the README's section 5 computes them.
-ROW = ("x0", "h1", "q", "k", "v", "scores", "weights", "mixed", "x1", "h2", "a", "x2", "hf",
-       "logits")
-
-
-@contextlib.contextmanager
-def locals_of(function):
-    """For a failure message only: inside this block, every call of function is recorded
-    as it ends, as a dict of its local variables and "returned". It names the row's values
-    as the function spells them, so a value renamed by an edit is left out of the message
-    (no test depends on the spelling). sys.settrace watches; the function is unchanged."""
-    code, calls = function.__code__, []
-
-    def on_return(frame, event, returned):
-        if event == "return":
-            calls.append(dict(frame.f_locals, returned=returned))
-        return on_return
-
-    def on_call(frame, event, arg):
-        return on_return if frame.f_code is code else None
-    previous = sys.gettrace()
-    sys.settrace(on_call)
-    try:
-        yield calls
-    finally:
-        sys.settrace(previous)
-
-
-def where_rows_differ(params, ids):
-    """None if every position of ids fed through a new cache gives the very values of
-    model.forward's row; else a few lines naming the first position and the first value
-    of its row (x0, h1, q, ..., logits) that differs, with both numbers."""
-    with recording(model, "softmax_row") as scores:   # the full pass: once per position
-        logits, saved = model.forward(params, ids)
-    full = [{name: getattr(saved, name)[i] for name in saved._fields} for i in range(len(ids))]
-    for i, row in enumerate(full):
-        row["logits"] = logits[i]
-        if len(scores) == len(ids):   # not when model.forward is a planted copy
-            row["scores"] = scores[i].args[0]
-    with locals_of(kv_cache.forward_step) as steps:
-        try:
-            feed(params, KVCache(params), ids)
-        except (ValueError, IndexError) as e:
-            return (f"forward_step raised at position {len(steps) - 1} "
-                    f"({type(e).__name__}: {e})")
-    for position, (step, wanted) in enumerate(zip(steps, full)):
-        step = dict(step, logits=step["returned"])
-        equal = []
-        for name in ROW:
-            if name not in step or name not in wanted:
-                continue      # a value one of the two functions does not name
-            found = first_difference(step[name], wanted[name], name)
-            if found:
-                same = (f"; {', '.join(equal[:-1])} and {equal[-1]} are equal"
-                        if len(equal) > 1 else f"; {equal[0]} is equal" if equal else "")
-                return (f"position {position} ({TOK.vocab[ids[position]]!r}): the first value "
-                        f"of the row that differs is {found[0]}: {found[1]} in forward_step, "
-                        f"{found[2]} in model.forward{same}")
-            equal.append(name)
-    return None
-
-
-def assert_every_row_equal(test, params, ids, label="the input"):
-    """The lab's comparison: every row fed through a new cache == model.forward's row;
-    a failure names the position and the first value of its row that differs."""
-    full, _ = model.forward(params, ids)
-    if cached_rows(params, ids) != full:
-        test.fail(f"{label}: {where_rows_differ(params, ids) or 'the rows differ'}")
-
-
-def assert_same_rows(test, rows, expected, what="rows"):
-    """rows == expected, or a failure naming the first number that differs."""
-    assert_equal(test, rows, expected, what)
-
-
-def generation_difference(params, prompt, settings, cached, uncached):
-    """Why generate_cached gave another result than generate, in a few lines: where the
-    two stories part, and the first value of a row that differs."""
-    for index, (mine, theirs) in enumerate(zip(cached["steps"], uncached["steps"])):
-        if mine != theirs:
-            how = (f"new token {index + 1} is {mine['token']!r} (probability "
-                   f"{mine['probability']}) where generate chose {theirs['token']!r} "
-                   f"({theirs['probability']})")
-            break
-    else:
-        how = (f"the cached generator stopped at another point: after "
-               f"{len(cached['steps'])} new tokens ({cached['stopped']}), where generate "
-               f"stopped after {len(uncached['steps'])} ({uncached['stopped']})")
-    rows = where_rows_differ(params, story_ids(TOK, prompt, uncached))
-    why = f"because at {rows}" if rows else ("every row is equal, so the difference is in "
-                                             "how the tokens were chosen")
-    return f"generate_cached({prompt!r}, {settings}) differs from generate: {how},\n{why}"
-
-
-def assert_same_generation(test, params, prompt, settings, generator=None, uncached=None,
-                           **cached_only):
-    """kv_cache.generate_cached(...) (or another generator) == generate(...) for these
-    settings (uncached: generate's result, if already at hand), or a failure saying where
-    the stories part and which value of which row differs."""
-    uncached = uncached or generate.generate(params, TOK, prompt, **settings)
-    generator = generator or kv_cache.generate_cached   # looked up now: a test may patch it
-    cached = generator(params, TOK, prompt, **settings, **cached_only)
-    if cached != uncached:
-        test.fail(generation_difference(params, prompt, settings, cached, uncached))
-    return cached
-
-
-def check_every_case(test, cases, check):
-    """Run check(case) on every case (it returns None, or why the case fails) and fail
-    once, naming the first failing case and how many failed, instead of one failure per
-    case."""
-    failed, first, count = 0, None, 0
-    for label, case in cases:
-        count += 1
-        why = check(case)
-        if why:
-            failed += 1
-            first = first or f"{label}: {why}"
-    if failed:
-        test.fail(f"{failed} of {count} cases fail; the first, {first}")
-
-
-def assert_each_mistake_is_caught(test, module, name, mistakes, difference):
-    """Plant each of mistakes (what it is -> a planting for instruments.plant) in turn in
-    the real module.name, and assert that difference(), None when nothing differs, finds
-    one while it stands; a mistake whose planting site an edit removed is skipped, named."""
-    for mistake, planting in mistakes.items():
-        planted = plant(module, name, planting)
-        with test.subTest(mistake=mistake):
-            if planted is None:
-                test.skipTest(f"the planting site of {mistake!r} is gone from "
-                              f"{module.__name__}.{name}")
-            with mock.patch.object(module, name, planted):
-                test.assertIsNotNone(difference())
-
-
-def random_cases(default):
-    """How many cases a seeded random test runs: its default, or as many as
-    KV_LAB_RANDOM_CASES asks for (checked as RandomModels checks it), if more."""
-    if os.environ.get("KV_LAB_RANDOM_CASES") is None:
-        return default
-    return max(default, RandomModels.requested_cases())
+    @classmethod
+    def setUpClass(cls):
+        skip_unless_sound("lesson")
 
 
 class Exactness(unittest.TestCase):
@@ -300,96 +102,20 @@ class RecordedTrace(unittest.TestCase):
                          (2 * model.WIDTH, 2 * model.WIDTH * model.CONTEXT))
 
 
-class RandomModels(unittest.TestCase):
+class RandomModels(BuiltOnTheLesson):
     """The cache is an identity for any weights, not only the trained ones: random models
     of the lab's shapes, random prompts and random settings. Case n draws everything from
-    random.Random(n), so RandomModels.case(n) rebuilds any case that fails."""
+    random.Random(n) (support.random_case(n) rebuilds it)."""
 
     DEFAULT_CASES = 40      # KV_LAB_RANDOM_CASES=1000 runs cases 0..999 instead
-    LONG_EVERY = 20         # cases 0 and 20 (and 40, ...): a long prompt, run until context full
-    SCALES = (0.1, 0.3, 1.0, 2.0, 5.0)          # weight matrices and biases
-    EMBEDDING_SCALES = (0.1, 1.0, 5.0)
-    TEMPERATURES = (0.0, 0.3, 1.0, 2.5)         # 0.0 is greedy
-    TOP_KS = (1, 2, 3, 10, model.VOCAB_SIZE, None)
     STOP_REASONS = {"end of story", "max_new_tokens", "context full"}
-
-    @classmethod
-    def requested_cases(cls):
-        """How many cases to run: DEFAULT_CASES, or more from KV_LAB_RANDOM_CASES."""
-        raw = os.environ.get("KV_LAB_RANDOM_CASES")
-        if raw is None:
-            return cls.DEFAULT_CASES
-        try:
-            count = int(raw)
-        except ValueError:
-            count = None
-        if count is None or count < cls.DEFAULT_CASES:
-            raise ValueError(f"KV_LAB_RANDOM_CASES must be a whole number of cases, at least "
-                             f"{cls.DEFAULT_CASES} (the default run), got {raw!r}")
-        return count
-
-    @staticmethod
-    def random_model(rng, scale, embedding_scale):
-        """Params of the lab's shapes: matrices uniform with std scale / sqrt(inputs),
-        embeddings with std embedding_scale, layer-norm gains uniform in [-3, 3] and
-        biases uniform in [-scale, scale]."""
-        def matrix(rows, cols, std):
-            half_width = std * math.sqrt(3)   # a uniform on [-w, w] has std w / sqrt(3)
-            return [[rng.uniform(-half_width, half_width) for _ in range(cols)]
-                    for _ in range(rows)]
-        params = {}
-        for name, shape in model.SHAPES.items():
-            if name.endswith("_emb"):
-                params[name] = matrix(*shape, embedding_scale)
-            elif len(shape) == 2:
-                params[name] = matrix(*shape, scale / math.sqrt(shape[0]))
-            elif name.endswith("_g"):
-                params[name] = [rng.uniform(-3.0, 3.0) for _ in range(shape[0])]
-            else:
-                params[name] = [rng.uniform(-scale, scale) for _ in range(shape[0])]
-        return params
-
-    @staticmethod
-    def random_prompt(rng, fewest, most):
-        """The text of random token IDs, re-drawn until it encodes to fewest..most tokens
-        (encoding the decoded text may merge the pieces differently: only its text counts)
-        and holds a letter (generate refuses a prompt without one)."""
-        while True:
-            ids = [rng.randrange(model.VOCAB_SIZE) for _ in range(rng.randint(fewest, most))]
-            prompt = TOK.decode(ids)
-            if fewest <= len(TOK.encode(prompt)) <= most and any(map(str.isalpha, prompt)):
-                return prompt
-
-    @classmethod
-    def case(cls, index):
-        """Case index: (params, prompt, settings for generate, label naming the case)."""
-        rng = random.Random(index)
-        scale, embedding_scale = rng.choice(cls.SCALES), rng.choice(cls.EMBEDDING_SCALES)
-        params = cls.random_model(rng, scale, embedding_scale)
-        long = index % cls.LONG_EVERY == 0
-        if long:
-            params = never_ending(params, TOK)
-            prompt = cls.random_prompt(rng, 50, 60)
-        else:
-            prompt = cls.random_prompt(rng, 1, 12)
-        settings = {"max_new_tokens": model.CONTEXT if long else rng.randint(0, 8),
-                    "temperature": rng.choice(cls.TEMPERATURES),
-                    "top_k": rng.choice(cls.TOP_KS), "seed": rng.randrange(2 ** 32)}
-        label = {"case": index, "scale": scale, "embedding_scale": embedding_scale,
-                 "never_ends": long, "prompt_tokens": len(TOK.encode(prompt)), **settings}
-        return params, prompt, settings, label
-
-    def cases(self):
-        """(label, case) for every case to run, built one at a time."""
-        return ((f"case {index} (RandomModels.case({index}) rebuilds it)", self.case(index))
-                for index in range(self.requested_cases()))
 
     def test_cached_generation_and_every_row_equal_uncached_on_random_models(self):
         stops, longest = set(), 0
 
-        def check(case):
+        def check(index):
             nonlocal longest
-            params, prompt, settings, label = case
+            params, prompt, settings, label = support.random_case(index)
             uncached = generate.generate(params, TOK, prompt, **settings)
             cached = kv_cache.generate_cached(params, TOK, prompt, **settings)
             stops.add(uncached["stopped"])
@@ -400,25 +126,32 @@ class RandomModels(unittest.TestCase):
                 return f"{label}: stopped for {uncached['stopped']}, not context full"
             ids = story_ids(TOK, prompt, uncached)
             longest = max(longest, len(ids))
-            if cached_rows(params, ids) != model.forward(params, ids)[0]:
-                return f"{label}\n{where_rows_differ(params, ids)}"
-            return None
-        check_every_case(self, self.cases(), check)
-        self.assertEqual(stops, self.STOP_REASONS)   # every way a generation can end
-        self.assertEqual(longest, model.CONTEXT)     # some case filled every position
+            why = where_rows_differ(params, ids)
+            return why and f"{label}\n{why}"
+        ran = support.check_random_cases(self, self.DEFAULT_CASES, check)
+        if len(ran) >= self.DEFAULT_CASES:   # not when KV_LAB_CASE picks one
+            self.assertEqual(stops, self.STOP_REASONS)   # every way a generation can end
+            self.assertEqual(longest, model.CONTEXT)     # some case filled every position
 
     def test_a_bad_case_count_is_refused(self):
-        for raw in ("", "many", "2.5", "-1", "0", str(self.DEFAULT_CASES - 1)):
-            with self.subTest(raw=raw), mock.patch.dict(os.environ, {"KV_LAB_RANDOM_CASES": raw}):
-                with self.assertRaises(ValueError) as refused:
-                    self.requested_cases()
-                self.assertIn("KV_LAB_RANDOM_CASES must be a whole number", str(refused.exception))
-                self.assertIn(f"got {raw!r}", str(refused.exception))
+        for name, bad in (("KV_LAB_RANDOM_CASES", ("", "many", "2.5", "-1", "0")),
+                          ("KV_LAB_CASE", ("", "one", "-1", "1.0"))):
+            for raw in bad:
+                with self.subTest(name=name, raw=raw), mock.patch.dict(os.environ, {name: raw}):
+                    with self.assertRaises(ValueError) as refused:
+                        support.case_numbers(self.DEFAULT_CASES)
+                    self.assertIn(f"{name} must be a whole number", str(refused.exception))
+                    self.assertIn(f"got {raw!r}", str(refused.exception))
         with mock.patch.dict(os.environ, {"KV_LAB_RANDOM_CASES": "1000"}):
-            self.assertEqual(self.requested_cases(), 1000)
+            self.assertEqual(support.case_numbers(40), range(1000))
+        with mock.patch.dict(os.environ, {"KV_LAB_RANDOM_CASES": "10"}):
+            self.assertEqual(support.case_numbers(40), range(40))
+        with mock.patch.dict(os.environ, {"KV_LAB_CASE": "7", "KV_LAB_RANDOM_CASES": "1000"}):
+            self.assertEqual(support.case_numbers(40), [7])
         with mock.patch.dict(os.environ):
             os.environ.pop("KV_LAB_RANDOM_CASES", None)
-            self.assertEqual(self.requested_cases(), self.DEFAULT_CASES)
+            os.environ.pop("KV_LAB_CASE", None)
+            self.assertEqual(support.case_numbers(40), range(40))
 
 
 def call_to(node, name):
@@ -476,10 +209,9 @@ EMBEDDINGS_SWAPPED = replacing(
     lambda node: (call_to(node, "add") and isinstance(node.args[0], ast.Subscript)
                   and parameter(node.args[0].value, "tok_emb")),
     lambda node: call("add", node.args[1], node.args[0]))
-UNCHANGED = lambda tree: 1   # the real function, compiled again
 
 
-class Teeth(unittest.TestCase):
+class Teeth(BuiltOnTheLesson):
     """Each one-line mistake, planted in the real source of kv_cache.forward_step or
     model.forward (by its syntax tree), is caught by the lab's comparison of every cached
     row with the full pass; each harmless edit is not.
@@ -518,7 +250,7 @@ class Teeth(unittest.TestCase):
     def setUp(self):
         self.ids = TOK.encode(STORIES[0])
         self.models = {"trained": PARAMS,
-                       "random, seed 6": RandomModels.random_model(random.Random(6), 1.0, 1.0)}
+                       "random, seed 6": support.random_model(random.Random(6), 1.0, 1.0)}
 
     def verdict(self, what, module, function, mistake):
         """What the lab's comparison says of the code with the mistake planted, on each
@@ -783,7 +515,7 @@ class Misuse(unittest.TestCase):
                 self.assertEqual(str(cached.exception), str(uncached.exception))
 
 
-class Reuse(unittest.TestCase):
+class Reuse(BuiltOnTheLesson):
     """Deliberate reuse: forks, crops, and continuing a prompt from a cache."""
 
     def setUp(self):
@@ -886,7 +618,7 @@ class Reuse(unittest.TestCase):
             self.assertEqual(len(alone["steps"]), 12)
 
 
-class Playground(unittest.TestCase):
+class Playground(BuiltOnTheLesson):
 
     def run_cli(self, *args):
         """The playground, run from another folder."""

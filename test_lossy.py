@@ -3,13 +3,21 @@ bytes; a window equals the band-masked full pass; what a format cannot store is 
 import struct
 import unittest
 
-import model
+import layers
 import lossy
+import model
 import prefill
+import support
 from kv_cache import feed, forward_step, generate_cached
-from test_kv_cache import (OPENINGS, PARAMS, STORIES, TOK, assert_changed, assert_equal,
-                           assert_same_generation, assert_same_rows, cached_rows,
-                           setUpModule, tearDownModule)   # the module set-up: run from elsewhere
+from support import (OPENINGS, PARAMS, STORIES, TOK, assert_changed, assert_equal,
+                     assert_same_generation, assert_same_rows, cached_rows)
+
+
+def setUpModule():
+    layers.set_up("lossy")   # skips if a layer under it is wrong; runs from elsewhere
+
+
+tearDownModule = support.tear_down
 
 
 class Lossy(unittest.TestCase):

@@ -8,87 +8,29 @@ import random
 import unittest
 from unittest import mock
 
+import layers
 import model
 import paged
 import prefill
+import support
+from instruments import plant, replacing
 from kv_cache import feed, forward_step, generate_cached
 from stories import story_ids
-import test_kv_cache
-from instruments import plant, replacing
-from test_kv_cache import (OPENINGS, PARAMS, STORIES, TOK, assert_equal,
-                           assert_same_generation, assert_same_rows, cached_rows,
-                           filled_cache, snapshot, tearDownModule)
-from test_prefill import chunked_rows
-
-
-def pool_snapshot(pool):
-    """Everything a pool holds: each block's positions, count and index key, the prefix
-    index, the free list in order, and the counts of hits and evictions."""
-    return ([(b.tokens, b.keys, b.values, b.ref_count, b.prefix) for b in pool.blocks],
-            {key: list(ids) for key, ids in pool.prefix_index.items()}, list(pool.free_list),
-            pool.prefix_hits, pool.evictions)
-
-
-def where_sequence_differs(label, seq, reference):
-    """None if the paged sequence seq holds, position by position, what reference (a
-    KVCache fed the same tokens) holds, where its block table says: position p in block
-    table[p // block_size], slot p % block_size. Else one line naming the position, the
-    block and the slot, and what differs there."""
-    size = seq.pool.block_size
-    if seq.length != len(reference):
-        return f"{label} holds {seq.length} positions, where the reference holds {len(reference)}"
-    for position in range(len(reference)):
-        block_id, slot = seq.table[position // size], position % size
-        block = seq.pool.blocks[block_id]
-        where = f"{label}, position {position} (block {block_id}, slot {slot})"
-        if slot >= len(block.tokens):
-            return f"{where}: the block holds only {len(block.tokens)} positions"
-        for part in ("tokens", "keys", "values"):
-            if getattr(block, part)[slot] != getattr(reference, part)[position]:
-                return f"{where}: its {part[:-1]} is not the one a KVCache fed the same tokens holds"
-    return None
+from support import (OPENINGS, PARAMS, STORIES, TOK, assert_equal, assert_same_generation,
+                     assert_same_rows, cached_rows, chunked_rows, filled_cache, snapshot)
 
 
 def setUpModule():
-    """The paged cache's first check, before any test of this module: sequences written,
-    forked and found by their prefix, compared slot by slot with a KVCache fed the same
-    tokens. If it fails, its one line names the block and the position where a mistake in
-    the pool shows, and no other test runs: they use feed and generate_cached, which see
-    only a sequence that disagrees with itself (and would blame the caller)."""
-    test_kv_cache.setUpModule()   # every test runs from another folder than the lab's
-    why = paged_scenario()
-    if why:
-        test_kv_cache.tearDownModule()
-        raise AssertionError(f"the paged cache is wrong: {why}")
+    """The paged cache's first check (layers.paged_scenario), before any test of this
+    module: sequences written, forked and found by their prefix, compared slot by slot
+    with a KVCache fed the same tokens. If it fails, its one line names the block and the
+    position where a mistake in the pool shows, and no other test runs: they use feed and
+    generate_cached, which see only a sequence that disagrees with itself (and would blame
+    the caller)."""
+    layers.set_up("paged")
 
 
-def paged_scenario():
-    """Write a sequence, fork it, let both sides write, and find its prefix again from a
-    new sequence, all one forward_step at a time; None if every sequence holds what a
-    KVCache fed its tokens holds, else where_sequence_differs's line for the first that
-    does not (or the pool's refusal, which names the block and slot it guards)."""
-    ids = TOK.encode(OPENINGS[0] + " she was")
-    pool = paged.BlockPool(PARAMS, 16, 4)
-
-    def write(seq, tokens):
-        for token_id in tokens:
-            forward_step(PARAMS, seq, token_id, len(seq))
-    try:
-        parent = pool.sequence()
-        write(parent, ids[:10])                  # blocks of 4, 4 and 2 positions
-        fork = parent.copy()
-        write(fork, ids[10:12])                  # into the shared, partly filled block
-        write(parent, TOK.encode(" tom"))
-        found = pool.sequence(ids[:10])          # a prefix hit: the two full blocks
-        write(found, ids[len(found):10])
-    except ValueError as refused:                # the pool's own guards
-        return f"the pool refused: {refused}"
-    for label, seq, tokens in (("the parent", parent, ids[:10] + TOK.encode(" tom")),
-                               ("the fork", fork, ids[:12]), ("the prefix hit", found, ids[:10])):
-        why = where_sequence_differs(label, seq, filled_cache(tokens))
-        if why:
-            return why
-    return None
+tearDownModule = support.tear_down
 
 
 ROOM_OFF_BY_ONE = replacing(   # block_size - in the last block becomes block_size - ... - 1
@@ -119,13 +61,13 @@ class PagedTeeth(unittest.TestCase):
                  WRONG_BLOCK_FOUND)]
 
     def test_each_mistake_names_its_block_and_position(self):
-        self.assertIsNone(paged_scenario())   # the harness itself is right
+        self.assertIsNone(layers.paged_scenario())   # the harness itself is right
         for what, owner, method, mistake in self.MISTAKES:
             with self.subTest(mistake=what):
                 planted = plant(owner, method, mistake)
                 self.assertIsNotNone(planted, f"the planting site of {what!r} is gone")
                 with mock.patch.object(owner, method, planted):
-                    why = paged_scenario()
+                    why = layers.paged_scenario()
                 self.assertRegex(why or "", r"block \d+, slot \d+|holds \d+ positions, where",
                                  why)
 
@@ -263,12 +205,12 @@ class Paged(unittest.TestCase):
         pool = paged.BlockPool(PARAMS, 1, 3)
         seq = pool.sequence()
         feed(PARAMS, seq, TOK.encode("tom ran"))
-        before, held = pool_snapshot(pool), snapshot(seq)
+        before, held = support.pool_snapshot(pool), snapshot(seq)
         with self.assertRaisesRegex(ValueError, "the cache has no room for the 60 more "
                                                 "positions this generation may need .* its pool "
                                                 "has 0 of its 1 blocks of 3 positions free"):
             generate_cached(PARAMS, TOK, "tom ran", cache=seq)
-        assert_equal(self, pool_snapshot(pool), before, "the pool")
+        assert_equal(self, support.pool_snapshot(pool), before, "the pool")
         assert_equal(self, snapshot(seq), held, "the sequence")
         seq.free()
         self.assertEqual(pool.free_blocks(), 1)
@@ -284,10 +226,10 @@ class Paged(unittest.TestCase):
         cached.free()                                     # its full blocks stay cached
         seq = pool.sequence()
         feed(PARAMS, seq, TOK.encode("mia was sad."))
-        before, held = pool_snapshot(pool), snapshot(seq)
+        before, held = support.pool_snapshot(pool), snapshot(seq)
         with self.assertRaisesRegex(ValueError, "no room for the 30 more positions"):
             generate_cached(PARAMS, TOK, "mia was sad.", max_new_tokens=30, cache=seq)
-        assert_equal(self, pool_snapshot(pool), before, "the pool")
+        assert_equal(self, support.pool_snapshot(pool), before, "the pool")
         assert_equal(self, snapshot(seq), held, "the sequence")
         self.assertEqual(pool.evictions, 0)
         short = generate_cached(PARAMS, TOK, "mia was sad.", max_new_tokens=3, cache=seq)
@@ -361,11 +303,11 @@ class Paged(unittest.TestCase):
 
     def assert_refused(self, pool, attempt, fragment):
         """attempt raises a ValueError naming fragment, and the pool is as it was."""
-        before = pool_snapshot(pool)
+        before = support.pool_snapshot(pool)
         with self.assertRaises(ValueError) as caught:
             attempt()
         self.assertIn(fragment, str(caught.exception))
-        assert_equal(self, pool_snapshot(pool), before, "the pool")
+        assert_equal(self, support.pool_snapshot(pool), before, "the pool")
 
     def test_a_prefix_hit_shares_a_held_block_before_a_cached_one(self):
         """Two full blocks hold the same tokens, one cached (nobody holds it), one held:

@@ -5,15 +5,22 @@ import copy
 import unittest
 from unittest import mock
 
+import layers
 import model
 import prefill
+import support
 from instruments import plant, recording, replacing
 from kv_cache import KVCache, feed, forward_step, generate_cached
-import test_kv_cache
-from test_kv_cache import (OPENINGS, PARAMS, STORIES, TOK, UNCHANGED, assert_changed,
-                           assert_equal, assert_same_generation, assert_same_rows,
-                           cached_rows, filled_cache, setUpModule,
-                           snapshot, tearDownModule)   # the module set-up: run from elsewhere
+from support import (OPENINGS, PARAMS, STORIES, TOK, UNCHANGED, assert_changed,
+                     assert_equal, assert_same_generation, assert_same_rows, cached_rows,
+                     chunked_rows, filled_cache, snapshot)
+
+
+def setUpModule():
+    layers.set_up("prefill")   # skips if a layer under it is wrong; runs from elsewhere
+
+
+tearDownModule = support.tear_down
 
 
 def is_causal_slice(node):
@@ -22,19 +29,11 @@ def is_causal_slice(node):
             and isinstance(node.upper, ast.BinOp) and isinstance(node.upper.op, ast.Add))
 
 
-
 SQUARE_MASK = replacing(is_causal_slice, lambda node: ast.Slice(upper=ast.BinOp(
     ast.BinOp(node.upper.left, ast.Sub(), ast.Name("start", ast.Load())), ast.Add(),
     node.upper.right)))   # [:i + 1] becomes [:i - start + 1]
 NO_MASK = replacing(lambda node: isinstance(node, ast.Subscript) and is_causal_slice(node.slice),
                     lambda node: node.value)
-
-def chunked_rows(params, ids, size, cache=None):
-    """The logits of every position of ids, prefilled size tokens at a time, through a
-    new cache unless one is given."""
-    return prefill.prefill_in_chunks(params, KVCache(params) if cache is None else cache,
-                                      ids, size)
-
 
 class OnePassPrefill(unittest.TestCase):
     """Several new tokens in one call, the causal mask offset by what the cache holds."""
@@ -61,7 +60,7 @@ class OnePassPrefill(unittest.TestCase):
 
     def test_every_chunk_size_on_random_models(self):
         for index in (0, *range(5, 100, 10)):   # case 0 has a long prompt
-            params, prompt, _, label = test_kv_cache.RandomModels.case(index)
+            params, prompt, _, label = support.random_case(index)
             ids = TOK.encode(prompt)
             full, _ = model.forward(params, ids)
             for size in self.CHUNKS:

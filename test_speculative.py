@@ -5,16 +5,23 @@ import random
 import unittest
 from unittest import mock
 
+import layers
 import lossy
 import model
 import prefill
 import speculative
+import support
+from instruments import plant, recording, replacing
 from kv_cache import generate_cached
 from stories import split_stories, story_ids
-import test_kv_cache
-from instruments import plant, recording, replacing
-from test_kv_cache import (OPENINGS, PARAMS, TOK, assert_equal, check_every_case, filled_cache,
-                           random_cases, setUpModule, snapshot, tearDownModule)   # the module set-up: run from elsewhere
+from support import OPENINGS, PARAMS, TOK, assert_equal, filled_cache, snapshot
+
+
+def setUpModule():
+    layers.set_up("speculative")   # skips if a layer under it is wrong; runs from elsewhere
+
+
+tearDownModule = support.tear_down
 
 
 def is_rollback(node):
@@ -44,7 +51,7 @@ class Speculative(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        train, _, _ = split_stories(test_kv_cache.lab_file("corpus.txt"))
+        train, _, _ = split_stories(support.lab_file("corpus.txt"))
         cls.drafters = {"prompt lookup": speculative.PromptLookup(),
                         "training stories": speculative.NgramDrafter([TOK.encode(story)
                                                                   for story in train])}
@@ -192,8 +199,8 @@ class Drafters(unittest.TestCase):
             if snapshot(cache) != before:
                 return "the given cache changed"
             return None if result == expected else f"{prompt!r} {settings}: {result}"
-        check_every_case(self, ((f"case {n}", n) for n in range(random_cases(30))), check)
-        self.assertGreater(refused, 0)
+        if len(support.check_random_cases(self, 30, check)) >= 30:
+            self.assertGreater(refused, 0)   # some drafts were refused
 
     def test_drafters_refuse_bad_settings(self):
         for make, fragment in ((lambda: speculative.PromptLookup("3"), "longest must be"),

@@ -19,12 +19,22 @@ from unittest import mock
 import generate
 import kv_cache
 import model
+import support
 import trace_kv
+from generate import never_ending
 from instruments import largest_gap, recording, sums_in_another_order
 from kv_cache import generate_cached
-from test_kv_cache import (HERE, OPENINGS, PARAMS, STORIES, TOK, assert_changed,
-                           assert_same_rows, cached_rows, generation_difference, lab_file,
-                           never_ending, setUpModule, tearDownModule, where_rows_differ)
+from layers import skip_unless_sound
+from support import (HERE, OPENINGS, PARAMS, STORIES, TOK, assert_changed,
+                     assert_same_rows, cached_rows, generation_difference, lab_file,
+                     where_rows_differ)
+
+
+def setUpModule():
+    support.enter_another_folder()   # as a learner might run the commands
+
+
+tearDownModule = support.tear_down
 
 
 _RUN = {}   # the background run of the whole trace: its process and output files
@@ -62,6 +72,12 @@ class TheRecord(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
+        try:
+            skip_unless_sound("every Part")
+        except unittest.SkipTest:
+            if _RUN:
+                _RUN["process"].kill()   # its record would only repeat what the layer says
+            raise
         cls.record = _the_run()
 
     def test_every_claim_holds_in_this_run(self):
@@ -140,6 +156,7 @@ class RecordedFigures(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
+        skip_unless_sound("lesson")
         cls.record = json.loads(lab_file(trace_kv.TRACE))
 
     def test_cost_by_length_matches_instrumented_runs(self):

@@ -1,0 +1,282 @@
+"""The layers of the lab, for the tests: the lesson's cache first, then each Part on the
+layers it builds on (LAYERS), each with a quick check of its own, run at most once in a
+test run. A test module names its layer in its set-up (set_up): if a layer under it is
+wrong, its tests skip with one line naming that layer and the command that shows why, so
+that one mistake gives one verdict, from the layer it is in.
+"""
+import os
+import random
+import sys
+import tempfile
+import unittest
+from collections import namedtuple
+
+import kv_cache
+import model
+from kv_cache import KVCache, feed
+from support import (OPENINGS, PARAMS, STORIES, TOK, cached_rows, described,
+                     enter_another_folder, filled_cache, first_difference, snapshot,
+                     where_rows_differ)
+
+
+def _lesson():
+    """Every row of the first test story, fed through the cache, is model.forward's."""
+    return where_rows_differ(PARAMS, TOK.encode(STORIES[0]))
+
+
+def _differ(what, got, expected, source):
+    """None if got == expected, else the first number that differs, in a line."""
+    found = first_difference(got, expected)
+    return found and f"{what}, at {found[0]}: {found[1]} from {source}, {found[2]} expected"
+
+
+def _prefill():
+    """The first test story prefilled 3 tokens at a time gives forward_step's rows."""
+    import prefill
+    ids = TOK.encode(STORIES[0])
+    return _differ("the first test story prefilled in chunks of 3",
+                   prefill.prefill_in_chunks(PARAMS, KVCache(PARAMS), ids, 3),
+                   cached_rows(PARAMS, ids), "prefill")
+
+
+def where_sequence_differs(label, seq, reference):
+    """None if the paged sequence seq holds, position by position, what reference (a
+    KVCache fed the same tokens) holds, where its block table says: position p in block
+    table[p // block_size], slot p % block_size. Else one line naming the position, the
+    block and the slot, and what differs there."""
+    size = seq.pool.block_size
+    if seq.length != len(reference):
+        return f"{label} holds {seq.length} positions, where the reference holds {len(reference)}"
+    for position in range(len(reference)):
+        block_id, slot = seq.table[position // size], position % size
+        block = seq.pool.blocks[block_id]
+        where = f"{label}, position {position} (block {block_id}, slot {slot})"
+        if slot >= len(block.tokens):
+            return f"{where}: the block holds only {len(block.tokens)} positions"
+        for part in ("tokens", "keys", "values"):
+            if getattr(block, part)[slot] != getattr(reference, part)[position]:
+                return f"{where}: its {part[:-1]} is not the one a KVCache fed the same tokens holds"
+    return None
+
+
+def paged_scenario():
+    """Write a sequence, fork it, let both sides write, and find its prefix again from a
+    new sequence, all one forward_step at a time; None if every sequence holds what a
+    KVCache fed its tokens holds, else where_sequence_differs's line for the first that
+    does not (or the pool's refusal, which names the block and slot it guards)."""
+    import paged
+    ids = TOK.encode(OPENINGS[0] + " she was")
+    pool = paged.BlockPool(PARAMS, 16, 4)
+
+    def write(seq, tokens):
+        for token_id in tokens:
+            kv_cache.forward_step(PARAMS, seq, token_id, len(seq))
+    try:
+        parent = pool.sequence()
+        write(parent, ids[:10])                  # blocks of 4, 4 and 2 positions
+        fork = parent.copy()
+        write(fork, ids[10:12])                  # into the shared, partly filled block
+        write(parent, TOK.encode(" tom"))
+        found = pool.sequence(ids[:10])          # a prefix hit: the two full blocks
+        write(found, ids[len(found):10])
+    except ValueError as refused:                # the pool's own guards
+        return f"the pool refused: {refused}"
+    for label, seq, tokens in (("the parent", parent, ids[:10] + TOK.encode(" tom")),
+                               ("the fork", fork, ids[:12]), ("the prefix hit", found, ids[:10])):
+        why = where_sequence_differs(label, seq, filled_cache(tokens))
+        if why:
+            return why
+    return None
+
+
+def _lossy():
+    """A float64 QuantizedCache gives forward_step's rows; a WindowCache, those of the
+    full pass with its band mask."""
+    import lossy
+    ids = TOK.encode(STORIES[0])
+    return (_differ("a float64 QuantizedCache on the first test story",
+                    feed(PARAMS, lossy.QuantizedCache(PARAMS, "float64"), ids),
+                    cached_rows(PARAMS, ids), "the cache")
+            or _differ("WindowCache(params, 8, 2) on the first test story",
+                       feed(PARAMS, lossy.WindowCache(PARAMS, 8, 2), ids),
+                       model.forward(PARAMS, ids, model.band(8, 2))[0], "the cache"))
+
+
+def in_batches(params, caches, ids, product=None, seed=0):
+    """Feed each cache its ids through batched.forward_rows, in steps that mix, at random
+    from seed, a chunk of one cache's next tokens with one next token of each other
+    cache: the rows of each cache, in position order."""
+    import batched
+    rng = random.Random(seed)
+    rows = [[] for _ in caches]
+    while any(len(cache) < len(own) for cache, own in zip(caches, ids)):
+        items, owners = [], []
+        for index, (cache, own) in enumerate(zip(caches, ids)):
+            count = min(rng.choice((0, 1, 1, 3)), len(own) - len(cache))
+            for position in range(len(cache), len(cache) + count):
+                items.append((cache, own[position], position))
+                owners.append(index)
+        if items:
+            for index, logits in zip(owners, batched.forward_rows(
+                    params, items, product or batched.exact)):
+                rows[index].append(logits)
+    return rows
+
+
+def where_batches_differ(params, caches, ids, seed=0):
+    """None if each cache's rows, fed in_batches, are forward_step's, else (in one line)
+    the first number that differs, or why forward_rows refused."""
+    try:
+        rows = in_batches(params, caches, ids, seed=seed)
+    except ValueError as refused:
+        return f"forward_rows refused: {refused}"
+    for index, (got, own) in enumerate(zip(rows, ids)):
+        why = _differ(f"sequence {index}", got, feed(params, KVCache(params), own), "forward_rows")
+        if why:
+            return why
+    return None
+
+
+def _batched():
+    """Three test stories fed in mixed batches give forward_step's rows."""
+    ids = [TOK.encode(story) for story in STORIES[:3]]
+    return where_batches_differ(PARAMS, [KVCache(PARAMS) for _ in ids], ids)
+
+
+def _serving():
+    """Four requests served from a pool that preempts give generate_cached's results."""
+    import paged
+    import serving
+    requests = [{"prompt": prompt, "max_new_tokens": 12} for prompt in OPENINGS[:3]] + [
+        {"prompt": OPENINGS[3], "max_new_tokens": 12, "temperature": 1.0, "seed": 3}]
+    served, counts = serving.serve(PARAMS, TOK, requests, paged.BlockPool(PARAMS, 14, 4), 4)
+    for index, (request, result) in enumerate(zip(requests, served)):
+        if result != kv_cache.generate_cached(PARAMS, TOK, **request):
+            return (f"request {index} ({request}) came back as {result['text']!r}, not "
+                    f"generate's (with {counts['preemptions']} preemptions)")
+    return None
+
+
+def _speculative():
+    """Speculative decoding of one opening, greedy and sampled, gives generate_cached's."""
+    import speculative
+    for settings in ({}, {"temperature": 1.0, "seed": 1}):
+        got = speculative.generate_speculative(PARAMS, TOK, OPENINGS[0], max_new_tokens=16,
+                                               **settings)
+        if got != kv_cache.generate_cached(PARAMS, TOK, OPENINGS[0], max_new_tokens=16,
+                                           **settings):
+            return f"generate_speculative({OPENINGS[0]!r}, {settings}) gave {got['text']!r}"
+    return None
+
+
+def _cache_files():
+    """A cache saved to a file loads as the very cache."""
+    import cache_files
+    cache = filled_cache(TOK.encode(STORIES[0]))
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "cache.json")
+        cache_files.save_cache(cache, path)
+        loaded = cache_files.load_cache(PARAMS, path)
+    return _differ("a saved and loaded cache (length, tokens, keys, values)",
+                   snapshot(loaded), snapshot(cache), "the file")
+
+
+def where_deep_rows_differ(params, ids, mask=None):
+    """None if every row of a deep_model fed through its cache equals its full pass's,
+    else where they first differ, in a line."""
+    import deep_model
+    mask = mask or deep_model.causal
+    cache = deep_model.DeepCache(params, mask)
+    rows = [deep_model.forward_step(params, cache, token_id, position)
+            for position, token_id in enumerate(ids)]
+    return _differ("the cached rows", rows, deep_model.forward(params, ids, mask), "the cache")
+
+
+def _deep_model():
+    """Two layers of grouped-query attention, learned and rotary: cached rows == full."""
+    import deep_model
+    ids = TOK.encode(STORIES[0])[:12]
+    for positions in ("learned", "rotary"):
+        why = where_deep_rows_differ(deep_model.init_params(2, 4, 2, 16, 0, positions), ids)
+        if why:
+            return f"a 2-layer grouped-query model with {positions} positions: {why}"
+    return None
+
+
+Layer = namedtuple("Layer", "title builds_on command check")
+Layer.__doc__ = """One layer of the lab: what it is, the layers it builds on, the command
+that shows why it is wrong, and its quick check (None if it holds, else why not, in a
+line), or None for a layer with no check of its own."""
+
+LAYERS = {
+    "lesson": Layer("the lesson (kv_cache.forward_step against model.forward)", (),
+                    "python3 -m unittest test_kv_cache.Exactness", _lesson),
+    "prefill": Layer("one-pass prefill (prefill.py)", ("lesson",),
+                     "python3 -m unittest test_prefill", _prefill),
+    "paged": Layer("the paged cache (paged.py)", ("lesson",),
+                   "python3 -m unittest test_paged", paged_scenario),
+    "lossy": Layer("the lossy caches (lossy.py)", ("lesson",),
+                   "python3 -m unittest test_lossy", _lossy),
+    "batched": Layer("batched rows (batched.py)", ("lesson", "paged"),
+                     "python3 -m unittest test_batched", _batched),
+    "serving": Layer("serving (serving.py)", ("prefill", "paged", "batched"),
+                     "python3 -m unittest test_serving", _serving),
+    "speculative": Layer("speculative decoding (speculative.py)", ("prefill",),
+                         "python3 -m unittest test_speculative", _speculative),
+    "cache_files": Layer("cache files (cache_files.py)", ("lesson", "paged"),
+                         "python3 -m unittest test_cache_files", _cache_files),
+    "deep_model": Layer("the deeper model (deep_model.py)", (),
+                        "python3 -m unittest test_deep_model", _deep_model),
+    "context_shift": Layer("the context shift (context_shift.py)", ("deep_model",),
+                           "python3 -m unittest test_context_shift", None),
+}
+LAYERS["every Part"] = Layer("every Part", tuple(LAYERS), "python3 -m unittest", None)
+
+_verdicts, _told = {}, set()
+
+
+def verdict(name):
+    """None if layer name's own check holds, else why not (checked once in a run)."""
+    if name not in _verdicts:
+        check = LAYERS[name].check
+        _verdicts[name] = check and described(check)
+    return _verdicts[name]
+
+
+def wrong_below(name):
+    """The first layer under name (foundations first) whose check fails, or None."""
+    for below in LAYERS[name].builds_on:
+        found = wrong_below(below) or (below if verdict(below) else None)
+        if found:
+            return found
+    return None
+
+
+def _wait_for(wrong):
+    """Skip, since layer wrong fails its check; the first time, say so on stderr, in one
+    line (unittest shows the reasons of skips only with -v)."""
+    layer = LAYERS[wrong]
+    reason = f"{layer.title} is wrong, so the tests built on it skip; {layer.command} shows why"
+    if wrong not in _told:
+        _told.add(wrong)
+        print(f"\n{reason}: {verdict(wrong)}", file=sys.stderr)
+    raise unittest.SkipTest(reason)
+
+
+def skip_unless_sound(name):
+    """For the tests built on layer name: skip unless it and every layer under it hold."""
+    wrong = wrong_below(name) or (name if verdict(name) else None)
+    if wrong:
+        _wait_for(wrong)
+
+
+def set_up(name):
+    """A layer's own test module's set-up: skip if a layer under it is wrong; fail, with
+    the layer's own verdict in one line, if it is; then run from another folder, as a
+    learner might run the commands."""
+    wrong = wrong_below(name)
+    if wrong:
+        _wait_for(wrong)
+    if verdict(name):
+        raise AssertionError(f"{LAYERS[name].title} is wrong: {verdict(name)}")
+    enter_another_folder()

@@ -1,0 +1,372 @@
+"""What the test modules share, as CPython's test.support does: the trained model and the
+test stories; comparisons that name the first number that differs instead of printing
+thousands; loops over many cases that fail once, naming the case (a random one by its
+seed, with the command that reruns it alone); and running from another folder. The
+layers of the lab, and the skips they decide, are layers.py's. No test module imports
+another; they import these two.
+"""
+import contextlib
+import math
+import os
+import random
+import sys
+import tempfile
+import traceback
+import unittest
+
+import kv_cache
+import model
+from generate import load_trained, never_ending
+from instruments import recording
+from kv_cache import KVCache, feed
+from stories import openings, split_stories, story_ids
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PARAMS, TOK = load_trained()
+with open(os.path.join(HERE, "corpus.txt"), encoding="utf-8") as _corpus:
+    STORIES = split_stories(_corpus.read())[2]
+OPENINGS = openings(STORIES)
+
+
+def lab_file(name):
+    """The text of one of the lab's files."""
+    with open(os.path.join(HERE, name), encoding="utf-8") as f:
+        return f.read()
+
+
+# ---- comparisons that name one number -----------------------------------------------
+
+def filled_cache(ids, params=PARAMS):
+    """A new cache holding the keys and values of ids."""
+    cache = KVCache(params)
+    feed(params, cache, ids)
+    return cache
+
+
+def cached_rows(params, ids):
+    """The logits of every position of ids, fed one at a time through a new cache."""
+    return feed(params, KVCache(params), ids)
+
+
+def chunked_rows(params, ids, size, cache=None):
+    """The logits of every position of ids, prefilled size tokens at a time, through a
+    new cache unless one is given."""
+    import prefill
+    return prefill.prefill_in_chunks(params, KVCache(params) if cache is None else cache,
+                                     ids, size)
+
+
+def snapshot(cache):
+    """What a cache holds: its length, tokens, keys and values (copies)."""
+    return (len(cache), list(cache.tokens), [list(k) for k in cache.keys],
+            [list(v) for v in cache.values])
+
+
+def pool_snapshot(pool):
+    """What a pool holds: each block's positions, count and index key, the prefix index,
+    the free list in order, and the counts of hits and evictions."""
+    return ([(b.tokens, b.keys, b.values, b.ref_count, b.prefix) for b in pool.blocks],
+            {key: list(ids) for key, ids in pool.prefix_index.items()}, list(pool.free_list),
+            pool.prefix_hits, pool.evictions)
+
+
+def first_difference(got, expected, where=""):
+    """Where two nested lists (or tuples, numbers) first differ, as (where, got, expected)
+    in a few words ("[3][5]", "0.25", "0.5"), or None if they are equal."""
+    if isinstance(got, (list, tuple)) and isinstance(expected, (list, tuple)):
+        if len(got) != len(expected):
+            return where or "the lists", f"{len(got)} items", f"{len(expected)} items"
+        for index, (a, b) in enumerate(zip(got, expected)):
+            found = first_difference(a, b, f"{where}[{index}]")
+            if found:
+                return found
+        return None
+    if got != expected:
+        return where or "the value", str(got)[:80], str(expected)[:80]
+    return None
+
+
+def assert_equal(test, got, expected, what):
+    """assertEqual that names the first differing number instead of printing both sides."""
+    if got == expected:
+        return                # == first: looking for the difference is for a failure
+    found = first_difference(got, expected)
+    if found:
+        test.fail(f"{what} differ at {found[0]}: {found[1]} != {found[2]}")
+
+
+def assert_same_rows(test, rows, expected, what="rows"):
+    """rows == expected, or a failure naming the first number that differs."""
+    assert_equal(test, rows, expected, what)
+
+
+def assert_changed(test, got, unchanged, what):
+    """assertNotEqual that does not print both sides when they are equal."""
+    if got == unchanged:
+        test.fail(f"{what}: nothing changed, but a difference was expected")
+
+
+# ---- the lesson's row, value by value -----------------------------------------------
+
+# The values of one position's row, in the order the README's section 5 computes them.
+ROW = ("x0", "h1", "q", "k", "v", "scores", "weights", "mixed", "x1", "h2", "a", "x2", "hf",
+       "logits")
+
+
+@contextlib.contextmanager
+def locals_of(function):
+    """For a failure message only: inside this block, every call of function is recorded
+    as it ends, as a dict of its local variables and "returned". It names the row's values
+    as the function spells them, so a value renamed by an edit is left out of the message
+    (no test depends on the spelling). sys.settrace watches; the function is unchanged."""
+    code, calls = function.__code__, []
+
+    def on_return(frame, event, returned):
+        if event == "return":
+            calls.append(dict(frame.f_locals, returned=returned))
+        return on_return
+
+    def on_call(frame, event, arg):
+        return on_return if frame.f_code is code else None
+    previous = sys.gettrace()
+    sys.settrace(on_call)
+    try:
+        yield calls
+    finally:
+        sys.settrace(previous)
+
+
+def where_rows_differ(params, ids):
+    """None if every position of ids fed through a new cache gives the very values of
+    model.forward's row; else one line naming the first position and the first value of
+    its row (x0, h1, q, ..., logits) that differs, with both numbers."""
+    with recording(model, "softmax_row") as scores:   # the full pass: once per position
+        logits, saved = model.forward(params, ids)
+    if cached_rows(params, ids) == logits:
+        return None
+    full = [{name: getattr(saved, name)[i] for name in saved._fields} for i in range(len(ids))]
+    for i, row in enumerate(full):
+        row["logits"] = logits[i]
+        if len(scores) == len(ids):   # not when model.forward is a planted copy
+            row["scores"] = scores[i].args[0]
+    with locals_of(kv_cache.forward_step) as steps:
+        feed(params, KVCache(params), ids)
+    for position, (step, wanted) in enumerate(zip(steps, full)):
+        step = dict(step, logits=step["returned"])
+        equal = []
+        for name in ROW:
+            if name not in step or name not in wanted:
+                continue      # a value one of the two functions does not name
+            found = first_difference(step[name], wanted[name], name)
+            if found:
+                same = (f"; {', '.join(equal[:-1])} and {equal[-1]} are equal"
+                        if len(equal) > 1 else f"; {equal[0]} is equal" if equal else "")
+                return (f"position {position} ({TOK.vocab[ids[position]]!r}): the first value "
+                        f"of the row that differs is {found[0]}: {found[1]} in forward_step, "
+                        f"{found[2]} in model.forward{same}")
+            equal.append(name)
+    return "the rows differ"
+
+
+def assert_every_row_equal(test, params, ids, label="the input"):
+    """The lab's comparison: every row fed through a new cache == model.forward's row;
+    a failure names the position and the first value of its row that differs."""
+    why = described(where_rows_differ, params, ids)
+    if why:
+        test.fail(f"{label}: {why}")
+
+
+def generation_difference(params, prompt, settings, cached, uncached):
+    """Why a cached generator gave another result than generate, in a few lines: where
+    the two stories part, and the first value of a row that differs."""
+    for index, (mine, theirs) in enumerate(zip(cached["steps"], uncached["steps"])):
+        if mine != theirs:
+            how = (f"new token {index + 1} is {mine['token']!r} (probability "
+                   f"{mine['probability']}) where generate chose {theirs['token']!r} "
+                   f"({theirs['probability']})")
+            break
+    else:
+        how = (f"the cached generator stopped at another point: after "
+               f"{len(cached['steps'])} new tokens ({cached['stopped']}), where generate "
+               f"stopped after {len(uncached['steps'])} ({uncached['stopped']})")
+    rows = described(where_rows_differ, params, story_ids(TOK, prompt, uncached))
+    why = f"because at {rows}" if rows else ("every row is equal, so the difference is in "
+                                             "how the tokens were chosen")
+    return f"generate_cached({prompt!r}, {settings}) differs from generate: {how},\n{why}"
+
+
+def assert_same_generation(test, params, prompt, settings, generator=None, uncached=None,
+                           **cached_only):
+    """kv_cache.generate_cached(...) (or another generator) == generate(...) for these
+    settings (uncached: generate's result, if already at hand), or a failure saying where
+    the stories part and which value of which row differs."""
+    import generate
+    uncached = uncached or generate.generate(params, TOK, prompt, **settings)
+    generator = generator or kv_cache.generate_cached   # looked up now: a test may patch it
+    cached = generator(params, TOK, prompt, **settings, **cached_only)
+    if cached != uncached:
+        test.fail(generation_difference(params, prompt, settings, cached, uncached))
+    return cached
+
+
+# ---- many cases, one failure --------------------------------------------------------
+
+def described(check, *args):
+    """check(*args): None, or why it fails in a line; an exception it raises (but a
+    skip) is a failure too, named with the line of the lab's code that raised it."""
+    try:
+        return check(*args)
+    except unittest.SkipTest:
+        raise
+    except Exception as e:   # a planted mistake may raise anything
+        frames = [f for f in traceback.extract_tb(e.__traceback__)
+                  if os.path.dirname(os.path.abspath(f.filename)) == HERE
+                  and not os.path.basename(f.filename).startswith(("test_", "support"))]
+        where = (f" (in {os.path.basename(frames[-1].filename)}, line {frames[-1].lineno}, "
+                 f"{frames[-1].name})" if frames else "")
+        return f"raised {type(e).__name__}: {e}{where}"
+
+
+def check_every_case(test, cases, check):
+    """Run check(case) on every (label, case) in cases (it returns None, or why the case
+    fails) and fail once, naming the first failing case and how many failed."""
+    failed, first, count = 0, None, 0
+    for label, case in cases:
+        count += 1
+        why = described(check, case)
+        if why:
+            failed += 1
+            first = first or f"{label}: {why}"
+    if failed:
+        test.fail(f"{failed} of {count} cases fail; the first, {first}")
+
+
+def _whole_number(name, least):
+    raw = os.environ.get(name)
+    if raw is None:
+        return None
+    if not raw.strip().isdigit() or int(raw) < least:
+        raise ValueError(f"{name} must be a whole number, at least {least}, got {raw!r}")
+    return int(raw)
+
+
+def case_numbers(default):
+    """The cases a seeded random test runs: 0 to default - 1, or as many as
+    KV_LAB_RANDOM_CASES asks for, if more; only case n if KV_LAB_CASE=n."""
+    alone = _whole_number("KV_LAB_CASE", 0)
+    if alone is not None:
+        return [alone]
+    return range(max(default, _whole_number("KV_LAB_RANDOM_CASES", 1) or 0))
+
+
+def check_random_cases(test, default, check):
+    """check(n) for every case number of case_numbers(default) (case n draws all it needs
+    from random.Random(n); check returns None or why it fails); the numbers it ran. Fails
+    once, naming the first failing case, how many failed, and the command that reruns
+    that case alone."""
+    numbers = case_numbers(default)
+    failed = [(n, why) for n in numbers for why in [described(check, n)] if why]
+    if failed:
+        n, why = failed[0]
+        test.fail(f"{len(failed)} of {len(numbers)} random cases fail; the first, case {n} "
+                  f"(drawn from random.Random({n})): {why}\n"
+                  f"rerun it alone: KV_LAB_CASE={n} python3 -m unittest {test.id()}")
+    return numbers
+
+
+# ---- random models of the lab's shapes ------------------------------------------------
+
+SCALES = (0.1, 0.3, 1.0, 2.0, 5.0)          # weight matrices and biases
+EMBEDDING_SCALES = (0.1, 1.0, 5.0)
+TEMPERATURES = (0.0, 0.3, 1.0, 2.5)         # 0.0 is greedy
+TOP_KS = (1, 2, 3, 10, model.VOCAB_SIZE, None)
+LONG_EVERY = 20         # cases 0, 20, 40, ...: a long prompt, run until the context is full
+
+
+def random_model(rng, scale, embedding_scale):
+    """Params of the lab's shapes: matrices uniform with std scale / sqrt(inputs),
+    embeddings with std embedding_scale, layer-norm gains uniform in [-3, 3] and biases
+    uniform in [-scale, scale]."""
+    def matrix(rows, cols, std):
+        half_width = std * math.sqrt(3)   # a uniform on [-w, w] has std w / sqrt(3)
+        return [[rng.uniform(-half_width, half_width) for _ in range(cols)]
+                for _ in range(rows)]
+    params = {}
+    for name, shape in model.SHAPES.items():
+        if name.endswith("_emb"):
+            params[name] = matrix(*shape, embedding_scale)
+        elif len(shape) == 2:
+            params[name] = matrix(*shape, scale / math.sqrt(shape[0]))
+        elif name.endswith("_g"):
+            params[name] = [rng.uniform(-3.0, 3.0) for _ in range(shape[0])]
+        else:
+            params[name] = [rng.uniform(-scale, scale) for _ in range(shape[0])]
+    return params
+
+
+def random_prompt(rng, fewest, most):
+    """The text of random token IDs, re-drawn until it encodes to fewest..most tokens
+    (encoding the decoded text may merge the pieces differently: only its text counts)
+    and holds a letter (generate refuses a prompt without one)."""
+    while True:
+        ids = [rng.randrange(model.VOCAB_SIZE) for _ in range(rng.randint(fewest, most))]
+        prompt = TOK.decode(ids)
+        if fewest <= len(TOK.encode(prompt)) <= most and any(map(str.isalpha, prompt)):
+            return prompt
+
+
+def random_case(index):
+    """Random case index, all drawn from random.Random(index): (params, prompt, settings
+    for generate, a label naming the case)."""
+    rng = random.Random(index)
+    scale, embedding_scale = rng.choice(SCALES), rng.choice(EMBEDDING_SCALES)
+    params = random_model(rng, scale, embedding_scale)
+    long = index % LONG_EVERY == 0
+    if long:
+        params = never_ending(params, TOK)
+        prompt = random_prompt(rng, 50, 60)
+    else:
+        prompt = random_prompt(rng, 1, 12)
+    settings = {"max_new_tokens": model.CONTEXT if long else rng.randint(0, 8),
+                "temperature": rng.choice(TEMPERATURES),
+                "top_k": rng.choice(TOP_KS), "seed": rng.randrange(2 ** 32)}
+    label = {"case": index, "scale": scale, "embedding_scale": embedding_scale,
+             "never_ends": long, "prompt_tokens": len(TOK.encode(prompt)), **settings}
+    return params, prompt, settings, label
+
+
+UNCHANGED = lambda tree: 1   # a planting for instruments.plant: the real function, compiled again
+
+
+def assert_each_mistake_is_caught(test, module, name, mistakes, difference):
+    """Plant each of mistakes (what it is -> a planting for instruments.plant) in turn in
+    the real module.name, and assert that difference(), None when nothing differs, finds
+    one while it stands; a mistake whose planting site an edit removed is skipped, named."""
+    from unittest import mock
+    from instruments import plant
+    for mistake, planting in mistakes.items():
+        planted = plant(module, name, planting)
+        with test.subTest(mistake=mistake):
+            if planted is None:
+                test.skipTest(f"the planting site of {mistake!r} is gone from "
+                              f"{module.__name__}.{name}")
+            with mock.patch.object(module, name, planted):
+                test.assertIsNotNone(described(difference))
+
+
+# ---- another folder -------------------------------------------------------------
+
+_elsewhere = []
+
+
+def enter_another_folder():
+    """Run the tests from now on from a new temporary folder, not the lab's."""
+    _elsewhere.append(tempfile.TemporaryDirectory())
+    os.chdir(_elsewhere[-1].name)
+
+
+def tear_down():
+    """A module's tear-down after enter_another_folder (or layers.set_up): back to the
+    lab's folder."""
+    os.chdir(HERE)
+    _elsewhere.pop().cleanup()
