@@ -6,15 +6,18 @@ returned) while the real function runs as usual; replaced(module, name, stand_in
 for a while; largest_gap compares two lists of rows; sums_in_another_order makes every sum
 of the model a plain left-to-right one, last term first; plant(owner, name, mistake)
 compiles a function of the lab again from its real source with a mistake planted in its
-syntax tree, which is how the tests show they have teeth.
+syntax tree, which is how the tests show they have teeth; where_raised names the lines
+of the lab an exception came through, for a message of one line.
 """
 import ast
 import contextlib
 import functools
 import inspect
 import operator
+import os
 import sys
 import textwrap
+import traceback
 import types
 from collections import namedtuple
 
@@ -137,3 +140,17 @@ def replacing(matches, replacement):
         Planter().visit(tree)
         return changed
     return mistake
+
+
+LAB = os.path.dirname(os.path.abspath(__file__))
+
+
+def where_raised(error):
+    """The last three lines of the lab's own modules (not its tests) that an exception
+    came through, as " (in serving.py line 136, admit; ...)", or "" if none."""
+    frames = [f"{os.path.basename(frame.filename)} line {frame.lineno}, {frame.name}"
+              for frame in traceback.extract_tb(error.__traceback__)
+              if os.path.dirname(os.path.abspath(frame.filename)) == LAB
+              and not os.path.basename(frame.filename).startswith(("test_", "support",
+                                                                   "layers"))]
+    return f" (in {'; '.join(frames[-3:])})" if frames else ""

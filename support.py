@@ -11,13 +11,12 @@ import os
 import random
 import sys
 import tempfile
-import traceback
 import unittest
 
 import kv_cache
 import model
 from generate import load_trained, never_ending
-from instruments import recording
+from instruments import recording, where_raised
 from kv_cache import KVCache, feed
 from stories import openings, split_stories, story_ids
 
@@ -213,18 +212,13 @@ def assert_same_generation(test, params, prompt, settings, generator=None, uncac
 
 def described(check, *args):
     """check(*args): None, or why it fails in a line; an exception it raises (but a
-    skip) is a failure too, named with the line of the lab's code that raised it."""
+    skip) is a failure too, named with the lines of the lab's code it came through."""
     try:
         return check(*args)
     except unittest.SkipTest:
         raise
     except Exception as e:   # a planted mistake may raise anything
-        frames = [f for f in traceback.extract_tb(e.__traceback__)
-                  if os.path.dirname(os.path.abspath(f.filename)) == HERE
-                  and not os.path.basename(f.filename).startswith(("test_", "support"))]
-        where = (f" (in {os.path.basename(frames[-1].filename)}, line {frames[-1].lineno}, "
-                 f"{frames[-1].name})" if frames else "")
-        return f"raised {type(e).__name__}: {e}{where}"
+        return f"raised {type(e).__name__}: {e}{where_raised(e)}"
 
 
 def check_every_case(test, cases, check):

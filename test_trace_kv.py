@@ -201,6 +201,22 @@ class RecordedFigures(unittest.TestCase):
         assert_same_rows(self, cached_rows(PARAMS, ids), full)
 
 
+class FailingStage(unittest.TestCase):
+
+    def test_a_stage_that_raises_is_named_with_its_part_and_where_it_raised(self):
+        def broken(lab):
+            return model.check_int("chunk size", 0, 1)
+        stages = tuple(stage._replace(function=broken) if stage.name == "sums_in_another_order"
+                       else stage for stage in trace_kv.STAGES)
+        with mock.patch.object(trace_kv, "STAGES", stages), \
+                self.assertRaises(trace_kv.StageFailed) as failed:
+            trace_kv.run(workers=1, stories=1, parts=1)
+        self.assertRegex(str(failed.exception),
+                         r"^stage sums_in_another_order \(Part 1\) failed: ValueError: chunk "
+                         r"size must be an int >= 1, got 0 \(in .*model\.py line \d+, "
+                         r"check_int\)$")
+
+
 class RecordFiles(unittest.TestCase):
 
     def test_a_failed_write_keeps_the_previous_records_and_leaves_no_temporary_file(self):

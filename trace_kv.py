@@ -37,7 +37,7 @@ import serving
 import speculative
 from checkpoint import LAB, add_folder_flag, positive_int, run_command, write_atomically
 from generate import generate, load_trained, never_ending
-from instruments import replaced
+from instruments import replaced, where_raised
 from kv_cache import KVCache, feed, generate_cached, work   # trace_kv.work: the contract
 from stories import openings, split_stories, story_ids
 
@@ -132,11 +132,20 @@ def run(full_timing=False, folder=LAB, progress=None, workers=None, stories=None
     return record, timing
 
 
+class StageFailed(Exception):
+    """A stage that raised, named: its name, its Part, the error and where it came from."""
+
+
 def _stage(name, case, needs):
     """Run one stage (one case of it) in this process, on this process's lab."""
     stage = next(stage for stage in STAGES if stage.name == name)
     cases = () if stage.cases is None else (case,)
-    return stage.function(_LAB, *cases, *needs)
+    try:
+        return stage.function(_LAB, *cases, *needs)
+    except Exception as e:   # a mistake in a Part may raise anything: name its stage
+        raise StageFailed(f"stage {name} (Part {stage.part}"
+                          f"{'' if case is None else f', case {case}'}) failed: "
+                          f"{type(e).__name__}: {e}{where_raised(e)}") from None
 
 
 _LAB = None   # what every stage reads, loaded once in each process by _load
@@ -388,7 +397,7 @@ def main(argv=None):
               file=sys.stderr)
         record, timing = run(args.write, args.folder, show_progress, args.workers,
                              parts=args.part)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, StageFailed) as e:
         sys.exit(f"trace_kv.py: error: {e}")
     print(_dumps(record) if args.json else summary(record, timing), end="")
     if args.write:

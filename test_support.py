@@ -1,0 +1,106 @@
+"""The tests' own frame (support.py, layers.py): a failing case names itself and the
+command that reruns it alone; an exception in a case names the lab's lines it came
+through; a layer whose check fails makes the layers built on it skip, saying which."""
+import io
+import os
+import unittest
+from contextlib import redirect_stderr
+from unittest import mock
+
+import layers
+import support
+from layers import Layer
+
+REAL_LAYERS = layers.LAYERS   # before the tests below put made-up ones in its place
+
+
+class Cases(unittest.TestCase):
+
+    def failure_of(self, run):
+        """The message of the failure run(test) gives a throwaway test."""
+        test = unittest.FunctionTestCase(lambda: None)
+        self.test_id = test.id()
+        with self.assertRaises(AssertionError) as failed:
+            run(test)
+        return str(failed.exception)
+
+    def test_a_failing_random_case_names_its_seed_and_the_command_that_reruns_it(self):
+        with mock.patch.dict(os.environ):
+            for name in ("KV_LAB_CASE", "KV_LAB_RANDOM_CASES"):
+                os.environ.pop(name, None)
+            message = self.failure_of(lambda test: support.check_random_cases(
+                test, 10, lambda n: f"odd number {n}" if n % 2 else None))
+        self.assertEqual(message.splitlines(), [
+            "5 of 10 random cases fail; the first, case 1 (drawn from random.Random(1)): "
+            "odd number 1",
+            "rerun it alone: KV_LAB_CASE=1 python3 -m unittest " + self.test_id])
+        with mock.patch.dict(os.environ, {"KV_LAB_CASE": "7"}):
+            message = self.failure_of(lambda test: support.check_random_cases(
+                test, 10, lambda n: f"odd number {n}" if n % 2 else None))
+        self.assertIn("1 of 1 random cases fail; the first, case 7", message)
+
+    def test_an_exception_in_a_case_is_its_failure_naming_the_lab_s_lines(self):
+        import model
+        why = support.described(model.check_int, "blocks", 0, 1)
+        self.assertRegex(why, r"^raised ValueError: blocks must be an int >= 1, got 0 "
+                              r"\(in model\.py line \d+, check_int\)$")
+        message = self.failure_of(lambda test: support.check_every_case(
+            test, [("first", 1), ("second", 0)], lambda n: 1 / n and None))
+        self.assertEqual(message, "1 of 2 cases fail; the first, second: raised "
+                                  "ZeroDivisionError: division by zero")
+
+
+class Layers(unittest.TestCase):
+    """Made-up layers: a foundation whose check fails, one built on it, one beside it."""
+
+    FAKE = {"ground": Layer("the ground", (), "python3 -m unittest test_ground",
+                            lambda: "it cracked"),
+            "house": Layer("the house", ("ground",), "python3 -m unittest test_house",
+                           lambda: None),
+            "shed": Layer("the shed", (), "python3 -m unittest test_shed", lambda: None)}
+
+    def setUp(self):
+        patches = [mock.patch.object(layers, "LAYERS", self.FAKE),
+                   mock.patch.object(layers, "_verdicts", {}),
+                   mock.patch.object(layers, "_told", set())]
+        for patch in patches:
+            patch.start()
+            self.addCleanup(patch.stop)
+
+    def test_what_is_built_on_a_wrong_layer_skips_and_says_so_once(self):
+        said = io.StringIO()
+        with redirect_stderr(said):
+            for _ in range(2):
+                with self.assertRaises(unittest.SkipTest) as skipped:
+                    layers.set_up("house")
+                self.assertEqual(str(skipped.exception),
+                                 "the ground is wrong, so the tests built on it skip; "
+                                 "python3 -m unittest test_ground shows why")
+        self.assertEqual(said.getvalue(), "\nthe ground is wrong, so the tests built on it "
+                                          "skip; python3 -m unittest test_ground shows why: "
+                                          "it cracked\n")
+
+    def test_a_wrong_layer_s_own_module_fails_with_its_verdict(self):
+        with self.assertRaises(AssertionError) as failed:
+            layers.set_up("ground")
+        self.assertEqual(str(failed.exception), "the ground is wrong: it cracked")
+
+    def test_a_sound_layer_runs_from_another_folder(self):
+        layers.set_up("shed")
+        self.addCleanup(support.tear_down)
+        self.assertNotEqual(os.getcwd(), support.HERE)
+
+    def test_each_layer_of_the_lab_builds_on_earlier_ones_and_names_its_tests(self):
+        """(Each layer's check itself runs in its module's set-up.)"""
+        earlier = []
+        for name, layer in REAL_LAYERS.items():
+            with self.subTest(layer=name):
+                self.assertLessEqual(set(layer.builds_on), set(earlier))
+                module = layer.command.split()[-1].split(".")[0]
+                self.assertTrue(module == "unittest" or os.path.exists(
+                    os.path.join(support.HERE, module + ".py")), layer.command)
+            earlier.append(name)
+
+
+if __name__ == "__main__":
+    unittest.main()
