@@ -1,0 +1,406 @@
+"""The README's figures, written from the record, so that each lives in one place: the
+record (kv-trace.json, and kv-time.json for times). python3 trace_kv.py --write rewrites
+them along with the two files, on any machine; test_readme checks them all in one loop.
+
+The README marks each figure it quotes from the record, in comments a reader does not see:
+
+    <!--fig PATH-->20,509<!--/-->      one figure, the entry PATH of the record
+    <!--block NAME-->                   on a line of its own: the lines after it, up to
+    | ... |                             the next blank line, are BLOCKS[NAME]'s (a table,
+                                        a text block or a diagram)
+
+PATH is the record's keys joined by dots (kv-trace.json's; time.KEY for kv-time.json's;
+derived.NAME for one of DERIVED, a figure computed from several); an item of a list is
+picked by its number or by its fields (rungs.cache=int4, runs.drafter=x&lookahead=4).
+PATH:SPEC formats the figure with that format spec; without one, an int gets its thousands
+separated (20,509), a float 4 significant digits (0.0 as 0.0), a bool yes or no.
+"""
+import ast
+import difflib
+import inspect
+import os
+import re
+
+import checkpoint
+import kv_cache
+import model
+import paged
+import serving
+
+README = "README.md"
+FIGURE = re.compile(r"<!--fig ([^>]*?)-->(.*?)<!--/-->", re.S)
+BLOCK = re.compile(r"^<!--block (\w+)-->\n(.*?)(?=^$)", re.M | re.S)
+
+
+def shown(figure, spec=""):
+    """A figure as the README prints it (see the module's docstring)."""
+    if spec:
+        return format(figure, spec)
+    if isinstance(figure, bool):
+        return "yes" if figure else "no"
+    if isinstance(figure, int):
+        return f"{figure:,}"
+    if isinstance(figure, float):
+        return "0.0" if figure == 0 else f"{figure:.4g}"
+    return "—" if figure is None else str(figure)
+
+
+def entry(path, record, timing):
+    """The value at PATH (without its :SPEC) in the record, the timing, or DERIVED."""
+    root, _, rest = path.partition(".")
+    if root == "derived":
+        return DERIVED[rest](record, timing)
+    value, keys = (timing, rest.split(".")) if root == "time" else (record, path.split("."))
+    for key in keys:
+        if isinstance(value, list):
+            wanted = dict(pair.split("=", 1) for pair in key.split("&")) if "=" in key else None
+            matches = ([item for item in value if all(str(item.get(field)) == text
+                                                      for field, text in wanted.items())]
+                       if wanted else [value[int(key)]])
+            if len(matches) != 1:
+                raise KeyError(f"{key!r} picks {len(matches)} items of the list, not one")
+            value = matches[0]
+        else:
+            value = value[key]
+    return value
+
+
+def figure(mark, record, timing):
+    """What the mark PATH[:SPEC] stands for, as the README prints it."""
+    path, _, spec = mark.partition(":")
+    return shown(entry(path, record, timing), spec)
+
+
+def rendered(text, record, timing):
+    """text with every marked figure and block written from the record and the timing."""
+    text = FIGURE.sub(lambda m: f"<!--fig {m[1]}-->{figure(m[1], record, timing)}<!--/-->",
+                      text)
+    return BLOCK.sub(lambda m: "".join(line + "\n" for line in (
+        f"<!--block {m[1]}-->", *BLOCKS[m[1]](record, timing))), text)
+
+
+def write_readme(record, timing, folder=checkpoint.LAB):
+    """Rewrite the README in folder with the figures of this record and timing."""
+    path = os.path.join(folder, README)
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    checkpoint.write_atomically(path, rendered(text, record, timing))
+
+
+# ---- figures computed from several entries ------------------------------------------
+
+def _speed_against_rows(record, timing):
+    """How the recorded speed-ups of cost_by_length stand against their rows ratios."""
+    below = [run["speedup"] < length["positions"] // 2
+             for run, length in zip(timing["cost_by_length"], record["cost_by_length"])]
+    return ("each lands a little below its rows ratio" if all(below) else
+            "not every one lands below its rows ratio")
+
+
+def _against(figure, reference, close, below, above):
+    """Words for how figure stands against reference: within 10% of it, or not."""
+    return close if abs(figure / reference - 1) <= 0.1 else below if figure < reference else above
+
+
+DERIVED = {
+    "speedup_against_rows": lambda r, t: _against(t["speedup"], r["rows_ratio"], "close to",
+                                                  "below", "above"),
+    "cached_row_cost": lambda r, t: _against(t["cached_microseconds_per_row"],
+                                             t["uncached_microseconds_per_row"], "about what",
+                                             "less than", "more than"),
+    "cpython_over_8_byte_floats": lambda r, t: round(t["cache_bytes_full_context"]
+                                                     / t["cache_bytes_as_8_byte_floats"], 1),
+    "rows_saved_by_sharing": lambda r, t: (r["prefix_sharing"]["prompt_rows_without_sharing"]
+                                           - r["prefix_sharing"]["prompt_rows_with_sharing"]),
+    "speed_against_rows": _speed_against_rows,
+    "rotary_largest_gap": lambda r, t: max(s["largest_logit_gap"] for s in r["rotary"]["shapes"]),
+    "rotary_later_layers_gaps": lambda r, t: ", ".join(
+        shown(e["largest_logit_gap"]) for e in r["rotary"]["against_recompute_by_layers"][1:]),
+    "rotary_later_layers_changed": lambda r, t: ", ".join(
+        str(e["continuations_changed"]) for e in r["rotary"]["against_recompute_by_layers"][1:]),
+    "rotary_offset_gaps": lambda r, t: ", ".join(
+        shown(s["offset_after_other_tokens"]["largest_logit_gap"])
+        for s in r["rotary"]["shapes"] if s["kv_heads"] == 2 and s["layers"] > 1),
+    "rotary_offset_every": lambda r, t: "every" if all(
+        s["offset_after_other_tokens"]["continuation_changed"]
+        for s in r["rotary"]["shapes"] if s["kv_heads"] == 2 and s["layers"] > 1) else "not every",
+    "last_dropped_position": lambda r, t: r["rotary"]["dropped"] - 1,
+    "last_position": lambda r, t: r["rotary"]["positions"] - 1,
+}
+
+
+# ---- whole tables, text blocks and diagrams -------------------------------------------
+
+def _table(header, rows):
+    """A Markdown table: its header cells, and each row's cells."""
+    return ([f"| {' | '.join(header)} |", "|" + "---|" * len(header)]
+            + [f"| {' | '.join(map(str, cells))} |" for cells in rows])
+
+
+def _bold(text):
+    return f"**{text}**"
+
+
+def _summary(r, t):
+    import trace_kv
+    return ["```", *trace_kv.summary(r, t).splitlines(),
+            f"The full record: {trace_kv.TRACE} (or python3 trace_kv.py --json)", "```"]
+
+
+def _work(r, t):
+    w = r["work"]
+    return _table(["", "without the cache", "with the cache", "ratio"], [
+        ["rows (positions run through the model)", shown(w["uncached_rows"]),
+         shown(w["cached_rows"]), f"{r['rows_ratio']}x"],
+        ["attention scores", shown(w["uncached_scores"]), shown(w["cached_scores"]),
+         f"{r['scores_ratio']}x"]])
+
+
+def _cost_by_length(r, t):
+    return _table(["positions", "rows without", "rows with", "scores without", "scores with",
+                   "seconds without", "seconds with", "speed-up", "rows ratio"],
+                  [[e["positions"], shown(e["uncached_rows"]), shown(e["cached_rows"]),
+                    shown(e["uncached_scores"]), shown(e["cached_scores"]),
+                    f"{s['uncached_seconds']:.4f}", f"{s['cached_seconds']:.4f}",
+                    f"{s['speedup']}x", f"{e['positions'] // 2}x"]
+                   for e, s in zip(r["cost_by_length"], t["cost_by_length"])])
+
+
+def _cost_chart(r, t):
+    lengths = r["cost_by_length"]
+    return ["```mermaid", "xychart-beta",
+            '    title "Rows computed to reach each length (bars: without the cache; line: '
+            'with it)"',
+            f"    x-axis \"positions\" [{', '.join(str(e['positions']) for e in lengths)}]",
+            '    y-axis "rows"',
+            f"    bar [{', '.join(str(e['uncached_rows']) for e in lengths)}]",
+            f"    line [{', '.join(str(e['cached_rows']) for e in lengths)}]", "```"]
+
+
+def _slots(r, t):
+    labels = {"static, 64 per story": "a whole 64-position context per story (a static cache)"}
+    p = r["paged"]
+    return _table(["how the cache reserves memory", "slots reserved", "wasted"],
+                  [[labels.get(way, f"{way} positions"), shown(slots),
+                    f"{p['wasted_share'][way]:.1%}"] for way, slots in p["slots_reserved"].items()])
+
+
+def _ladder(r, t):
+    rows = [["exact, in lists (the reference)",
+             f"{t['cache_bytes_per_position']:,} as CPython objects", "all", "0.0", 0, 0]]
+    rows += [[rung["cache"], shown(rung["bytes_per_position"], "g")
+              if rung["bytes_per_position"] is not None else "—",
+              "all" if rung["positions_kept"] is None else rung["positions_kept"],
+              shown(rung["largest_logit_gap"]), rung["greedy_stories_changed"],
+              rung["sampled_stories_changed"]] for rung in r["ladder"]["rungs"]]
+    stories = r["ladder"]["stories"]
+    return _table(["the cache", "bytes per position", "positions kept", "largest logit gap",
+                   f"greedy stories changed (of {stories})",
+                   f"sampled stories changed (of {stories})"], rows)
+
+
+def _prefix_cache(r, t):
+    c = r["prefix_cache"]
+    labels = {"small pool": f"small: far less than the 60 stories hold "
+                            f"({shown(c['positions_held_in_all'])} positions)",
+              "ample pool": "ample: nothing is evicted"}
+    return _table(["pool of blocks of 4", "blocks", "prefix hits (blocks)", "rows saved",
+                   "rows computed", "evictions", "stories identical",
+                   "gap of the choosing rows"],
+                  [[label, shown(c[run]["blocks"]), c[run]["prefix_hits"],
+                    shown(c[run]["rows_saved"]), shown(c[run]["rows"]), c[run]["evictions"],
+                    _bold(f"{c[run]['identical']} of 60"),
+                    _bold(shown(c[run]["largest_logit_gap_of_choosing_rows"]))]
+                   for run, label in labels.items()])
+
+
+def _many_requests(r, t):
+    m = r["many_requests"]
+    return _table(["pool of blocks of 4", "steps", "rows", "rows recomputed", "preemptions",
+                   "peak blocks", "prefix hits", "identical", "gap of the choosing rows"],
+                  [[f"{run.split()[0]} ({shown(c['blocks'])} blocks)", c["steps"],
+                    shown(c["rows"]), c["recomputed_rows"], c["preemptions"],
+                    c["peak_blocks"], c["prefix_hits"],
+                    _bold(f"{c['identical']} of {m['requests']}"),
+                    _bold(shown(c["largest_logit_gap_of_choosing_rows"]))]
+                   for run, c in ((run, m[run]) for run in ("small pool", "ample pool"))])
+
+
+def _kernels(r, t):
+    k = r["batched_decode"]
+    of = f" of {k['requests']}"
+    return _table(["kernel", "batches of up to", "pool", "steps", "preemptions",
+                   "stories as with batches of 1",
+                   "first position (prompt included) where one parts",
+                   "every logit as with batches of 1", "stories as `generate`'s",
+                   "largest logit gap against the exact rows"],
+                  [[run["kernel"], run["max_batch"], f"{run['pool']} ({shown(run['blocks'])} blocks)",
+                    run["steps"], run["preemptions"],
+                    f"{run['stories_identical_to_batches_of_1']}{of}",
+                    shown(run["first_position_parting_from_batches_of_1"]),
+                    shown(run["logits_as_with_batches_of_1"]),
+                    f"{run['stories_identical_to_generate']}{of}",
+                    shown(run["largest_logit_gap_against_exact"])] for run in k["runs"]])
+
+
+def _speculative(r, t):
+    return _table(["drafter", "lookahead", "model calls", "rows computed",
+                   "drafted tokens accepted", "identical", "gap of the choosing rows"],
+                  [[run["drafter"], run["lookahead"], shown(run["model_calls"]),
+                    shown(run["rows"]),
+                    f"{shown(run['accepted'])} of {shown(run['drafted'])} "
+                    f"({run['accepted'] / run['drafted']:.0%})",
+                    _bold(f"{run['identical']} of 120"),
+                    _bold(shown(run["largest_logit_gap_of_choosing_rows"]))]
+                   for run in r["speculative_decoding"]])
+
+
+def _deep_shapes(r, t):
+    objects = {(m["layers"], m["kv_heads"]): m["bytes_per_position"]
+               for m in t["deep_model_cache_bytes_as_cpython_objects"]}
+    rows = []
+    for kv_heads, kind in ((4, "multi-head (4 key-value heads)"),
+                           (2, "grouped-query (2 key-value heads)"),
+                           (1, "multi-query (1 key-value head)")):
+        shapes = [s for s in r["deep_models"]["shapes"] if s["kv_heads"] == kv_heads]
+        rows.append([kind, _bold(" / ".join(shown(s["largest_logit_gap"]) for s in shapes)),
+                     " / ".join(f"{s['floats_per_position']:g}" for s in shapes),
+                     f"{shapes[0]['bytes_per_position_as_8_byte_floats']:g}",
+                     f"{objects[1, kv_heads]:,}"])
+    return _table(["attention", "largest gap, cached against full pass, 1 / 2 / 3 / 4 layers",
+                   "numbers per position, 1 / 2 / 3 / 4 layers",
+                   "bytes per position, one layer, as 8-byte floats",
+                   "the same as CPython objects"], rows)
+
+
+def _story_quality(r, t):
+    greedy, sampled = r["story_quality"]["greedy"], r["story_quality"]["sampled"]
+
+    def both(pick):
+        return [pick(greedy), pick(sampled)]
+
+    def of(counts):
+        return f"{counts['agreeing']} of {counts['pronouns']}"
+    return _table(["the 60 test openings, continued", "greedy", "sampled at temperature 1.0"], [
+        ["pronouns that refer to the name and agree with its gender", *both(
+            lambda q: f"{q['agreeing']} of {q['pronouns_referring_to_the_name']} "
+                      f"({q['agreeing_share']:.1%})")],
+        ["of those, after an opening with a pronoun in it too (`mia lost her green shell.`)",
+         *both(lambda q: of(q["agreeing_by_opening"]["with a pronoun"]))],
+        ["after an opening where only the name tells the gender (`emma went to the park.`)",
+         *both(lambda q: of(q["agreeing_by_opening"]["with only the name"]))],
+        ["pronouns that refer to a person word (`her friend. he`) and agree with its gender",
+         *both(lambda q: of(q["pronouns_referring_to_a_person"]))],
+        ["stories whose continuation uses only words of the corpus",
+         *both(lambda q: f"{q['stories_of_corpus_words_only']} of 60")]])
+
+
+def _attention_on_the_name(r, t):
+    rows = []
+    for key, label, bold in (("agreeing", "pronouns that agree", True),
+                             ("wrong", "pronouns with the wrong gender", False)):
+        cells = [label]
+        for kind in ("greedy", "sampled"):
+            w = r["story_quality"][kind]["attention_on_the_name"][key]
+            weight = shown(w["mean_weight_on_the_name"])
+            cells += ([_bold(weight) if bold else weight, shown(w["even_share"])]
+                      if w["pronouns"] else ["—", "—"]) + [w["pronouns"]]
+        rows.append(cells)
+    return _table(["where a pronoun was chosen", "greedy: weight on the name", "even share",
+                   "pronouns", "sampled: weight on the name", "even share", "pronouns"], rows)
+
+
+def _indented(stories):
+    return [f"    {story.rstrip(chr(10))}" for story in stories]
+
+
+def the_row_side_by_side(r=None, t=None):
+    """model.forward's two loops over positions against kv_cache.forward_step after its
+    checks, as a diff generated from their real source: the lines they share, and those
+    that differ (what each keeps, where the keys and values come from)."""
+    def body_lines(function, statements):
+        lines = inspect.getsource(function).splitlines()
+        return [lines[line - 1].strip() for s in statements
+                for line in range(s.lineno, s.end_lineno + 1)]
+    forward = ast.parse(inspect.getsource(model.forward)).body[0]
+    loops = [s for s in forward.body if isinstance(s, ast.For)]
+    step = ast.parse(inspect.getsource(kv_cache.forward_step)).body[0]
+    after_checks = next(i for i, s in enumerate(step.body) if isinstance(s, ast.Assign))
+    for_each_position = body_lines(model.forward, [s for loop in loops for s in loop.body])
+    one_position = body_lines(kv_cache.forward_step, step.body[after_checks:])
+    diff = list(difflib.unified_diff(for_each_position, one_position, lineterm="",
+                                     n=len(one_position)))
+    return ["```diff", "--- model.forward: the body of its loops, for each position",
+            "+++ kv_cache.forward_step: after its checks, for one position", *diff[3:], "```"]
+
+
+def block_table_diagram(r=None, t=None):
+    """Section 16's picture, from a real pool of blocks of 4: one prompt fed, then a
+    second that begins like it."""
+    from generate import load_trained
+    params, tok = load_trained()
+    pool = paged.BlockPool(params, 64, 4)
+    prompts = ("mia was sad. tom gave her a hug.", "mia was tired.")
+    sequences = []
+    for prompt in prompts:
+        ids = tok.encode(prompt)
+        sequences.append(pool.sequence(ids))
+        kv_cache.feed(params, sequences[-1], ids)
+
+    def tokens(block):
+        return ", ".join("space" if tok.vocab[t] == " " else tok.vocab[t]
+                         for t in pool.blocks[block].tokens)
+    lines = ["```mermaid", "flowchart LR", '    subgraph tables["block tables"]']
+    for name, prompt, seq in zip("AB", prompts, sequences):
+        lines.append(f'        {name}["{prompt}<br/>blocks {", ".join(map(str, seq.table))}"]')
+    lines += ["    end", '    subgraph pool["BlockPool: blocks of 4 positions"]']
+    for block in sorted(set(sequences[0].table) | set(sequences[1].table)):
+        lines.append(f'        P{block}["{block}: {tokens(block)}'
+                     f'<br/>(refs {pool.ref_counts[block]})"]')
+    lines.append("    end")
+    for name, seq in zip("AB", sequences):
+        lines += [f"    {name} --> P{block}" for block in seq.table]
+    return lines + ["```"]
+
+
+def serving_timeline(r=None, t=None):
+    """Section 19's picture, from a real run of serving.serve: four openings, batches of
+    up to four, a pool of 16 blocks of 4. One line per request, one character per step:
+    P admitted (its tokens prefilled), . a decode row, x preempted, - waiting, * finished."""
+    from generate import load_trained
+    from stories import openings, split_stories
+    params, tok = load_trained()
+    with open(os.path.join(checkpoint.LAB, "corpus.txt"), encoding="utf-8") as f:
+        prompts = openings(split_stories(f.read())[2])[:4]
+    events = {}
+    _, counts = serving.serve(params, tok, [{"prompt": p} for p in prompts],
+                              paged.BlockPool(params, 16, 4), 4,
+                              lambda step, index, event: events.setdefault(
+                                  (index, step), set()).add(event))
+    lines = []
+    for index, prompt in enumerate(prompts):
+        marks, finished = "", False
+        for step in range(1, counts["steps"] + 1):
+            happened = events.get((index, step), set())
+            marks += ("*" if "finished" in happened else "x" if "preempted" in happened
+                      else "P" if "prefill" in happened else "." if happened
+                      else " " if finished else "-")
+            finished = finished or "finished" in happened
+        lines.append(f"{prompt:<{max(map(len, prompts))}}  {marks.rstrip()}")
+    return ["```text", *lines, "```"]
+
+
+BLOCKS = {
+    "summary": _summary, "work": _work, "cost_by_length": _cost_by_length,
+    "cost_chart": _cost_chart, "slots": _slots, "ladder": _ladder,
+    "prefix_cache": _prefix_cache, "many_requests": _many_requests, "kernels": _kernels,
+    "speculative": _speculative, "deep_shapes": _deep_shapes,
+    "story_quality": _story_quality, "attention_on_the_name": _attention_on_the_name,
+    "greedy_examples": lambda r, t: _indented(r["greedy_examples"]),
+    "stories_with_a_wrong_pronoun": lambda r, t: _indented(
+        r["story_quality"]["greedy"]["stories_with_a_wrong_pronoun"]),
+    "right_where_only_the_name_tells": lambda r, t: _indented(
+        r["story_quality"]["greedy"]["first_three_right_where_only_the_name_tells"]),
+    "the_row_side_by_side": the_row_side_by_side, "block_tables": block_table_diagram,
+    "serving_timeline": serving_timeline,
+}
