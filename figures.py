@@ -79,14 +79,6 @@ def rendered(text, record, timing):
         f"<!--block {m[1]}-->", *BLOCKS[m[1]](record, timing))), text)
 
 
-def write_readme(record, timing, folder=checkpoint.LAB):
-    """Rewrite the README in folder with the figures of this record and timing."""
-    path = os.path.join(folder, README)
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    checkpoint.write_atomically(path, rendered(text, record, timing))
-
-
 # ---- figures computed from several entries ------------------------------------------
 
 def _speed_against_rows(record, timing):
@@ -133,7 +125,7 @@ DERIVED = {
 
 def _table(header, rows):
     """A Markdown table: its header cells, and each row's cells."""
-    return ([f"| {' | '.join(header)} |", "|" + "---|" * len(header)]
+    return ([f"| {' | '.join(header)} |".replace("|  |", "| |"), "|" + "---|" * len(header)]
             + [f"| {' | '.join(map(str, cells))} |" for cells in rows])
 
 

@@ -28,6 +28,7 @@ from math import fsum
 import cache_files
 import context_shift
 import deep_model
+import figures
 import kv_cache
 import lossy
 import model
@@ -322,9 +323,18 @@ def summary(record, timing):
 
 
 def save_records(record, timing, folder=LAB):
-    """Write kv-trace.json and kv-time.json in folder, each atomically."""
+    """Write kv-trace.json and kv-time.json in folder, each atomically, and the figures of
+    the README there (if folder has one) from them: the names of the files written."""
+    readme = os.path.join(folder, figures.README)
+    text = None
+    if os.path.exists(readme):   # rendered first: a mark it cannot fill writes nothing
+        with open(readme, encoding="utf-8") as f:
+            text = figures.rendered(f.read(), record, timing)
     write_atomically(os.path.join(folder, TRACE), _dumps(record))
     write_atomically(os.path.join(folder, TIMES), _dumps(timing))
+    if text is not None:
+        write_atomically(readme, text)
+    return [TRACE, TIMES] + ([f"the figures of {figures.README}"] if text is not None else [])
 
 
 def read_record(path):
@@ -386,7 +396,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.write and args.part != PARTS:
         parser.error(f"--write records every Part: leave out --part {args.part}")
-    trace, times = (_shown(os.path.join(args.folder, name)) for name in (TRACE, TIMES))
+    trace = _shown(os.path.join(args.folder, TRACE))
     try:
         # Read the record first, so that a missing one fails before the long run.
         recorded = read_record(os.path.join(args.folder, TRACE)) if args.check else None
@@ -401,8 +411,9 @@ def main(argv=None):
         sys.exit(f"trace_kv.py: error: {e}")
     print(_dumps(record) if args.json else summary(record, timing), end="")
     if args.write:
-        save_records(record, timing, args.folder)
-        print(f"wrote {trace} and {times}")
+        written = save_records(record, timing, args.folder)
+        where = "" if args.folder == LAB else f" in {_shown(args.folder)}"
+        print(f"wrote {', '.join(written[:-1])} and {written[-1]}{where}")
     elif args.check:
         differ = differing_keys(record, {key: recorded.get(key) for key in record}
                                 if args.part != PARTS else recorded)
