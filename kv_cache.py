@@ -26,10 +26,22 @@ from model import SCALE, add, dot, layernorm, linear, relu, softmax_row
 from stories import rounded_mean, story_ids, story_quality
 
 
+class ListRoom:
+    """The room of caches that keep their positions in lists of their own: a list always
+    has room for more (forward_step refuses positions past the model's 64)."""
+
+    def room_for(self, demands):
+        return True
+
+    def check_room(self, demands):
+        """Nothing to refuse."""
+
+
 class KVCache:
     """The keys and values of one sequence so far, for the params it was made for."""
 
     keeps_every_position = True   # what prefill.prefill's mask needs (a window drops some)
+    room_owner = ListRoom()
 
     def __init__(self, params):
         self._belong_to(params)
@@ -60,9 +72,8 @@ class KVCache:
         self.crop(0)
 
     def room_for(self, positions):
-        """Whether the cache can keep that many more positions (a list always can; a
-        paged sequence asks its pool)."""
-        return True
+        """Whether the cache can keep that many more positions: its room's owner says."""
+        return self.room_owner.room_for([(self, positions)])
 
     def room_left(self):
         """What limits the positions the cache can keep, in words."""
