@@ -206,7 +206,7 @@ class PagedSequence(KVCache):
     prefill it is a cache like any other: tokens, keys and values read as lists over its
     positions, and new positions go into its last block or into new ones. A fork shares
     every block, the partly filled last one too, until one of them writes there: then the
-    writer first takes a copy of it (copy on write)."""
+    writer first takes a copy of it (copy on write). Its room is its pool's (room_owner)."""
 
     def __init__(self, pool):
         self.pool = pool
