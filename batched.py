@@ -98,7 +98,8 @@ def forward_rows(params, items, product=exact):
 
 def _check_items(params, items):
     """What forward_step checks, for every item in turn, counting the items before it
-    that share its cache; then that each cache, and each pool, has room for its items."""
+    that share its cache; then that the owner of each cache's room (its own lists, a
+    pool) has room for all its caches' items, asking each owner once."""
     if not isinstance(items, (list, tuple)) or not items:
         raise ValueError(f"items must be a non-empty list of (cache, token_id, position), "
                          f"got {items!r}")
@@ -119,13 +120,9 @@ def _check_items(params, items):
                              f"{model.CONTEXT} positions of the model's table")
         model.check_token_id(token_id, f"items[{index}]: token ID")
         earlier[id(cache)] += 1
-    pools = {}
+    owners = {}   # each room owner, and what its caches' items demand of it
     for cache in {id(cache): cache for cache, _, _ in items}.values():
-        if not cache.room_for(earlier[id(cache)]):
-            raise ValueError(f"no room for {earlier[id(cache)]} more positions: "
-                             f"{cache.room_left()}")
-        if hasattr(cache, "blocks_needed"):    # paged sequences share their pool's blocks
-            pools.setdefault(id(cache.pool), [cache.pool, 0])[1] += cache.blocks_needed(
-                earlier[id(cache)])
-    for pool, blocks in pools.values():
-        pool.check_room(blocks)
+        owner = cache.room_owner
+        owners.setdefault(id(owner), (owner, []))[1].append((cache, earlier[id(cache)]))
+    for owner, demands in owners.values():
+        owner.check_room(demands)

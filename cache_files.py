@@ -19,7 +19,6 @@ import generate
 import model
 from checkpoint import read_json, write_atomically
 from kv_cache import KVCache, feed, generate_cached
-from paged import PagedSequence
 from stories import story_ids
 
 CACHE_FORMAT = "kv-lab-cache-2"
@@ -41,12 +40,14 @@ def content_signature(tokens, keys, values):
 
 
 def save_cache(cache, path):
-    """Write the tokens, keys and values of a KVCache or a paged sequence to path (JSON,
-    floats exact), with the signature of the weights they were computed with and one of
-    their own content, atomically."""
-    if type(cache) not in (KVCache, PagedSequence):
-        raise ValueError(f"save_cache saves a KVCache or a paged sequence, whose keys and "
-                         f"values are exact and complete, got {type(cache).__name__}")
+    """Write the tokens, keys and values of a cache that stores them exactly (a KVCache,
+    a paged sequence, a float64 QuantizedCache) to path (JSON, floats exact), with the
+    signature of the weights they were computed with and one of their own content,
+    atomically."""
+    if not (isinstance(cache, KVCache) and cache.stores_exactly):
+        raise ValueError(f"save_cache saves a KVCache or a paged sequence, or another cache "
+                         f"whose keys and values are exact and complete, got "
+                         f"{type(cache).__name__}")
     tokens, keys, values = cache.tokens, cache.keys, cache.values
     record = {"format": CACHE_FORMAT, "weights": weights_signature(cache.params),
               "content": content_signature(tokens, keys, values),

@@ -26,10 +26,42 @@ from model import SCALE, add, dot, layernorm, linear, relu, softmax_row
 from stories import rounded_mean, story_ids, story_quality
 
 
+class ListRoom:
+    """The room of caches that keep their positions in lists of their own: always there
+    (forward_step refuses positions past the model's 64)."""
+
+    def room_for(self, demands):
+        return True
+
+    def check_room(self, demands):
+        """Nothing to refuse."""
+
+
 class KVCache:
-    """The keys and values of one sequence so far, for the params it was made for."""
+    """The keys and values of one sequence so far, for the params it was made for.
+
+    What every cache of the lesson's model offers (this one, a paged sequence, a
+    QuantizedCache, a WindowCache), and all that code using a cache relies on:
+      params, columns       the model it was made for; its matrices, ready for linear()
+      tokens                the token ID of every position held, in order
+      keys, values          what attention reads: a key and a value per position kept
+      len()                 how many positions it holds
+      append, extend        keep one more position, or several (refused, keeping none)
+      copy, crop, free      fork it; forget the positions from a length on; end it
+      room_for(positions)   whether it can keep that many more positions
+      room_left()           what limits the positions it can keep, in words
+      room_owner            what holds its room (ListRoom, a paged sequence's pool): its
+                            room_for(demands) answers for several caches at once, its
+                            check_room(demands) refuses, naming what is short (demands:
+                            a list of (cache, more positions))
+      keeps_every_position  whether keys and values hold every position (a window's don't)
+      stores_exactly        whether they are forward_step's, exactly and every one, so
+                            that a file of them loads as the same cache
+    """
 
     keeps_every_position = True   # what prefill.prefill's mask needs (a window drops some)
+    stores_exactly = True
+    room_owner = ListRoom()
 
     def __init__(self, params):
         self._belong_to(params)
@@ -60,9 +92,8 @@ class KVCache:
         self.crop(0)
 
     def room_for(self, positions):
-        """Whether the cache can keep that many more positions (a list always can; a
-        paged sequence asks its pool)."""
-        return True
+        """Whether the cache can keep that many more positions: its room's owner says."""
+        return self.room_owner.room_for([(self, positions)])
 
     def room_left(self):
         """What limits the positions the cache can keep, in words."""

@@ -83,6 +83,7 @@ class QuantizedCache(KVCache):
                              f"{', '.join(FORMATS)}")
         self._belong_to(params)
         self.format = fmt
+        self.stores_exactly = fmt == "float64"   # a float64 array holds each float as it is
         self.tokens, self.stored_keys, self.stored_values = [], [], []
 
     @property
@@ -121,7 +122,7 @@ class WindowCache(KVCache):
     is the same mask on the full pass). It keeps every token ID, to check prefixes. Feed
     it one token at a time: each new position has a window of its own."""
 
-    keeps_every_position = False
+    keeps_every_position = stores_exactly = False
 
     def __init__(self, params, window, sinks=0):
         model.band(window, sinks)   # refuses a bad window or sinks
@@ -221,8 +222,7 @@ def ladder_rung(lab, rung, runs):
                                     cache=start)
             sampled_changed += again["text"] != runs.sampled[index]["text"]
     return {"cache": name,
-            "bytes_per_position": cache.bytes_per_position()
-            if isinstance(cache, QuantizedCache) else None,
+            "bytes_per_position": cache.bytes_per_position() if kind in FORMATS else None,
             "positions_kept": sum(kind) if isinstance(kind, tuple) else None,
             "largest_logit_gap": gap, "greedy_stories_changed": greedy_changed,
             "sampled_stories_changed": sampled_changed}

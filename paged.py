@@ -35,7 +35,9 @@ class BlockPool:
     holding each, and keeps the prefix index, where a full block can be found again by
     the tokens it and every block before it hold. A full block nobody holds stays in the
     index, on the free list, until a new block is needed: the least recently released
-    goes first (a prefix cache that outlives requests)."""
+    goes first (a prefix cache that outlives requests). And it alone says whether blocks
+    are there: for several sequences at once (room_for), for a new sequence
+    (room_for_sequence), for one of so many positions (could_hold)."""
 
     def __init__(self, params, blocks, block_size):
         model.check_shapes(params)
@@ -85,12 +87,41 @@ class BlockPool:
             found.append(min(holders, key=lambda block_id: self.blocks[block_id].ref_count == 0))
         return found
 
-    def check_room(self, blocks):
-        """Refuse to go on if more blocks are needed than are free."""
+    def room_for(self, demands):
+        """Whether the free blocks hold what demands, a list of (sequence, more positions),
+        need together: each sequence's blocks_needed (a copy on write counts), summed."""
+        return self._blocks_for(demands) <= self.free_blocks()
+
+    def check_room(self, demands):
+        """Refuse to go on, naming the blocks short, unless room_for(demands)."""
+        self._check_free(self._blocks_for(demands))
+
+    def _blocks_for(self, demands):
+        return sum(seq.blocks_needed(positions) for seq, positions in demands)
+
+    def _check_free(self, blocks):
         if blocks > self.free_blocks():
             raise ValueError(f"the pool is out of blocks: it has {len(self.blocks)} blocks of "
                              f"{self.block_size} positions, {self.free_blocks()} free, and "
                              f"{blocks} more are needed; free a sequence or make a larger pool")
+
+    def room_for_sequence(self, ids, positions):
+        """Whether a new sequence for ids (pool.sequence(ids)) could then hold that many
+        positions: the blocks past its cached prefix, out of the free blocks that prefix
+        would not take back."""
+        cached = self.find(ids)
+        taken_back = sum(self.blocks[block_id].ref_count == 0 for block_id in cached)
+        needed = self.blocks_to_hold(positions) - len(cached)
+        return needed <= self.free_blocks() - taken_back
+
+    def could_hold(self, positions):
+        """Whether a new sequence of that many positions fits in the blocks free now
+        (cached ones count: they are taken back when needed)."""
+        return self.blocks_to_hold(positions) <= self.free_blocks()
+
+    def blocks_to_hold(self, positions):
+        """The blocks a sequence of that many positions holds."""
+        return math.ceil(positions / self.block_size)
 
     def block(self, block_id):
         """The Block of block_id, refusing an id the pool does not have."""
@@ -104,7 +135,7 @@ class BlockPool:
             raise ValueError(f"a block holds up to {self.block_size} positions, one token, "
                              f"key and value each; got {len(tokens)} tokens, {len(keys)} "
                              f"keys and {len(values)} values")
-        self.check_room(1)
+        self._check_free(1)
         block_id, _ = self.free_list.popitem(last=False)
         block = self.blocks[block_id]
         if block.prefix is not None:
@@ -175,7 +206,7 @@ class PagedSequence(KVCache):
     prefill it is a cache like any other: tokens, keys and values read as lists over its
     positions, and new positions go into its last block or into new ones. A fork shares
     every block, the partly filled last one too, until one of them writes there: then the
-    writer first takes a copy of it (copy on write)."""
+    writer first takes a copy of it (copy on write). Its room is its pool's (room_owner)."""
 
     def __init__(self, pool):
         self.pool = pool
@@ -184,6 +215,10 @@ class PagedSequence(KVCache):
         self.table = []        # block ids, in position order
         self.length = 0        # positions held: all of the table's blocks but the last,
         self.freed = False     # and the first length % block_size of the last (or all)
+
+    @property
+    def room_owner(self):
+        return self.pool
 
     def _check_live(self):
         if self.freed:
@@ -228,10 +263,6 @@ class PagedSequence(KVCache):
         copy = positions > 0 and room > 0 and self._last_block_is_shared()
         return math.ceil(max(0, positions - room) / self.pool.block_size) + copy
 
-    def room_for(self, positions):
-        """Whether the pool has the blocks that many more positions need."""
-        return self.blocks_needed(positions) <= self.pool.free_blocks()
-
     def room_left(self):
         """What limits the positions the sequence can keep, in words."""
         return (f"its pool has {self.pool.free_blocks()} of its {len(self.pool.blocks)} blocks "
@@ -245,7 +276,7 @@ class PagedSequence(KVCache):
         own positions if a crop left it longer. Refused, with nothing changed, when the
         pool lacks the blocks."""
         pool = self.pool
-        pool.check_room(self.blocks_needed(len(token_ids)))
+        pool.check_room([(self, len(token_ids))])
         if token_ids and self._room_in_last_block():
             kept, last = self._in_last_block(), pool.blocks[self.table[-1]]
             if self._last_block_is_shared():

@@ -5,7 +5,6 @@ request's result is exactly generate.generate's: the pool and the batch change t
 and the memory, never a token. With an engine's kernel (batched.by_batch) they change it.
 """
 import hashlib
-import math
 from collections import deque
 
 import generate
@@ -68,8 +67,7 @@ def serve(params, tok, requests, pool, max_batch, log=None, product=exact):
                     running.remove(request)
                     request.seq.free()
                     log(counts["steps"], request.index, "finished")
-            while sum(request.seq.blocks_needed(1) for request in running) \
-                    > pool.free_blocks():
+            while not pool.room_for([(request.seq, 1) for request in running]):
                 victim = running.pop()              # the most recently admitted
                 victim.preempt()
                 waiting.appendleft(victim)
@@ -108,11 +106,11 @@ class _Served:
             raise ValueError(f"request {index}: {refused}") from None
         self.generation = generate.Generation(tok, ids, **settings)
         fed = min(len(ids) + settings["max_new_tokens"], model.CONTEXT) - 1
-        needed = math.ceil(fed / pool.block_size)
-        if not self.generation.stopped and needed > pool.free_blocks():
+        if not self.generation.stopped and not pool.could_hold(fed):
             held = len(pool.blocks) - pool.free_blocks()
-            raise ValueError(f"request {index} may need {needed} blocks of {pool.block_size} "
-                             f"positions, and the pool has {pool.free_blocks()} free"
+            raise ValueError(f"request {index} may need {pool.blocks_to_hold(fed)} blocks of "
+                             f"{pool.block_size} positions, and the pool has "
+                             f"{pool.free_blocks()} free"
                              + (f" ({held} of its {len(pool.blocks)} are held by sequences "
                                 f"made outside serve)" if held else "")
                              + ": it could never run; make a larger pool")
@@ -124,19 +122,16 @@ class _Served:
         blocks the pool has cached for them (never the last position: its logits are
         needed); False, with nothing changed, if the pool lacks room."""
         ids = self.generation.ids
-        cached = self.pool.find(ids[:-1])
-        cached_free = sum(self.pool.blocks[block_id].ref_count == 0 for block_id in cached)
-        needed = math.ceil(len(ids) / self.pool.block_size) - len(cached)
-        if needed > self.pool.free_blocks() - cached_free:
+        if not self.pool.room_for_sequence(ids[:-1], len(ids)):
             return False
         self.seq = self.pool.sequence(ids[:-1])
+        counts["prefix_hits"] += len(self.seq.table)   # the full blocks it found cached
         start = len(self.seq)
         self.logits = forward_rows(self.params, [(self.seq, token_id, position) for position,
                                                  token_id in enumerate(ids[start:], start)],
                                    product)[-1]
         counts["rows"] += len(ids) - start
         counts["recomputed_rows"] += max(0, self.computed - start)
-        counts["prefix_hits"] += len(cached)
         self.computed = max(self.computed, len(ids))
         return True
 

@@ -12,7 +12,7 @@ import generate
 import model
 import prefill
 from instruments import chosen_rows, largest_gap, recording
-from kv_cache import KVCache, fork_for_prompt
+from kv_cache import KVCache, check_cache, fork_for_prompt
 from stories import split_stories, story_ids
 
 # the experiment: by drafter, tokens drafted at a time
@@ -93,7 +93,8 @@ def generate_speculative(params, tok, prompt, max_new_tokens=60, temperature=0.0
     model.check_int("lookahead", lookahead, 1)
     if cache is None:
         cache = KVCache(params)
-    elif isinstance(cache, KVCache) and not cache.keeps_every_position:
+    check_cache(cache, params)
+    if not cache.keeps_every_position:
         raise ValueError(f"speculative decoding rolls rejected positions back with crop, "
                          f"and a {type(cache).__name__} drops positions a crop may need; "
                          f"pass a cache that keeps every position")

@@ -203,5 +203,28 @@ class CacheFiles(unittest.TestCase):
         self.assertEqual(run("zoe went to the park.").returncode, 2)   # one flag is required
 
 
+class AsksTheProtocol(unittest.TestCase):
+
+    def test_save_cache_saves_what_stores_exactly_and_refuses_the_rest(self):
+        """A float64 QuantizedCache stores exactly, so its file loads as the same cache;
+        the other formats and a window do not, and nothing is written for them."""
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "cache.json")
+            ids = TOK.encode(OPENINGS[0])
+            for cache in (*(lossy.QuantizedCache(PARAMS, fmt) for fmt in lossy.FORMATS),
+                          lossy.WindowCache(PARAMS, 8)):
+                feed(PARAMS, cache, ids)
+                with self.subTest(cache=type(cache).__name__, fmt=getattr(cache, "format", None)):
+                    if cache.stores_exactly:
+                        cache_files.save_cache(cache, path)
+                        assert_equal(self, snapshot(cache_files.load_cache(PARAMS, path)),
+                                     snapshot(filled_cache(ids)), "the loaded cache")
+                        os.remove(path)
+                    else:
+                        with self.assertRaisesRegex(ValueError, "exact and complete"):
+                            cache_files.save_cache(cache, path)
+                        self.assertEqual(os.listdir(folder), [])
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -394,6 +394,85 @@ class RecordedSlots(unittest.TestCase):
                                  sum(math.ceil(len(ids) / size) * size for ids in stories))
 
 
+class RoomHasOneOwner(unittest.TestCase):
+
+    def test_the_pool_s_room_answers_are_what_it_then_does(self):
+        """On random pairs of small pools holding sequences of one story (new ones,
+        found by their prefix, forked, cropped, freed): room_for of one sequence is whether
+        extending it succeeds; room_for of each pool, whether forward_rows takes a batch of
+        sequences of both pools and a KVCache; a refusal changes nothing; and
+        room_for_sequence and could_hold are whether a new sequence then holds so many."""
+        import batched
+        story = TOK.encode(STORIES[0])
+        whole = filled_cache(story)
+        rng = random.Random(0)
+        for trial in range(150):
+            pools = [paged.BlockPool(PARAMS, rng.randint(1, 8), rng.choice((1, 2, 3, 4)))
+                     for _ in range(2)]
+            live = []
+            for _ in range(6):
+                try:
+                    if live and rng.random() < 0.3:
+                        live.append(rng.choice(live).copy())
+                    else:
+                        live.append(rng.choice(pools).sequence(story[:rng.randint(0, 12)]))
+                        feed(PARAMS, live[-1], story[:rng.randint(len(live[-1]), 16)])
+                    if rng.random() < 0.3:
+                        live[-1].crop(rng.randint(0, len(live[-1])))
+                    if rng.random() < 0.2:
+                        live.pop().free()
+                except ValueError as refused:
+                    self.assertIn("out of blocks", str(refused))
+            label = f"trial {trial}"
+            for seq in live:
+                held = len(seq)
+                more = rng.randint(0, min(6, len(story) - held))
+                answer = seq.pool.room_for([(seq, more)])
+                self.assertEqual(seq.room_for(more), answer, label)
+                before = pool_snapshot(seq.pool), snapshot(seq)
+                try:
+                    seq.extend(story[held:held + more], whole.keys[held:held + more],
+                               whole.values[held:held + more])
+                    self.assertTrue(answer, f"{label}: room_for said no, extend took them")
+                except ValueError as refused:
+                    self.assertFalse(answer, f"{label}: room_for said yes, extend: {refused}")
+                    assert_equal(self, (pool_snapshot(seq.pool), snapshot(seq)), before, label)
+            batch = [seq for seq in live if rng.random() < 0.7 and len(seq) < len(story)]
+            items = [(seq, story[p], p) for seq in batch
+                     for p in range(len(seq), min(len(seq) + rng.randint(1, 3), len(story)))]
+            items.append((filled_cache(story[:3]), story[3], 3))
+            answer = all(pool.room_for([(seq, sum(s is seq for s, _, _ in items))
+                                        for seq in batch if seq.pool is pool])
+                         for pool in pools)
+            before = [pool_snapshot(pool) for pool in pools], [snapshot(s) for s in batch]
+            try:
+                batched.forward_rows(PARAMS, items)
+                self.assertTrue(answer, f"{label}: room_for said no, forward_rows took them")
+            except ValueError as refused:
+                self.assertFalse(answer, f"{label}: room_for said yes, forward_rows: {refused}")
+                assert_equal(self, ([pool_snapshot(pool) for pool in pools],
+                                    [snapshot(s) for s in batch]), before, label)
+            for seq in live:
+                seq.free()
+            pool, ids = pools[0], story[:rng.randint(0, 12)]
+            positions = rng.randint(len(ids), len(story))
+
+            def holds(new):
+                """Whether the new sequence takes the story's first positions (then freed)."""
+                try:
+                    feed(PARAMS, new, story[:positions])
+                    return True
+                except ValueError as refused:
+                    self.assertIn("out of blocks", str(refused))
+                    return False
+                finally:
+                    new.free()
+            self.assertEqual(pool.room_for_sequence(ids, positions), holds(pool.sequence(ids)),
+                             f"{label}: room_for_sequence({len(ids)} ids, {positions})")
+            self.assertEqual(pool.could_hold(positions), holds(pool.sequence()),
+                             f"{label}: could_hold({positions})")
+
+
 if __name__ == "__main__":
     unittest.main()
 
