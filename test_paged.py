@@ -9,6 +9,7 @@ import unittest
 from unittest import mock
 
 import layers
+import batched
 import model
 import paged
 import prefill
@@ -402,11 +403,11 @@ class RoomHasOneOwner(unittest.TestCase):
         extending it succeeds; room_for of each pool, whether forward_rows takes a batch of
         sequences of both pools and a KVCache; a refusal changes nothing; and
         room_for_sequence and could_hold are whether a new sequence then holds so many."""
-        import batched
         story = TOK.encode(STORIES[0])
         whole = filled_cache(story)
-        rng = random.Random(0)
-        for trial in range(150):
+
+        def trial(number):
+            rng = random.Random(number)
             pools = [paged.BlockPool(PARAMS, rng.randint(1, 8), rng.choice((1, 2, 3, 4)))
                      for _ in range(2)]
             live = []
@@ -423,20 +424,20 @@ class RoomHasOneOwner(unittest.TestCase):
                         live.pop().free()
                 except ValueError as refused:
                     self.assertIn("out of blocks", str(refused))
-            label = f"trial {trial}"
+            label = f"trial {number}"
             for seq in live:
                 held = len(seq)
                 more = rng.randint(0, min(6, len(story) - held))
                 answer = seq.pool.room_for([(seq, more)])
                 self.assertEqual(seq.room_for(more), answer, label)
-                before = pool_snapshot(seq.pool), snapshot(seq)
+                before = support.pool_snapshot(seq.pool), snapshot(seq)
                 try:
                     seq.extend(story[held:held + more], whole.keys[held:held + more],
                                whole.values[held:held + more])
                     self.assertTrue(answer, f"{label}: room_for said no, extend took them")
                 except ValueError as refused:
                     self.assertFalse(answer, f"{label}: room_for said yes, extend: {refused}")
-                    assert_equal(self, (pool_snapshot(seq.pool), snapshot(seq)), before, label)
+                    assert_equal(self, (support.pool_snapshot(seq.pool), snapshot(seq)), before, label)
             batch = [seq for seq in live if rng.random() < 0.7 and len(seq) < len(story)]
             items = [(seq, story[p], p) for seq in batch
                      for p in range(len(seq), min(len(seq) + rng.randint(1, 3), len(story)))]
@@ -444,13 +445,13 @@ class RoomHasOneOwner(unittest.TestCase):
             answer = all(pool.room_for([(seq, sum(s is seq for s, _, _ in items))
                                         for seq in batch if seq.pool is pool])
                          for pool in pools)
-            before = [pool_snapshot(pool) for pool in pools], [snapshot(s) for s in batch]
+            before = [support.pool_snapshot(pool) for pool in pools], [snapshot(s) for s in batch]
             try:
                 batched.forward_rows(PARAMS, items)
                 self.assertTrue(answer, f"{label}: room_for said no, forward_rows took them")
             except ValueError as refused:
                 self.assertFalse(answer, f"{label}: room_for said yes, forward_rows: {refused}")
-                assert_equal(self, ([pool_snapshot(pool) for pool in pools],
+                assert_equal(self, ([support.pool_snapshot(pool) for pool in pools],
                                     [snapshot(s) for s in batch]), before, label)
             for seq in live:
                 seq.free()
@@ -471,10 +472,7 @@ class RoomHasOneOwner(unittest.TestCase):
                              f"{label}: room_for_sequence({len(ids)} ids, {positions})")
             self.assertEqual(pool.could_hold(positions), holds(pool.sequence()),
                              f"{label}: could_hold({positions})")
-
-
-if __name__ == "__main__":
-    unittest.main()
+        support.check_random_cases(self, 60, trial)
 
 
 if __name__ == "__main__":
