@@ -45,9 +45,8 @@ def save_cache(cache, path):
     signature of the weights they were computed with and one of their own content,
     atomically."""
     if not (isinstance(cache, KVCache) and cache.stores_exactly):
-        raise ValueError(f"save_cache saves a KVCache or a paged sequence, or another cache "
-                         f"whose keys and values are exact and complete, got "
-                         f"{type(cache).__name__}")
+        raise ValueError(f"save_cache saves a cache whose keys and values are exact and "
+                         f"complete (stores_exactly), and a {type(cache).__name__}'s are not")
     tokens, keys, values = cache.tokens, cache.keys, cache.values
     record = {"format": CACHE_FORMAT, "weights": weights_signature(cache.params),
               "content": content_signature(tokens, keys, values),

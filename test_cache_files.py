@@ -127,7 +127,8 @@ class CacheFiles(unittest.TestCase):
             cache_files.load_cache(PARAMS, os.path.join(self.folder.name, "missing.json"))
         with self.assertRaisesRegex(ValueError, "params must be a dict"):
             cache_files.weights_signature(None)
-        with self.assertRaisesRegex(ValueError, "saves a KVCache or a paged sequence"):
+        with self.assertRaisesRegex(ValueError, "exact and complete .stores_exactly., and a "
+                                                "WindowCache's are not"):
             cache_files.save_cache(lossy.WindowCache(PARAMS, 8), self.path)
         for path, fragment in ((None, "a file name is needed"), (5, "a file name is needed"),
                                (self.folder.name + os.sep, "it names a folder")):

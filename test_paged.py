@@ -258,8 +258,9 @@ class Paged(unittest.TestCase):
         full blocks under the tokens they and the blocks before them hold."""
         stories = [tuple(TOK.encode(story)) for story in STORIES[:4]]
         reference = {story: filled_cache(list(story)) for story in stories}
-        rng = random.Random(0)
-        for trial in range(100):
+
+        def trial(number):
+            rng = random.Random(number)
             pool = paged.BlockPool(PARAMS, rng.randint(3, 16), rng.choice((1, 2, 3, 4)))
             live = []                                    # [sequence, its story]
             for _ in range(20):
@@ -281,7 +282,7 @@ class Paged(unittest.TestCase):
                         live.remove(pair)
                 except ValueError as refused:
                     self.assertIn("out of blocks", str(refused))
-                label = f"trial {trial}, after {operation}"
+                label = f"trial {number}, after {operation}"
                 for seq, story in live:
                     held, whole = len(seq), reference[story]
                     assert_equal(self, (seq.tokens, seq.keys, seq.values),
@@ -301,6 +302,7 @@ class Paged(unittest.TestCase):
                                      (prefix, list(prefix[first:]),
                                       reference[story].keys[first:len(prefix)]),
                                      f"{label}: an indexed block")
+        support.check_random_cases(self, 100, trial)
 
     def assert_refused(self, pool, attempt, fragment):
         """attempt raises a ValueError naming fragment, and the pool is as it was."""

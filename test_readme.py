@@ -79,9 +79,13 @@ def mismatch(shown, printed, source="the command"):
     return None
 
 
-PARTS = (("the lesson (Part 1)", "### 1. ", "## Part 2"), ("Part 2", "## Part 2", "## Part 3"),
-         ("Part 3", "## Part 3", "## Part 4"), ("Part 4", "## Part 4", "## Reference"),
-         ("the Reference", "## Reference", "### References"))
+def parts(text):
+    """(name in the table of times, first heading, the heading after it) for the lesson,
+    each "## Part N" of text and the Reference."""
+    headings = re.findall(r"^## (Part \d+)", text, re.M)
+    starts = ["### 1. ", *(f"## {part}" for part in headings), "## Reference"]
+    names = ["the lesson (Part 1)", *headings, "the Reference"]
+    return list(zip(names, starts, starts[1:] + ["### References"]))
 
 
 def prose_words(text, start="### 1. ", end="## Part 2"):
@@ -169,7 +173,7 @@ def length_problems(text):
     if words > 2500:
         problems.append(f"the lesson (sections 1 to 14, without code, tables and formulas) "
                         f"has {words:,} words, more than 2,500")
-    for part, start, end in PARTS:
+    for part, start, end in parts(text):
         words = len(prose_words(text, start, end))
         row = re.search(rf"\n\| {re.escape(part)}[^|\n]* \| [^|\n]* \| ([^|\n]*) \| "
                         rf"(\d+ to \d+) minutes", text)

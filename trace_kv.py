@@ -29,7 +29,7 @@ import cache_files
 import context_shift
 import deep_model
 import figures
-import kv_cache
+import lesson
 import lossy
 import model
 import paged
@@ -43,7 +43,6 @@ from kv_cache import KVCache, feed, generate_cached, work   # trace_kv.work: the
 from stories import openings, split_stories, story_ids
 
 TRACE, TIMES = "kv-trace.json", "kv-time.json"
-PARTS = 4
 DURATION = "about 35 s on 2 cores, 60 s on 1"   # measured on the lab's 2-core machine
 
 
@@ -64,11 +63,11 @@ def each_opening(lab):
 
 
 STAGES = (
-    Stage(1, "runs", kv_cache.both_generators, cases=each_opening,
-          gather=kv_cache.gather_runs, record=None),
-    Stage(1, "lesson", kv_cache.lesson_figures, ("runs",), record="top"),
-    Stage(1, "prefix_sharing", kv_cache.share_prefixes, ("runs",)),
-    Stage(1, "sums_in_another_order", kv_cache.reordered_sums),
+    Stage(1, "runs", lesson.both_generators, cases=each_opening,
+          gather=lesson.gather_runs, record=None),
+    Stage(1, "lesson", lesson.lesson_figures, ("runs",), record="top"),
+    Stage(1, "prefix_sharing", lesson.share_prefixes, ("runs",)),
+    Stage(1, "sums_in_another_order", lesson.reordered_sums),
     Stage(2, "one_pass_prefill", prefill.experiment, ("runs",)),
     Stage(2, "paged", paged.experiment, ("runs",)),
     Stage(2, "ladder", lossy.ladder_rung, ("runs",), cases=range(len(lossy.RUNGS)),
@@ -83,6 +82,7 @@ STAGES = (
     Stage(4, "deep_models", deep_model.experiment),
     Stage(4, "rotary", context_shift.experiment),
 )
+PARTS = max(stage.part for stage in STAGES)
 
 
 def run(full_timing=False, folder=LAB, progress=None, workers=None, stories=None,
@@ -232,7 +232,7 @@ def seconds_by_length(params, tok, repeats=2):
     runs of each, taken in turns, so that a busy moment of the machine counts less."""
     never_ends = never_ending(params, tok)
     seconds = []
-    for length in kv_cache.LENGTHS:
+    for length in lesson.LENGTHS:
         uncached = cached = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
