@@ -100,6 +100,10 @@ DERIVED = {
     "cached_row_cost": lambda r, t: _against(t["cached_microseconds_per_row"],
                                              t["uncached_microseconds_per_row"], "about what",
                                              "less than", "more than"),
+    "fsum_share_of_a_row": lambda r, t: (
+        "Most of a row is the correctly rounded sums" if t["forward_step_over_its_fsum_calls"] < 2
+        else f"The correctly rounded sums are "
+             f"{1 / t['forward_step_over_its_fsum_calls']:.0%} of a row"),
     "cpython_over_8_byte_floats": lambda r, t: round(t["cache_bytes_full_context"]
                                                      / t["cache_bytes_as_8_byte_floats"], 1),
     "rows_saved_by_sharing": lambda r, t: (r["prefix_sharing"]["prompt_rows_without_sharing"]
