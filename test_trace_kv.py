@@ -47,7 +47,7 @@ def _start_the_run():
         _RUN["process"] = subprocess.Popen(
             [sys.executable, os.path.join(HERE, "trace_kv.py"), "--json"],
             stdout=_RUN["out"], stderr=_RUN["err"])
-        atexit.register(_RUN["process"].kill)   # if unittest stops early
+        atexit.register(_RUN["process"].terminate)   # if unittest stops early: its workers too
 
 
 def _the_run():
@@ -76,7 +76,7 @@ class TheRecord(unittest.TestCase):
             skip_unless_sound("every Part")
         except unittest.SkipTest:
             if _RUN:
-                _RUN["process"].kill()   # its record would only repeat what the layer says
+                _RUN["process"].terminate()   # its record would only repeat what the layer says
             raise
         cls.record = _the_run()
 
