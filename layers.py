@@ -3,6 +3,9 @@ layers it builds on (LAYERS), each with a quick check of its own, run at most on
 test run. A test module names its layer in its set-up (set_up): if a layer under it is
 wrong, its tests skip with one line naming that layer and the command that shows why, so
 that one mistake gives one verdict, from the layer it is in.
+
+Each check imports its Part's module itself, when it runs: a Part that cannot even be
+imported (a syntax error) is then that layer's verdict, and the layers beside it run.
 """
 import os
 import random
@@ -144,16 +147,21 @@ def _batched():
 
 
 def _serving():
-    """Four requests served from a pool that preempts give generate_cached's results."""
+    """Requests served from a pool that preempts, and one whose whole prompt the pool
+    holds from an earlier request (blocks of 1), give generate_cached's results."""
     import paged
     import serving
-    requests = [{"prompt": prompt, "max_new_tokens": 12} for prompt in OPENINGS[:3]] + [
-        {"prompt": OPENINGS[3], "max_new_tokens": 12, "temperature": 1.0, "seed": 3}]
-    served, counts = serving.serve(PARAMS, TOK, requests, paged.BlockPool(PARAMS, 14, 4), 4)
-    for index, (request, result) in enumerate(zip(requests, served)):
-        if result != kv_cache.generate_cached(PARAMS, TOK, **request):
-            return (f"request {index} ({request}) came back as {result['text']!r}, not "
-                    f"generate's (with {counts['preemptions']} preemptions)")
+    runs = (([{"prompt": prompt, "max_new_tokens": 12} for prompt in OPENINGS[:3]]
+             + [{"prompt": OPENINGS[3], "max_new_tokens": 12, "temperature": 1.0, "seed": 3}],
+             paged.BlockPool(PARAMS, 14, 4), 4),
+            ([{"prompt": OPENINGS[0], "max_new_tokens": 4}] * 2, paged.BlockPool(PARAMS, 40, 1), 1))
+    for requests, pool, max_batch in runs:
+        served, counts = serving.serve(PARAMS, TOK, requests, pool, max_batch)
+        for index, (request, result) in enumerate(zip(requests, served)):
+            if result != kv_cache.generate_cached(PARAMS, TOK, **request):
+                return (f"request {index} ({request}) came back as {result['text']!r}, not "
+                        f"generate's (blocks of {pool.block_size}, {counts['preemptions']} "
+                        f"preemptions, {counts['prefix_hits']} prefix hits)")
     return None
 
 

@@ -12,11 +12,13 @@ import random
 import sys
 import tempfile
 import unittest
+from unittest import mock
 
+import generate
 import kv_cache
 import model
 from generate import load_trained, never_ending
-from instruments import recording, where_raised
+from instruments import plant, recording, where_raised
 from kv_cache import KVCache, feed
 from stories import openings, split_stories, story_ids
 
@@ -199,7 +201,6 @@ def assert_same_generation(test, params, prompt, settings, generator=None, uncac
     """kv_cache.generate_cached(...) (or another generator) == generate(...) for these
     settings (uncached: generate's result, if already at hand), or a failure saying where
     the stories part and which value of which row differs."""
-    import generate
     uncached = uncached or generate.generate(params, TOK, prompt, **settings)
     generator = generator or kv_cache.generate_cached   # looked up now: a test may patch it
     cached = generator(params, TOK, prompt, **settings, **cached_only)
@@ -336,8 +337,6 @@ def assert_each_mistake_is_caught(test, module, name, mistakes, difference):
     """Plant each of mistakes (what it is -> a planting for instruments.plant) in turn in
     the real module.name, and assert that difference(), None when nothing differs, finds
     one while it stands; a mistake whose planting site an edit removed is skipped, named."""
-    from unittest import mock
-    from instruments import plant
     for mistake, planting in mistakes.items():
         planted = plant(module, name, planting)
         with test.subTest(mistake=mistake):
