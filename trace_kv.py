@@ -37,12 +37,12 @@ import prefill
 import serving
 import speculative
 from checkpoint import LAB, add_folder_flag, positive_int, run_command, write_atomically
+from figures import FULL_RECORD, TIMES, TRACE, summary   # as trace_kv's, for its users
 from generate import generate, load_trained, never_ending
 from instruments import replaced, where_raised
 from kv_cache import KVCache, feed, generate_cached, work   # trace_kv.work: the contract
 from stories import openings, split_stories, story_ids
 
-TRACE, TIMES = "kv-trace.json", "kv-time.json"
 DURATION = "about 35 s on 2 cores, 60 s on 1"   # measured on the lab's 2-core machine
 
 
@@ -288,40 +288,6 @@ def _dumps(data):
     return json.dumps(data, indent=2) + "\n"
 
 
-def summary(record, timing):
-    """The run for a person: the exactness verdicts, the work saved, the speed-up."""
-    every, work_done = record["every_row_of_every_story"], record["work"]
-    stories = record["stories"]
-
-    def verdict(ok):
-        return "yes" if ok else "NO"
-    lines = [
-        "Exactness",
-        f"  every row's logits equal, bit for bit: "
-        f"{verdict(every['largest_logit_gap'] == 0.0)} (largest gap "
-        f"{every['largest_logit_gap']!r} over {every['positions']:,} positions of "
-        f"{every['stories']} stories)",
-        f"  greedy stories identical:  {verdict(record['greedy_identical'] == stories)} "
-        f"({record['greedy_identical']} of {stories})",
-        f"  sampled stories identical: {verdict(record['sampled_identical'] == stories)} "
-        f"({record['sampled_identical']} of {stories}, temperature 1.0)",
-        f"Work, over the {stories} greedy stories ({record['generated_tokens']} tokens "
-        f"generated)",
-        f"  {'':18}{'without the cache':>18}{'with it':>10}{'ratio':>9}",
-        f"  {'rows':18}{work_done['uncached_rows']:>18,}{work_done['cached_rows']:>10,}"
-        f"{record['rows_ratio']:>8}x",
-        f"  {'attention scores':18}{work_done['uncached_scores']:>18,}"
-        f"{work_done['cached_scores']:>10,}{record['scores_ratio']:>8}x",
-    ]
-    if timing:
-        lines += [
-            "Time, this run (it varies; the ratio measured side by side is what to compare)",
-            f"  {'60 greedy stories':18}{timing['uncached_seconds']:>16.3f} s"
-            f"{timing['cached_seconds']:>8.3f} s{timing['speedup']:>8}x faster "
-            f"(rows ratio {record['rows_ratio']}x)"]
-    return "\n".join(lines) + "\n"
-
-
 def save_records(record, timing, folder=LAB):
     """Write kv-trace.json and kv-time.json in folder, each atomically, and the figures of
     the README there (if folder has one) from them: the names of the files written."""
@@ -421,7 +387,7 @@ def main(argv=None):
             sys.exit(f"trace_kv.py: {trace} differs from this run in: {', '.join(differ)}")
         print(f"{trace} matches this run")
     elif not args.json:
-        print(f"The full record: {trace} (or python3 trace_kv.py --json)")
+        print(FULL_RECORD.format(trace))
 
 
 if __name__ == "__main__":
