@@ -17,6 +17,7 @@ separated (20,509), a float 4 significant digits (0.0 as 0.0), a bool yes or no.
 """
 import ast
 import difflib
+import functools
 import inspect
 import os
 import re
@@ -343,7 +344,8 @@ def _indented(stories):
     return [f"    {story.rstrip(chr(10))}" for story in stories]
 
 
-def the_row_side_by_side(r=None, t=None):
+@functools.lru_cache(maxsize=None)   # of the code alone: the same in a run
+def the_row_side_by_side():
     """model.forward's two loops over positions against kv_cache.forward_step after its
     checks, as a diff generated from their real source: the lines they share, and those
     that differ (what each keeps, where the keys and values come from)."""
@@ -359,11 +361,12 @@ def the_row_side_by_side(r=None, t=None):
     one_position = body_lines(kv_cache.forward_step, step.body[after_checks:])
     diff = list(difflib.unified_diff(for_each_position, one_position, lineterm="",
                                      n=len(one_position)))
-    return ["```diff", "--- model.forward: the body of its loops, for each position",
-            "+++ kv_cache.forward_step: after its checks, for one position", *diff[3:], "```"]
+    return ("```diff", "--- model.forward: the body of its loops, for each position",
+            "+++ kv_cache.forward_step: after its checks, for one position", *diff[3:], "```")
 
 
-def block_table_diagram(r=None, t=None):
+@functools.lru_cache(maxsize=None)
+def block_table_diagram():
     """Section 16's picture, from a real pool of blocks of 4: one prompt fed, then a
     second that begins like it."""
     from generate import load_trained
@@ -389,10 +392,11 @@ def block_table_diagram(r=None, t=None):
     lines.append("    end")
     for name, seq in zip("AB", sequences):
         lines += [f"    {name} --> P{block}" for block in seq.table]
-    return lines + ["```"]
+    return (*lines, "```")
 
 
-def serving_timeline(r=None, t=None):
+@functools.lru_cache(maxsize=None)
+def serving_timeline():
     """Section 19's picture, from a real run of serving.serve: four openings, batches of
     up to four, a pool of 16 blocks of 4. One line per request, one character per step:
     P admitted (its tokens prefilled), . a decode row, x preempted, - waiting, * finished."""
@@ -416,7 +420,7 @@ def serving_timeline(r=None, t=None):
                       else " " if finished else "-")
             finished = finished or "finished" in happened
         lines.append(f"{prompt:<{max(map(len, prompts))}}  {marks.rstrip()}")
-    return ["```text", *lines, "```"]
+    return ("```text", *lines, "```")
 
 
 BLOCKS = {
@@ -430,6 +434,7 @@ BLOCKS = {
         r["story_quality"]["greedy"]["stories_with_a_wrong_pronoun"]),
     "right_where_only_the_name_tells": lambda r, t: _indented(
         r["story_quality"]["greedy"]["first_three_right_where_only_the_name_tells"]),
-    "the_row_side_by_side": the_row_side_by_side, "block_tables": block_table_diagram,
-    "serving_timeline": serving_timeline,
+    "the_row_side_by_side": lambda r, t: list(the_row_side_by_side()),
+    "block_tables": lambda r, t: list(block_table_diagram()),
+    "serving_timeline": lambda r, t: list(serving_timeline()),
 }
