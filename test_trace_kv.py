@@ -206,8 +206,8 @@ class FailingStage(unittest.TestCase):
     def test_a_stage_that_raises_is_named_with_its_part_and_where_it_raised(self):
         def broken(lab):
             return model.check_int("chunk size", 0, 1)
-        stages = tuple(stage._replace(function=broken) if stage.name == "sums_in_another_order"
-                       else stage for stage in trace_kv.STAGES)
+        stages = tuple(stage._replace(function=broken) for stage in trace_kv.STAGES
+                       if stage.name == "sums_in_another_order")   # the only stage run
         with mock.patch.object(trace_kv, "STAGES", stages), \
                 self.assertRaises(trace_kv.StageFailed) as failed:
             trace_kv.run(workers=1, stories=1, parts=1)
