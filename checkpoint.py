@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import signal
+import stat
 import sys
 import tempfile
 import time
@@ -132,9 +133,15 @@ def write_atomically(path, text):
 
 
 def read_json(path, fmt, what):
-    """The JSON object in path, refusing, with the file's name, a file that is not UTF-8
-    JSON of format fmt: too large, too deeply nested, or a number beyond Python's limit."""
+    """The JSON object in path, refusing, with the file's name, what is not a regular
+    file (a folder; a named pipe, which would block) or not UTF-8 JSON of format fmt (any
+    object, for fmt None): too large, too deeply nested, or a number beyond Python's
+    limit. A missing file raises FileNotFoundError."""
     path = file_path(path)
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file (a pipe or a device)"
+        raise ValueError(f"{path}: {kind}, so not {what}")
     with open(path, "rb") as f:
         raw = f.read(MAX_BYTES + 1)
     if len(raw) > MAX_BYTES:
@@ -148,8 +155,9 @@ def read_json(path, fmt, what):
     except (ValueError, RecursionError) as e:   # a 5,000-digit number; [[[[...]]]]
         raise ValueError(f"{path}: not {what} ({type(e).__name__}: "
                          f"{str(e)[:120] or 'nested too deeply'})") from None
-    if not isinstance(data, dict) or data.get("format") != fmt:
-        raise ValueError(f"{path}: not {what} (expected \"format\": \"{fmt}\")")
+    if not isinstance(data, dict) or (fmt is not None and data.get("format") != fmt):
+        wanted = "a JSON object" if fmt is None else f"expected \"format\": \"{fmt}\""
+        raise ValueError(f"{path}: not {what} ({wanted})")
     return data
 
 

@@ -368,6 +368,21 @@ class ReadJson(CheckpointTestCase):
                     self.assertIn(fragment, str(refused.exception))
 
 
+    def test_what_is_not_a_regular_file_is_refused_before_it_is_opened(self):
+        """A folder, and a named pipe, which open() would wait on for ever."""
+        pipe = os.path.join(self.folder, "pipe.json")
+        kinds = [(self.folder, "a folder")]
+        if hasattr(os, "mkfifo"):   # not on Windows
+            os.mkfifo(pipe)
+            kinds.append((pipe, "not a regular file"))
+        for path, fragment in kinds:
+            for load in (lambda: checkpoint.load(path, CONFIG, SIGNATURE),
+                         lambda: Tokenizer.load(path)):
+                with self.subTest(path=path), self.assertRaises(ValueError) as refused:
+                    load()
+                self.assertIn(f"{path}: {fragment}", str(refused.exception))
+
+
 class QuietExits(unittest.TestCase):
     """Ctrl-C and a closed pipe end every command of the lab without a traceback."""
 

@@ -243,10 +243,10 @@ class RecordFiles(unittest.TestCase):
             path = os.path.join(folder, trace_kv.TRACE)
             with self.assertRaisesRegex(ValueError, "cannot read .*--write"):
                 trace_kv.read_record(path)
-            for text in ("{ not json", "[1, 2]", "\xff"):
+            for text in ("{ not json", "[1, 2]", "\xff", "[" * 100_000 + "]" * 100_000):
                 with open(path, "w", encoding="latin-1") as f:
                     f.write(text)
-                with self.subTest(text=text), self.assertRaisesRegex(ValueError, "--write"):
+                with self.subTest(text=text[:20]), self.assertRaisesRegex(ValueError, "--write"):
                     trace_kv.read_record(path)
         record = {"stories": 60, "greedy_identical": 60, "work": {"cached_rows": 5}}
         changed = dict(record, greedy_identical=59, work={"cached_rows": 6}, extra=1)

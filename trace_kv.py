@@ -36,7 +36,8 @@ import paged
 import prefill
 import serving
 import speculative
-from checkpoint import LAB, add_folder_flag, positive_int, run_command, write_atomically
+from checkpoint import (LAB, add_folder_flag, positive_int, read_json, run_command,
+                        write_atomically)
 from figures import FULL_RECORD, TIMES, TRACE, summary   # as trace_kv's, for its users
 from generate import generate, load_trained, never_ending
 from instruments import replaced, where_raised
@@ -310,14 +311,9 @@ def read_record(path):
     folder = os.path.dirname(os.path.abspath(path))
     write = "python3 trace_kv.py --write" + ("" if folder == LAB else f" --folder {folder}")
     try:
-        with open(path, encoding="utf-8") as f:
-            recorded = json.load(f)
+        return read_json(path, None, "a record of trace_kv.py")
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot read {path} ({e}); run {write} to record it") from None
-    if not isinstance(recorded, dict):
-        raise ValueError(f"{path} does not hold a record (a JSON object); "
-                         f"run {write} to record it")
-    return recorded
 
 
 def differing_keys(record, recorded):
