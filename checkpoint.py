@@ -8,6 +8,7 @@ through write_atomically (a temporary file beside the target, then a rename, so 
 leaves either the old file or the new one); the lab's files are found in its own folder,
 wherever the command runs from; and Ctrl-C or a closed pipe end a command quietly.
 """
+import contextlib
 import hashlib
 import json
 import os
@@ -84,6 +85,7 @@ def run_command(main):
 
 MAX_BYTES = 16 * 1024 * 1024   # far more than any file of the lab (best.json: 150 kB)
 STALE_SECONDS = 10             # a temporary file left this long is a killed save's
+NAME_MAX = 255                 # the longest file name most file systems take
 
 
 def file_path(path):
@@ -100,18 +102,22 @@ def file_path(path):
 def write_atomically(path, text):
     """Write text to path through a temporary file beside it and a rename; never a
     half-written file. The temporary file is named after the target
-    (.NAME.tmp-XXXX.part): a save interrupted by Ctrl-C or a termination removes its own,
-    and one killed outright leaves it for the next save of the same file to remove."""
+    (.NAME.tmp-XXXX.part, NAME a hash of a name too long to lengthen): a save interrupted
+    by Ctrl-C or a termination removes its own, and one killed outright leaves it for the
+    next save of the same file to remove."""
     path = file_path(path)
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"cannot write {path}: the folder {folder} does not exist")
     if os.path.isdir(path):
         raise ValueError(f"cannot write {path}: it is a folder")
-    prefix = f".{os.path.basename(path)}.tmp-"
-    for name in os.listdir(folder):
-        stale = os.path.join(folder, name)
-        if name.startswith(prefix) and name.endswith(".part") \
+    name = os.path.basename(path)
+    if len(name.encode("utf-8")) > NAME_MAX - 20:   # the temporary name adds 20 at most
+        name = hashlib.sha256(name.encode("utf-8")).hexdigest()[:16]
+    prefix = f".{name}.tmp-"
+    for entry in os.listdir(folder):
+        stale = os.path.join(folder, entry)
+        if entry.startswith(prefix) and entry.endswith(".part") \
                 and time.time() - os.path.getmtime(stale) > STALE_SECONDS:
             os.unlink(stale)
     try:
@@ -126,7 +132,8 @@ def write_atomically(path, text):
         os.chmod(tmp, 0o644)   # mkstemp makes it private; the lab's files are for reading
         os.replace(tmp, path)
     except BaseException as failed:
-        os.unlink(tmp)
+        with contextlib.suppress(FileNotFoundError):   # an interrupt just after the rename
+            os.unlink(tmp)
         if isinstance(failed, OSError) and failed.strerror:
             raise OSError(failed.errno, f"cannot write {path}: {failed.strerror}") from None
         raise

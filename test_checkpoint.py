@@ -368,6 +368,27 @@ class ReadJson(CheckpointTestCase):
                     self.assertIn(fragment, str(refused.exception))
 
 
+    def test_an_interrupt_just_after_the_rename_is_what_the_caller_sees(self):
+        real = os.replace
+
+        def renamed_then_interrupted(source, target):
+            real(source, target)
+            raise KeyboardInterrupt
+        with mock.patch("checkpoint.os.replace", renamed_then_interrupted), \
+                self.assertRaises(KeyboardInterrupt):
+            checkpoint.write_atomically(self.path, "the new text\n")
+        self.assertEqual(os.listdir(self.folder), ["best.json"])
+        with open(self.path, encoding="utf-8") as f:
+            self.assertEqual(f.read(), "the new text\n")
+
+    def test_a_name_as_long_as_the_file_system_takes_is_written(self):
+        path = os.path.join(self.folder, "c" * (checkpoint.NAME_MAX - 5) + ".json")
+        for text in ("first\n", "second\n"):
+            checkpoint.write_atomically(path, text)
+        self.assertEqual(os.listdir(self.folder), [os.path.basename(path)])
+        with open(path, encoding="utf-8") as f:
+            self.assertEqual(f.read(), "second\n")
+
     def test_what_is_not_a_regular_file_is_refused_before_it_is_opened(self):
         """A folder, and a named pipe, which open() would wait on for ever."""
         pipe = os.path.join(self.folder, "pipe.json")
