@@ -36,8 +36,10 @@ def check_settings(temperature, top_k, vocab_size):
     """Raise ValueError unless temperature is a finite number >= 0 and top_k is None or
     an int from 1 to vocab_size."""
     if not (model.is_int(temperature) or isinstance(temperature, float)) \
-            or not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+            or abs(temperature) > sys.float_info.max or not math.isfinite(temperature) \
+            or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got "
+                         f"{model.excerpt(temperature)}")
     if top_k is not None:
         model.check_int("top_k", top_k, 1, vocab_size, " (or None)")
 
@@ -51,8 +53,12 @@ def next_token_probs(logits, temperature, top_k):
         return [1.0 if i == best else 0.0 for i in range(len(logits))]
     kept = range(len(logits)) if top_k is None else \
         sorted(range(len(logits)), key=lambda i: -logits[i])[:top_k]
+    scaled = [logits[i] / temperature for i in kept]
+    if not all(map(math.isfinite, scaled)):
+        raise ValueError(f"temperature {temperature!r} is too small for these scores: divided "
+                         f"by it, a score goes beyond a float's range (0 is greedy)")
     probs = [0.0] * len(logits)
-    for i, p in zip(kept, model.softmax_row([logits[i] / temperature for i in kept])):
+    for i, p in zip(kept, model.softmax_row(scaled)):
         probs[i] = p
     return probs
 

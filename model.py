@@ -8,6 +8,7 @@ forward pass bit for bit. The backward pass at the end is what training uses.
 """
 import math
 import random
+import reprlib
 from collections import namedtuple
 from math import fsum
 from operator import mul
@@ -140,6 +141,14 @@ def softmax_row(scores):
 
 # ---- checks every entry point shares ------------------------------------------------
 
+def excerpt(value):
+    """value as a message quotes it: short, however large it is (an int of 400 digits, a
+    list nested a thousand deep)."""
+    if is_int(value) and value.bit_length() > 160:   # Python refuses to print 4,300 digits
+        return f"an int of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+    return reprlib.repr(value)
+
+
 def is_int(value):
     """value is an int, and not a bool (to Python, True and False are the ints 1 and 0)."""
     return isinstance(value, int) and not isinstance(value, bool)
@@ -150,13 +159,13 @@ def check_int(name, value, low, high=None, why=""):
     "{name} must be an int ..., got {value!r}"; why, if given, follows the range."""
     if not is_int(value) or value < low or (high is not None and value > high):
         span = f">= {low}" if high is None else f"from {low} to {high}"
-        raise ValueError(f"{name} must be an int {span}{why}, got {value!r}")
+        raise ValueError(f"{name} must be an int {span}{why}, got {excerpt(value)}")
 
 
 def check_token_id(token_id, what="token ID"):
     """Refuse anything but an int from 0 to VOCAB_SIZE - 1 (a bool is not a token ID)."""
     if not is_int(token_id) or not 0 <= token_id < VOCAB_SIZE:
-        raise ValueError(f"{what} {token_id!r} is outside the vocabulary "
+        raise ValueError(f"{what} {excerpt(token_id)} is outside the vocabulary "
                          f"(ints 0 to {VOCAB_SIZE - 1})")
 
 

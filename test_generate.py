@@ -223,13 +223,23 @@ class GenerateTest(unittest.TestCase):
         self.assertEqual(calls, [])
 
     def test_bad_temperature_is_refused(self):
-        for temperature in (-0.1, math.nan, math.inf, -math.inf, "1", True, None):
-            with self.subTest(temperature=temperature):
+        for temperature in (-0.1, math.nan, math.inf, -math.inf, "1", True, None, 10 ** 400):
+            with self.subTest(temperature=model.excerpt(temperature)):
                 self.assert_refused(temperature=temperature)
                 with self.assertRaises(ValueError):
                     generate.check_settings(temperature, None, 96)
         generate.check_settings(0, None, 96)
         generate.check_settings(2.5, 96, 96)
+        generate.check_settings(10 ** 300, 96, 96)   # an int a float can hold
+
+    def test_a_temperature_too_small_for_the_scores_is_refused_naming_it(self):
+        """Divided by 5e-324, a score of 1 is beyond a float: the softmax has nothing to
+        work with (random.choices would say only "Total of weights must be finite")."""
+        with self.assertRaisesRegex(ValueError, "temperature 5e-324 is too small for these "
+                                                "scores"):
+            generate.next_token_probs([1.0, 0.5, -2.0], 5e-324, None)
+        self.assertEqual(generate.next_token_probs([1.0, 0.5, -2.0], 1e-300, None),
+                         [1.0, 0.0, 0.0])   # small, but the scores divided by it are floats
 
     def test_bad_top_k_is_refused(self):
         for top_k in (0, -1, 97, True, 2.5, "3"):
