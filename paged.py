@@ -12,6 +12,7 @@ from kv_cache import KVCache, feed, generate_cached
 from stories import story_ids
 
 BLOCK_SIZES = (4, 8, 16)   # the experiment's block sizes, positions per block
+MAX_BLOCKS = 100_000       # a pool makes its blocks at once: a billion would fill the memory
 
 
 class Block:
@@ -41,8 +42,8 @@ class BlockPool:
 
     def __init__(self, params, blocks, block_size):
         model.check_shapes(params)
-        model.check_int("blocks", blocks, 1)
-        model.check_int("block_size", block_size, 1)
+        model.check_int("blocks", blocks, 1, MAX_BLOCKS, " (each is made with the pool)")
+        model.check_int("block_size", block_size, 1, model.CONTEXT, " (the model's positions)")
         self.params = params
         self.columns = model.columns(params)
         self.block_size = block_size

@@ -373,9 +373,12 @@ class Paged(unittest.TestCase):
         for attempt in (lambda: forward_step(PARAMS, seq, 5, 0), lambda: feed(PARAMS, seq, [5]),
                         seq.copy, lambda: seq.crop(0), lambda: seq.extend([5], [[0.0]], [[0.0]])):
             self.assert_refused(pool, attempt, "this sequence was freed")
-        for blocks, size in ((0, 4), (3, 0), (3, 2.0), (True, 4), (3, None)):
+        for blocks, size in ((0, 4), (3, 0), (3, 2.0), (True, 4), (3, None), (10 ** 9, 4),
+                             (3, model.CONTEXT + 1)):
             with self.subTest(blocks=blocks, block_size=size):
-                with self.assertRaisesRegex(ValueError, "must be an int >= 1"):
+                with self.assertRaisesRegex(ValueError, r"must be an int from 1 to \d+ \((each "
+                                                        r"is made with the pool|the model's "
+                                                        r"positions)\), got"):
                     paged.BlockPool(PARAMS, blocks, size)
 
 

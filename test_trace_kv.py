@@ -266,6 +266,7 @@ class RecordFiles(unittest.TestCase):
     def test_unknown_flags_are_usage_errors(self):
         for script, flag in (("trace_kv.py", "--chek"), ("trace_kv.py", "--check --write"),
                              ("trace_kv.py", "--workers 0"), ("trace_kv.py", "--workers two"),
+                             ("trace_kv.py", "--workers 100000"),
                              ("train.py", "--epochs")):
             with self.subTest(script=script, flag=flag):
                 done = subprocess.run([sys.executable, os.path.join(HERE, script),

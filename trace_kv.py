@@ -44,6 +44,7 @@ from instruments import replaced, where_raised
 from kv_cache import KVCache, feed, generate_cached, work   # trace_kv.work: the contract
 from stories import openings, split_stories, story_ids
 
+MAX_WORKERS = 64   # the largest stage has 60 cases
 DURATION = "about 40 s on 2 cores, 75 s on 1"   # measured on the lab's 2-core machine
 
 
@@ -96,6 +97,7 @@ def run(full_timing=False, folder=LAB, progress=None, workers=None, stories=None
     this process alone. progress(stage, done, total), if given, is told each stage done."""
     progress = progress or (lambda stage, done, total: None)
     workers = workers or os.cpu_count() or 1
+    model.check_int("workers", workers, 1, MAX_WORKERS, " (each process loads the lab)")
     stages = [stage for stage in STAGES if stage.part <= parts]
     start = time.perf_counter()
     lab = _load(folder, stories)
@@ -352,12 +354,17 @@ def main(argv=None):
     mode.add_argument("--write", action="store_true", help=f"rewrite {TRACE} and {TIMES}")
     parser.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1,
                         help="processes to share the experiments (default: one per core, "
-                             f"{os.cpu_count() or 1} here); the record is the same for any")
+                             f"{os.cpu_count() or 1} here; at most {MAX_WORKERS}, since each "
+                             "loads the lab and the stages keep no more busy); the record "
+                             "is the same for any")
     parser.add_argument("--part", type=int, choices=range(1, PARTS + 1), default=PARTS,
                         help="run only the stages of Parts 1 to PART (1: the lesson's alone); "
                              "--check then compares only the keys those stages record")
     add_folder_flag(parser)
     args = parser.parse_args(argv)
+    if args.workers > MAX_WORKERS:
+        parser.error(f"--workers {args.workers}: at most {MAX_WORKERS} (each process loads "
+                     f"the lab, and the stages keep no more than that busy)")
     if args.write and args.part != PARTS:
         parser.error(f"--write records every Part: leave out --part {args.part}")
     trace = _shown(os.path.join(args.folder, TRACE))
