@@ -22,8 +22,8 @@ import sys
 
 from instruments import largest_gap
 from model import (CONTEXT, VOCAB_SIZE, WIDTH, add, band, causal, check_ids, check_int,
-                   check_mask, check_shape, check_token_id, dot, is_int, layernorm, linear,
-                   relu, softmax_row)
+                   check_mask, check_shape, check_token_id, check_values, dot, is_int,
+                   layernorm, linear, relu, softmax_row)
 
 
 BASE = 10000.0   # of the rotary angles
@@ -120,7 +120,8 @@ def param_shapes(shape):
 
 def check_params(params):
     """Refuse anything but params of a consistent shape, as init_params makes them: a
-    shape that init_params accepts, and every matrix and vector of that shape."""
+    shape that init_params accepts, and every matrix and vector of that shape, holding
+    finite floats no larger than model.MAX_WEIGHT (as model.check_params refuses)."""
     if not isinstance(params, dict) or not isinstance(params.get("shape"), dict) \
             or set(params["shape"]) != {"layers", "heads", "kv_heads", "width", "positions"}:
         raise ValueError("params must be deep_model.init_params(...)'s: a dict with a "
@@ -141,11 +142,14 @@ def check_params(params):
     for name, dims in wanted.items():
         if name != "blocks":
             check_shape(params[name], dims, name)
+            check_values(name, params[name] if len(dims) == 2 else [params[name]])
     for layer, (block, dims) in enumerate(zip(params["blocks"], wanted["blocks"])):
         if not isinstance(block, dict) or set(block) != set(dims):
             raise ValueError(f"params: blocks[{layer}] must hold {sorted(dims)}")
         for name, wanted_dims in dims.items():
-            check_shape(block[name], wanted_dims, f"blocks[{layer}][{name!r}]")
+            where = f"blocks[{layer}][{name!r}]"
+            check_shape(block[name], wanted_dims, where)
+            check_values(where, block[name] if len(wanted_dims) == 2 else [block[name]])
 
 
 def forward(params, ids, mask=causal):

@@ -19,6 +19,7 @@ WIDTH = 16
 HIDDEN = 64           # MLP hidden width
 EPS = 1e-5            # layer-norm epsilon
 SCALE = 1 / math.sqrt(WIDTH)
+MAX_WEIGHT = 1e30     # beyond it a row's sums (of up to six weights multiplied) could overflow
 
 SHAPES = {
     "tok_emb": (VOCAB_SIZE, WIDTH), "pos_emb": (CONTEXT, WIDTH),
@@ -60,13 +61,23 @@ def check_shape(value, shape, name):
 
 
 def check_params(params):
-    """Refuse params of the wrong shape or holding anything but finite floats."""
+    """Refuse params of the wrong shape, or holding anything but finite floats of at most
+    MAX_WEIGHT in size."""
     check_shapes(params)
     for name in SHAPES:
-        for r in _rows(params, name):
-            if set(map(type, r)) != {float} or not all(map(math.isfinite, r)):
-                bad = next(v for v in r if type(v) is not float or not math.isfinite(v))
-                raise ValueError(f"params: {name} holds {bad!r}, not a finite float")
+        check_values(name, _rows(params, name))
+
+
+def check_values(name, rows):
+    """Refuse rows (lists of numbers) holding anything but floats no larger than
+    MAX_WEIGHT: with weights beyond it, a row's sums of products could overflow a float."""
+    for r in rows:
+        if set(map(type, r)) != {float} or not all(abs(v) <= MAX_WEIGHT for v in r):
+            bad = next(v for v in r if type(v) is not float or not abs(v) <= MAX_WEIGHT)
+            if type(bad) is float and math.isfinite(bad):
+                raise ValueError(f"params: {name} holds {bad!r}, larger than {MAX_WEIGHT:g}: "
+                                 f"a row's sums of weights that large could overflow a float")
+            raise ValueError(f"params: {name} holds {excerpt(bad)}, not a finite float")
 
 
 def init_params(seed):

@@ -17,8 +17,8 @@ from bpe import Tokenizer
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIG = {"width": 16, "hidden": 64, "seed": 3, "learning_rate": 0.01, "epochs": 2}
 SIGNATURE = "0123456789abcdef"
-AWKWARD_FLOATS = [0.1 + 0.2, 1e-300, -2.5e17, 1 / 3, -0.0, 5e-324, 1.7976931348623157e308,
-                  2.0 ** 0.5, -1e-5]
+AWKWARD_FLOATS = [0.1 + 0.2, 1e-300, -2.5e17, 1 / 3, -0.0, 5e-324, 1e30, 2.0 ** 99,
+                  2.0 ** 0.5, -1e-5]   # 1e30: the largest weight a checkpoint takes
 
 
 class CheckpointTestCase(unittest.TestCase):
@@ -200,6 +200,13 @@ class TestLoadRefuses(CheckpointTestCase):
     def test_load_refuses_an_integer_too_large_for_a_float(self):
         self.rewrite_record(lambda record: record["params"]["b2"].__setitem__(0, 10 ** 400))
         self.assert_load_refused("b2")
+
+    def test_load_refuses_a_weight_so_large_that_a_row_s_sums_could_overflow(self):
+        """1e308 is a finite float, but a row multiplies weights: OverflowError in fsum."""
+        for bad in (1e308, -1.0000000000000001e30 * 2):
+            with self.subTest(bad=bad):
+                self.rewrite_record(lambda record: record["params"]["Wq"][2].__setitem__(5, bad))
+                self.assert_load_refused("params: Wq holds", "larger than 1e+30")
 
     def test_load_refuses_a_file_that_is_not_utf8(self):
         self.save_good_checkpoint()

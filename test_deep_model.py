@@ -213,6 +213,13 @@ class Refusals(unittest.TestCase):
         rotary = deep_model.init_params(1, 4, 2, 16, 0, "rotary")
         without_positions = dict(good, shape={name: value for name, value in good["shape"].items()
                                               if name != "positions"})
+        holding = {}   # params holding a value that is not a weight the lab takes
+        for label, bad in (("nan", float("nan")), ("True", True), ("'x'", "x"),
+                           ("1e+308", 1e308)):
+            holding[label] = copy.deepcopy(good)
+            holding[label]["blocks"][0]["Wq"][3][1] = bad
+        holding["tok_emb"] = copy.deepcopy(good)
+        holding["tok_emb"]["tok_emb"][5][0] = float("inf")
         for params, fragment in ((lesson, "params must be deep_model.init_params"),
                                  (None, "params must be deep_model.init_params"),
                                  (without_positions, "params must be deep_model.init_params"),
@@ -226,7 +233,12 @@ class Refusals(unittest.TestCase):
                                   "positions must be .* got None"),
                                  (three_heads, "width 16 must be a multiple of heads 3"),
                                  (short_key, r"blocks\[0\]\['Wk'\] must have shape 16 x 8"),
-                                 (one_layer_short, "blocks must be a list of 2 blocks")):
+                                 (one_layer_short, "blocks must be a list of 2 blocks"),
+                                 (holding["nan"], r"blocks\[0\]\['Wq'\] holds nan, not a finite"),
+                                 (holding["True"], r"blocks\[0\]\['Wq'\] holds True, not a "),
+                                 (holding["'x'"], r"blocks\[0\]\['Wq'\] holds 'x', not a "),
+                                 (holding["1e+308"], r"holds 1e\+308, larger than 1e\+30"),
+                                 (holding["tok_emb"], "tok_emb holds inf, not a finite float")):
             with self.subTest(fragment=fragment):
                 for attempt in (lambda: deep_model.forward(params, [1, 2]),
                                 lambda: deep_model.DeepCache(params)):
