@@ -205,6 +205,7 @@ class DeepCache:
 
     def __init__(self, params, mask=causal):
         check_params(params)
+        check_mask(mask, 0)   # that it is a function; what it gives, at each step
         self.params, self.mask = params, mask
         self.block_columns, self.out_columns = _columns(params)
         self.tokens = []

@@ -216,16 +216,22 @@ def band(window, sinks=0):
 
 
 def check_mask(mask, positions, start=0):
-    """Refuse a mask that gives a position (from start to positions - 1) nothing to attend
-    to, or a position it cannot attend to: mask(i) must be a non-empty part of 0..i. The
-    causal mask is 0..i itself, so it is not looked at."""
+    """Refuse a mask that is not a function of a position, or that gives a position (from
+    start to positions - 1) nothing to attend to, or anything but positions it can attend
+    to: mask(i) must be a non-empty list (or range) of ints from 0 to i. The causal mask
+    is 0..i itself, so it is not looked at."""
+    if not callable(mask):
+        raise ValueError(f"mask must be a function of a position, such as model.causal or "
+                         f"model.band(8), got {excerpt(mask)}")
     if mask is causal:
         return
     for i in range(start, positions):
-        attended = list(mask(i))
-        if not attended or not set(attended) <= set(range(i + 1)):
-            raise ValueError(f"mask({i}) gives {attended!r}: position {i} must attend to "
-                             f"at least one of positions 0 to {i}, and to no other")
+        attended = mask(i)
+        if not isinstance(attended, (list, tuple, range)) or not attended \
+                or not all(is_int(j) and 0 <= j <= i for j in attended):
+            raise ValueError(f"mask({i}) gives {excerpt(attended)}: position {i} must attend "
+                             f"to at least one of positions 0 to {i} (a list of ints), and to "
+                             f"no other")
 
 
 def forward(params, ids, mask=causal):

@@ -253,6 +253,18 @@ class Refusals(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, r"mask\(0\) gives \[1\]"):
             deep_model.forward_step(good, cache, 5, 0)
         self.assertEqual((len(cache), [len(layer["keys"]) for layer in cache.layers]), (0, [0]))
+        for mask, fragment in ((5, "mask must be a function of a position"),
+                               (lambda i: None, r"mask\(0\) gives None"),
+                               (lambda i: [0.0], r"mask\(0\) gives \[0.0\]"),
+                               (lambda i: [[0]], r"mask\(0\) gives \[\[0\]\]"),
+                               (lambda i: [True], r"mask\(0\) gives \[True\]")):
+            for attempt in (lambda: deep_model.forward(good, [1, 2], mask),
+                            lambda: model.forward(lesson, [1, 2], mask),
+                            lambda: deep_model.forward_step(good, deep_model.DeepCache(good, mask),
+                                                            5, 0)):
+                with self.subTest(fragment=fragment), \
+                        self.assertRaisesRegex(ValueError, fragment):
+                    attempt()
         for ids, fragment in ((None, "ids must be a list"), ([], "ids is empty"),
                               ([1, 96], r"ids\[1\] = 96 is outside")):
             with self.subTest(ids=ids), self.assertRaisesRegex(ValueError, fragment):
