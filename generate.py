@@ -63,8 +63,16 @@ def next_token_probs(logits, temperature, top_k):
     return probs
 
 
+def check_tokenizer(tok):
+    """Refuse anything but a Tokenizer."""
+    if not isinstance(tok, Tokenizer):
+        raise ValueError(f"tok must be a bpe.Tokenizer (as generate.load_trained() gives), "
+                         f"got {type(tok).__name__}")
+
+
 def check_request(tok, prompt, max_new_tokens, temperature, top_k, seed):
     """The prompt's token IDs, after refusing every bad argument of generate."""
+    check_tokenizer(tok)
     check_settings(temperature, top_k, len(tok.vocab))
     if not model.is_int(seed):
         raise ValueError(f"seed must be an int, got {seed!r}")

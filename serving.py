@@ -43,6 +43,10 @@ def serve(params, tok, requests, pool, max_batch, log=None, product=exact):
     if not isinstance(pool, BlockPool) or pool.params is not params:
         raise ValueError("pool must be a BlockPool made for these params")
     model.check_int("max_batch", max_batch, 1)
+    if not callable(product):
+        raise ValueError(f"product must be a function of (rows, columns), such as "
+                         f"batched.exact, got {model.excerpt(product)}")
+    generate.check_tokenizer(tok)
     if not isinstance(requests, (list, tuple)):
         raise ValueError(f"requests must be a list of dicts, got {type(requests).__name__}")
     served = [_Served(params, tok, index, request, pool)

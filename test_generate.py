@@ -241,6 +241,12 @@ class GenerateTest(unittest.TestCase):
         self.assertEqual(generate.next_token_probs([1.0, 0.5, -2.0], 1e-300, None),
                          [1.0, 0.0, 0.0])   # small, but the scores divided by it are floats
 
+    def test_a_tokenizer_that_is_not_one_is_refused(self):
+        for tok in (None, "tokenizer.json"):
+            with self.subTest(tok=tok), self.assertRaisesRegex(ValueError,
+                                                               "tok must be a bpe.Tokenizer"):
+                generate.generate(self.params(), tok, "mia")
+
     def test_bad_top_k_is_refused(self):
         for top_k in (0, -1, 97, True, 2.5, "3"):
             with self.subTest(top_k=top_k):

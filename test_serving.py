@@ -6,6 +6,7 @@ import random
 import threading
 import unittest
 
+import batched
 import generate
 import layers
 import model
@@ -156,6 +157,10 @@ class Serve(unittest.TestCase):
                 assert_equal(self, support.pool_snapshot(pool), before, "the pool")
         with self.assertRaisesRegex(ValueError, "a BlockPool made for these params"):
             serving.serve(copy.deepcopy(PARAMS), TOK, [], pool, 1)
+        for tok, product, fragment in ((None, batched.exact, "tok must be a bpe.Tokenizer"),
+                                       (TOK, 5, "product must be a function of")):
+            with self.subTest(fragment=fragment), self.assertRaisesRegex(ValueError, fragment):
+                serving.serve(PARAMS, tok, [{"prompt": "mia"}], pool, 1, product=product)
 
     def test_blocks_held_outside_serve_are_counted_before_it_starts(self):
         """A request that only the blocks held outside could make room for is refused
