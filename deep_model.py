@@ -224,8 +224,9 @@ class DeepCache:
 
 def forward_step(params, cache, token_id, position):
     """Next-token logits for token_id at position, the next one after the cache's,
-    through every layer; appends each layer's key and value to the cache first. Refuses,
-    before computing anything, what kv_cache.forward_step refuses."""
+    through every layer; keeps the token and each layer's key and value in the cache once
+    every layer is computed. Refuses, before computing anything, what
+    kv_cache.forward_step refuses; if anything else goes wrong, the cache is unchanged."""
     if not isinstance(cache, DeepCache) or cache.params is not params:
         raise ValueError("this cache was made for different parameters; start a new "
                          "cache with DeepCache(params)")
@@ -235,26 +236,27 @@ def forward_step(params, cache, token_id, position):
         raise ValueError(f"position {position} is beyond the {CONTEXT} positions of the "
                          f"model's table")
     check_token_id(token_id)
-    check_mask(cache.mask, position + 1, position)   # before anything is kept
+    check_mask(cache.mask, position + 1, position)
     heads, d, group, scale = _heads(params["shape"])
     rotary = params["shape"]["positions"] == "rotary"
-    cache.tokens.append(token_id)
     if rotary:   # the pair from c of q or k is pair (c % d) / 2 of its head
         x0 = params["tok_emb"][token_id]
         thetas = [BASE ** (-(c % d) / d) for c in range(0, params["shape"]["width"], 2)]
     else:
         x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])
+    new = []   # each layer's key and value for this position, kept at the end
     for block, cols, layer in zip(params["blocks"], cache.block_columns, cache.layers):
         h1 = layernorm(x0, block["ln1_g"], block["ln1_b"])
         q = linear(h1, cols["Wq"])
         k = linear(h1, cols["Wk"])
         if rotary:
             q, k = rotate(q, position, thetas), rotate(k, position, thetas)
-        layer["keys"].append(k)                          # before attention: a position
-        layer["values"].append(linear(h1, cols["Wv"]))   # attends to itself too
+        v = linear(h1, cols["Wv"])
+        held_keys = layer["keys"] + [k]        # a position attends to itself too
+        held_values = layer["values"] + [v]
         attended = cache.mask(position)
-        keys = [layer["keys"][j] for j in attended]
-        values = [layer["values"][j] for j in attended]
+        keys = [held_keys[j] for j in attended]
+        values = [held_values[j] for j in attended]
         mixed = []
         for head in range(heads):
             kv = head // group                     # the key-value head it reads
@@ -267,8 +269,14 @@ def forward_step(params, cache, token_id, position):
         h2 = layernorm(x1, block["ln2_g"], block["ln2_b"])
         a = relu(add(linear(h2, cols["W1"]), block["b1"]))
         x0 = add(x1, add(linear(a, cols["W2"]), block["b2"]))
-    return add(linear(layernorm(x0, params["lnf_g"], params["lnf_b"]), cache.out_columns),
-               params["b_out"])
+        new.append((k, v))
+    logits = add(linear(layernorm(x0, params["lnf_g"], params["lnf_b"]), cache.out_columns),
+                 params["b_out"])
+    cache.tokens.append(token_id)   # every layer computed: nothing can go wrong now
+    for layer, (k, v) in zip(cache.layers, new):
+        layer["keys"].append(k)
+        layer["values"].append(v)
+    return logits
 
 
 # ---- the experiment (a stage of trace_kv.py) ---------------------------------------

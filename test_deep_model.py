@@ -119,15 +119,16 @@ class Teeth(unittest.TestCase):
                            lambda node: ast.Assign([ast.Name("q", ast.Store())],
                                                    node.value.elts[0])),
                  replacing(lambda node: isinstance(node, ast.ListComp)
-                           and ast.unparse(node.elt) == "layer['keys'][j]",
+                           and ast.unparse(node.elt) == "held_keys[j]",
                            lambda node: ast.ListComp(
-                               ast.parse("rotate(layer['keys'][j], position, thetas)",
+                               ast.parse("rotate(held_keys[j], position, thetas)",
                                          mode="eval").body, node.generators))),
-        "the query rotated by len(cache), read after the token was appended (position + 1)":
+        "the query rotated by the next position (position + 1)":
             replacing(lambda node: isinstance(node, ast.Call)
                       and ast.unparse(node).startswith("rotate(q,"),
                       lambda node: ast.Call(node.func, [node.args[0],
-                                                        ast.parse("len(cache)", mode="eval").body,
+                                                        ast.parse("position + 1",
+                                                                  mode="eval").body,
                                                         *node.args[2:]], [])),
         "the frequency index counted from the start of q, not restarted at each head":
             replacing(lambda node: isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod)
@@ -265,6 +266,15 @@ class Refusals(unittest.TestCase):
                 with self.subTest(fragment=fragment), \
                         self.assertRaisesRegex(ValueError, fragment):
                     attempt()
+        spoiled = copy.deepcopy(good)   # checked when the cache was made, spoiled after
+        cache = deep_model.DeepCache(spoiled)
+        deep_model.forward_step(spoiled, cache, 3, 0)
+        before = copy.deepcopy((cache.tokens, cache.layers))
+        spoiled["blocks"][0]["b2"][0] = "x"
+        for _ in range(2):   # a retry must not grow the cache either
+            with self.assertRaises(TypeError):
+                deep_model.forward_step(spoiled, cache, 4, 1)
+            self.assertEqual((cache.tokens, cache.layers), before)
         for ids, fragment in ((None, "ids must be a list"), ([], "ids is empty"),
                               ([1, 96], r"ids\[1\] = 96 is outside")):
             with self.subTest(ids=ids), self.assertRaisesRegex(ValueError, fragment):
