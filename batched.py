@@ -70,20 +70,26 @@ def _half(numbers):
 
 def forward_rows(params, items, product=exact):
     """Next-token logits for each item (cache, token_id, position), computed together:
-    each weight matrix applied once to every item's row, every new key and value kept
-    first, then each row attending to its own cache's positions 0..position. Items may
-    share a cache (a prompt's tokens, in order). Refuses, before anything changes, what
-    forward_step refuses, and a batch its caches have no room for."""
+    each weight matrix applied once to every item's row, each row attending to its own
+    cache's positions 0..position, the batch's new ones included. Items may share a cache
+    (a prompt's tokens, in order). Refuses, before anything changes, what forward_step
+    refuses and a batch its caches have no room for; the caches keep the new keys and
+    values only once every row is computed, so a refusal on the way (a key a cache cannot
+    store, a sum a kernel cannot hold) changes nothing either."""
     _check_items(params, items)
     cols = items[0][0].columns
     x0s = [add(params["tok_emb"][token_id], params["pos_emb"][i]) for _, token_id, i in items]
     h1s = [layernorm(x0, params["ln1_g"], params["ln1_b"]) for x0 in x0s]
     qs, ks, vs = product(h1s, cols["Wq"]), product(h1s, cols["Wk"]), product(h1s, cols["Wv"])
-    for (cache, token_id, _), k, v in zip(items, ks, vs):
-        cache.append(token_id, k, v)       # before attention: a position attends to itself
+    held = {}   # each cache's keys and values, and after them the batch's new ones
+    for (cache, _, _), k, v in zip(items, ks, vs):
+        keys, values = held.setdefault(id(cache), (list(cache.keys), list(cache.values)))
+        keys.append(cache.stored(k))       # as the cache will give it back
+        values.append(cache.stored(v))
     mixed = []
     for (cache, _, i), q in zip(items, qs):
-        keys, values = cache.keys[:i + 1], cache.values[:i + 1]   # its own positions 0..i
+        keys, values = held[id(cache)]
+        keys, values = keys[:i + 1], values[:i + 1]   # its own positions 0..i
         scores = [dot(q, k_j) * SCALE for k_j in keys]
         weights = softmax_row(scores)
         mixed.append([dot(weights, column) for column in zip(*values)])
@@ -93,7 +99,10 @@ def forward_rows(params, items, product=exact):
     x2s = [add(x1, add(m, params["b2"]))          # the MLP output plus its bias first
            for x1, m in zip(x1s, product(hidden, cols["W2"]))]
     hfs = [layernorm(x2, params["lnf_g"], params["lnf_b"]) for x2 in x2s]
-    return [add(z, params["b_out"]) for z in product(hfs, cols["W_out"])]
+    logits = [add(z, params["b_out"]) for z in product(hfs, cols["W_out"])]
+    for (cache, token_id, _), k, v in zip(items, ks, vs):
+        cache.append(token_id, k, v)   # every row computed: the caches keep what they read
+    return logits
 
 
 def _check_items(params, items):

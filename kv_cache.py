@@ -52,6 +52,8 @@ class KVCache:
                             room_for(demands) answers for several caches at once, its
                             check_room(demands) refuses, naming what is short (demands:
                             a list of (cache, more positions))
+      stored(vector)        a key or value as the cache gives it back once kept (itself,
+                            or rounded to the cache's format), refusing one it cannot keep
       keeps_every_position  whether keys and values hold every position (a window's don't)
       stores_exactly        whether they are forward_step's, exactly and every one, so
                             that a file of them loads as the same cache
@@ -74,6 +76,10 @@ class KVCache:
 
     def __len__(self):
         return len(self.keys)
+
+    def stored(self, vector):
+        """vector as the cache gives it back once kept: a list keeps it as it is."""
+        return vector
 
     def append(self, token_id, k, v):
         """Keep one more position: its token, key and value."""

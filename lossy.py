@@ -97,6 +97,10 @@ class QuantizedCache(KVCache):
     def __len__(self):
         return len(self.stored_keys)
 
+    def stored(self, vector):
+        """vector as the cache gives it back once kept: in its format, and back."""
+        return _unpack(self.format, _pack(self.format, vector))
+
     def extend(self, token_ids, keys, values):
         stored_keys = [_pack(self.format, k) for k in keys]   # all packed before any is kept
         stored_values = [_pack(self.format, v) for v in values]

@@ -13,7 +13,7 @@ import paged
 import support
 from instruments import replacing
 from kv_cache import KVCache, feed
-from lossy import WindowCache
+from lossy import QuantizedCache, WindowCache
 from support import (PARAMS, STORIES, TOK, assert_changed, assert_each_mistake_is_caught,
                      assert_same_rows)
 
@@ -100,8 +100,10 @@ class Teeth(unittest.TestCase):
             replacing(lambda node: isinstance(node, ast.Slice) and isinstance(node.upper, ast.BinOp)
                       and isinstance(node.upper.left, ast.Name) and node.upper.left.id == "i",
                       lambda node: ast.Slice(None, node.upper.left, None)),
-        "the new keys and values kept after attention instead of before":
-            lambda tree: _append_after_attention(tree),
+        "the batch's new keys and values left out of what its rows attend to":
+            replacing(lambda node: isinstance(node, ast.Expr)
+                      and ast.unparse(node).endswith(".append(cache.stored(k))"),
+                      lambda node: ast.Pass()),
         "each row mixes with the next item's query (the batch misaligned)":
             replacing(lambda node: isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                       and node.func.id == "zip" and len(node.args) == 2
@@ -114,21 +116,6 @@ class Teeth(unittest.TestCase):
         """Each makes a row differ; the real forward_rows gives none (setUpModule)."""
         assert_each_mistake_is_caught(self, batched, "forward_rows", self.MISTAKES,
                                       lambda: layers.where_batches_differ(PARAMS, [KVCache(PARAMS) for _ in IDS], IDS))
-
-
-def _append_after_attention(tree):
-    """Move forward_rows' loop that keeps the new keys and values to after the loop that
-    attends (None if either is gone)."""
-    function = tree.body[0]
-    loops = [s for s in function.body if isinstance(s, ast.For)]
-    keeping = next((s for s in loops if "append" in ast.unparse(s) and "cache" in
-                    ast.unparse(s.target)), None)
-    attending = next((s for s in loops if "softmax_row" in ast.unparse(s)), None)
-    if keeping is None or attending is None:
-        return None
-    function.body.remove(keeping)
-    function.body.insert(function.body.index(attending) + 1, keeping)
-    return tree
 
 
 class Refusals(unittest.TestCase):
@@ -156,6 +143,26 @@ class Refusals(unittest.TestCase):
         long.tokens = [0] * model.CONTEXT
         with self.assertRaisesRegex(ValueError, "beyond the 64 positions"):
             batched.forward_rows(PARAMS, [(long, 5, model.CONTEXT)])
+
+    def test_a_refusal_while_the_rows_are_computed_changes_no_cache(self):
+        """A key a float16 cache cannot store (keys 1e6 times too large), and a sum a
+        16-bit kernel cannot hold at a later product, each refused with every cache of
+        the batch (a list, a float16 cache, a paged sequence) as it was before."""
+        large_keys = dict(PARAMS, Wk=[[w * 1e6 for w in row] for row in PARAMS["Wk"]])
+        large_out = dict(PARAMS, W_out=[[w * 1e6 for w in row] for row in PARAMS["W_out"]])
+        for params, product, fragment in ((large_keys, batched.exact, "beyond float16"),
+                                          (large_out, batched.by_batch, "beyond 65504")):
+            pool = paged.BlockPool(params, 8, 4)
+            caches = [KVCache(params), QuantizedCache(params, "float16"), pool.sequence()]
+            for cache in caches[::2]:
+                feed(params, cache, IDS[0][:3])
+            before = [support.snapshot(cache) for cache in caches], support.pool_snapshot(pool)
+            items = [(cache, 5, len(cache)) for cache in caches]
+            with self.subTest(fragment=fragment), self.assertRaisesRegex(ValueError, fragment):
+                batched.forward_rows(params, items, product)
+            support.assert_equal(self, ([support.snapshot(cache) for cache in caches],
+                                        support.pool_snapshot(pool)), before,
+                                 "the caches and the pool")
 
 
 if __name__ == "__main__":

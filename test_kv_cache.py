@@ -696,7 +696,7 @@ class Protocol(unittest.TestCase):
     """The interface every cache offers, written down in KVCache's docstring."""
 
     PROTOCOL = ("params", "columns", "tokens", "keys", "values", "len", "append", "extend",
-                "copy", "crop", "free", "room_for", "room_left", "room_owner",
+                "copy", "crop", "free", "room_for", "room_left", "room_owner", "stored",
                 "keeps_every_position", "stores_exactly")
 
     def test_every_cache_offers_the_whole_documented_protocol(self):
