@@ -64,6 +64,9 @@ def serve(params, tok, requests, pool, max_batch, log=None, product=exact):
                 running.append(waiting.popleft())
                 note_peak()
                 log(counts["steps"] + 1, running[-1].index, "prefill")
+            if not running:   # and the first waiting request cannot be admitted: it never will
+                raise ValueError(f"request {waiting[0].index} cannot be admitted and nothing "
+                                 f"runs: {waiting[0].seq_room()}")
             counts["steps"] += 1
             for request in list(running):
                 request.generation.choose(request.logits)
@@ -138,6 +141,14 @@ class _Served:
         counts["recomputed_rows"] += max(0, self.computed - start)
         self.computed = max(self.computed, len(ids))
         return True
+
+    def seq_room(self):
+        """Why there is no room for this request's sequence now, in words."""
+        held = len(self.pool.blocks) - self.pool.free_blocks()
+        return (f"it needs {self.pool.blocks_to_hold(len(self.generation.ids))} blocks of "
+                f"{self.pool.block_size} positions, and the pool has {self.pool.free_blocks()} "
+                f"free ({held} of its {len(self.pool.blocks)} are held by sequences made "
+                f"outside serve, perhaps by log)")
 
     def next_item(self):
         """The token just chosen, at its position: this request's row of a decode step."""

@@ -184,6 +184,36 @@ class Serve(unittest.TestCase):
         self.assertIn("the pool has 1 free (3 of its 4 are held by sequences made outside "
                       "serve): it could never run", finished[0])
 
+    def test_a_log_that_takes_blocks_ends_the_run_with_a_refusal_not_a_wait(self):
+        """The log takes ten of the twenty blocks during the run: the second request,
+        which could have run at the start, can then never be admitted, and nothing runs
+        to free a block (serve used to loop for ever); every block serve took goes back."""
+        params = generate.never_ending(PARAMS, TOK)
+        pool, taken, finished = paged.BlockPool(params, 20, 4), [], []
+
+        def log(step, index, event):
+            if event == "prefill" and not taken:
+                taken.append(pool.sequence())
+                feed(params, taken[0], TOK.encode(STORIES[0] + STORIES[1])[:40])   # 10 blocks
+
+        def attempt():
+            try:
+                serving.serve(params, TOK, [{"prompt": "mia was sad.", "max_new_tokens": 3},
+                                            {"prompt": "tom was sad.", "max_new_tokens": 40}],
+                              pool, 1, log)
+            except ValueError as refused:
+                finished.append(str(refused))
+        thread = threading.Thread(target=attempt, daemon=True)
+        thread.start()
+        thread.join(timeout=30)
+        self.assertFalse(thread.is_alive(), "serve waits for blocks no request can free")
+        self.assertEqual(len(finished), 1)
+        self.assertRegex(finished[0], r"^request 1 cannot be admitted and nothing runs: it "
+                                      r"needs \d+ blocks of 4 positions, and the pool has 10 "
+                                      r"free \(10 of its 20 are held by sequences made outside "
+                                      r"serve, perhaps by log\)$")
+        self.assertEqual(pool.free_blocks(), 10)   # only the log's sequence holds blocks
+
     def test_requests_that_need_no_block_are_served_from_any_pool(self):
         full = TOK.decode(TOK.encode(" ".join(s.rstrip("\n") for s in STORIES))[:model.CONTEXT])
         requests = [{"prompt": "mia was sad. tom ran.", "max_new_tokens": 0},
