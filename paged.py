@@ -20,12 +20,15 @@ class Block:
     many block tables hold it; and, once it is full, its place in the prefix index: the
     tokens of every position from 0 to its end (in a model of several layers its keys
     and values depend on all of them; in the lesson's one-block model, on its own tokens
-    and positions alone)."""
+    and positions alone); and computed_by, how its keys and values were computed (None:
+    the lab's exact arithmetic; else the product of an engine's kernel, which rounds
+    otherwise), so that a block is found only by a sequence computed the same way."""
 
     def __init__(self):
         self.tokens, self.keys, self.values = [], [], []
         self.ref_count = 0
         self.prefix = None
+        self.computed_by = None
 
 
 class BlockPool:
@@ -61,26 +64,30 @@ class BlockPool:
         """Blocks no table holds: empty, or full and cached until they are needed."""
         return len(self.free_list)
 
-    def sequence(self, ids=()):
+    def sequence(self, ids=(), computed_by=None):
         """A new sequence starting with the longest run of full blocks in the pool that
-        hold the first tokens of ids (prefix reuse): feed it the rest of ids."""
+        hold the first tokens of ids and were computed as it will be (prefix reuse): feed
+        it the rest of ids. computed_by: None for the lab's exact arithmetic (forward_step,
+        prefill, batched.exact), or the product of the kernel that will compute its rows."""
         if not isinstance(ids, (list, tuple)):
             raise ValueError(f"ids must be a list of token IDs, got {type(ids).__name__}")
         if ids:
             model.check_ids(ids)
-        seq = PagedSequence(self)
-        for block_id in self.find(ids):
+        seq = PagedSequence(self, computed_by)
+        for block_id in self.find(ids, computed_by):
             self.share(block_id)
             seq.table.append(block_id)
         seq.length = len(seq.table) * self.block_size
         self.prefix_hits += len(seq.table)
         return seq
 
-    def find(self, ids):
-        """The longest run of cached full blocks holding the first tokens of ids."""
+    def find(self, ids, computed_by=None):
+        """The longest run of cached full blocks holding the first tokens of ids, computed
+        by computed_by (another kernel's keys round otherwise: never mixed in)."""
         found = []
         for end in range(self.block_size, len(ids) + 1, self.block_size):
-            holders = self.prefix_index.get(tuple(ids[:end]))
+            holders = [block_id for block_id in self.prefix_index.get(tuple(ids[:end]), ())
+                       if self.blocks[block_id].computed_by is computed_by]
             if not holders:
                 break
             # a block some table holds already, before a cached one nobody holds (which
@@ -106,11 +113,11 @@ class BlockPool:
                              f"{self.block_size} positions, {self.free_blocks()} free, and "
                              f"{blocks} more are needed; free a sequence or make a larger pool")
 
-    def room_for_sequence(self, ids, positions):
-        """Whether a new sequence for ids (pool.sequence(ids)) could then hold that many
-        positions: the blocks past its cached prefix, out of the free blocks that prefix
-        would not take back."""
-        cached = self.find(ids)
+    def room_for_sequence(self, ids, positions, computed_by=None):
+        """Whether a new sequence for ids (pool.sequence(ids, computed_by)) could then hold
+        that many positions: the blocks past its cached prefix, out of the free blocks that
+        prefix would not take back."""
+        cached = self.find(ids, computed_by)
         taken_back = sum(self.blocks[block_id].ref_count == 0 for block_id in cached)
         needed = self.blocks_to_hold(positions) - len(cached)
         return needed <= self.free_blocks() - taken_back
@@ -129,9 +136,10 @@ class BlockPool:
         model.check_int("block id", block_id, 0, len(self.blocks) - 1)
         return self.blocks[block_id]
 
-    def take(self, tokens=(), keys=(), values=()):
+    def take(self, tokens=(), keys=(), values=(), computed_by=None):
         """A free block for one table, holding copies of the given positions (at most
-        block_size); a cached block taken for it leaves the prefix index (it is evicted)."""
+        block_size), computed by computed_by; a cached block taken for it leaves the prefix
+        index (it is evicted)."""
         if not len(tokens) == len(keys) == len(values) <= self.block_size:
             raise ValueError(f"a block holds up to {self.block_size} positions, one token, "
                              f"key and value each; got {len(tokens)} tokens, {len(keys)} "
@@ -143,7 +151,7 @@ class BlockPool:
             self._unindex(block_id)
             self.evictions += 1
         block.tokens, block.keys, block.values = list(tokens), list(keys), list(values)
-        block.ref_count = 1
+        block.ref_count, block.computed_by = 1, computed_by
         return block_id
 
     def share(self, block_id):
@@ -209,10 +217,11 @@ class PagedSequence(KVCache):
     every block, the partly filled last one too, until one of them writes there: then the
     writer first takes a copy of it (copy on write). Its room is its pool's (room_owner)."""
 
-    def __init__(self, pool):
+    def __init__(self, pool, computed_by=None):
         self.pool = pool
         self.params = pool.params
         self.columns = pool.columns
+        self.computed_by = computed_by   # how its rows are computed (BlockPool.sequence)
         self.table = []        # block ids, in position order
         self.length = 0        # positions held: all of the table's blocks but the last,
         self.freed = False     # and the first length % block_size of the last (or all)
@@ -281,7 +290,8 @@ class PagedSequence(KVCache):
         if token_ids and self._room_in_last_block():
             kept, last = self._in_last_block(), pool.blocks[self.table[-1]]
             if self._last_block_is_shared():
-                copied = pool.take(last.tokens[:kept], last.keys[:kept], last.values[:kept])
+                copied = pool.take(last.tokens[:kept], last.keys[:kept], last.values[:kept],
+                                   self.computed_by)
                 pool.release(self.table[-1])
                 self.table[-1] = copied
             elif len(last.tokens) > kept:
@@ -289,7 +299,7 @@ class PagedSequence(KVCache):
         tokens = self.tokens
         for token_id, k, v in zip(token_ids, keys, values):
             if not self._room_in_last_block():
-                self.table.append(pool.take())
+                self.table.append(pool.take(computed_by=self.computed_by))
             tokens.append(token_id)
             pool.append(self.table[-1], token_id, k, v, tokens)
             self.length += 1
@@ -297,7 +307,7 @@ class PagedSequence(KVCache):
     def copy(self):
         """A fork: a new sequence holding the same blocks, each shared until written."""
         self._check_live()
-        fork = PagedSequence(self.pool)
+        fork = PagedSequence(self.pool, self.computed_by)
         fork.table, fork.length = list(self.table), self.length
         for block_id in fork.table:
             self.pool.share(block_id)

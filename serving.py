@@ -129,9 +129,10 @@ class _Served:
         blocks the pool has cached for them (never the last position: its logits are
         needed); False, with nothing changed, if the pool lacks room."""
         ids = self.generation.ids
-        if not self.pool.room_for_sequence(ids[:-1], len(ids)):
+        kernel = None if product is exact else product   # exact: forward_step's arithmetic
+        if not self.pool.room_for_sequence(ids[:-1], len(ids), kernel):
             return False
-        self.seq = self.pool.sequence(ids[:-1])
+        self.seq = self.pool.sequence(ids[:-1], kernel)
         counts["prefix_hits"] += len(self.seq.table)   # the full blocks it found cached
         start = len(self.seq)
         self.logits = forward_rows(self.params, [(self.seq, token_id, position) for position,

@@ -214,6 +214,27 @@ class Serve(unittest.TestCase):
                                       r"serve, perhaps by log\)$")
         self.assertEqual(pool.free_blocks(), 10)   # only the log's sequence holds blocks
 
+    def test_kernels_that_share_a_pool_never_share_its_blocks(self):
+        """Batch-dependent, exact and batch-invariant traffic served in turns through one
+        pool, whose prefix index holds every kernel's blocks of the same prompts: every
+        exact result is generate's, and every batch-invariant run gives what it gives on
+        a fresh pool, at every batch size (blocks were found by their tokens alone)."""
+        requests = [{"prompt": prompt, "max_new_tokens": 10, "temperature": 1.0, "seed": seed}
+                    for seed, prompt in enumerate(OPENINGS[:3] * 2)]
+        expected = [generate_cached(PARAMS, TOK, **request) for request in requests]
+        invariant, _ = serving.serve(PARAMS, TOK, requests, paged.BlockPool(PARAMS, 60, 4), 1,
+                                     product=batched.batch_invariant)
+        pool = paged.BlockPool(PARAMS, 60, 4)
+        for max_batch in (1, 3):
+            for product in (batched.by_batch, batched.exact, batched.batch_invariant):
+                results, counts = serving.serve(PARAMS, TOK, requests, pool, max_batch,
+                                                product=product)
+                with self.subTest(max_batch=max_batch, product=product.__name__):
+                    self.assertGreater(counts["prefix_hits"], 0)   # the pool did share
+                    if product is not batched.by_batch:
+                        assert_equal(self, results, expected if product is batched.exact
+                                     else invariant, "the results")
+
     def test_requests_that_need_no_block_are_served_from_any_pool(self):
         full = TOK.decode(TOK.encode(" ".join(s.rstrip("\n") for s in STORIES))[:model.CONTEXT])
         requests = [{"prompt": "mia was sad. tom ran.", "max_new_tokens": 0},
