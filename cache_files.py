@@ -58,7 +58,10 @@ def load_cache(params, path):
     """A new KVCache for params holding what save_cache wrote to path; refused, naming the
     file, if it is not a cache file of this lab, was computed with other weights (its
     keys and values would give stale logits), or is truncated or corrupted (any change to
-    its tokens, keys or values: the file carries a signature of them)."""
+    its tokens, keys or values: the file carries a signature of them). And since anyone
+    can compute that signature again, every key and value is computed again from its
+    token and position and compared with ==: a file that holds anything but what these
+    weights compute for its tokens is refused."""
     model.check_shapes(params)
     record = read_json(path, CACHE_FORMAT, "a KV cache file of this lab")
     if record.get("weights") != weights_signature(params):
@@ -74,9 +77,27 @@ def load_cache(params, path):
                    "signature differs)")
     if problem:
         raise ValueError(f"{path}: a corrupted cache file: {problem}")
+    wrong = _not_computed(params, tokens, keys, values)
+    if wrong is not None:
+        raise ValueError(f"{path}: the key or value of position {wrong} is not what these "
+                         f"weights compute for its token there; the file was edited, and "
+                         f"its signature with it")
     cache = KVCache(params)
     cache.extend(tokens, keys, values)
     return cache
+
+
+def _not_computed(params, tokens, keys, values):
+    """The first position whose key or value is not what params compute for its token
+    there, or None. In the lesson's one-block model a key and a value depend on their
+    own token and position alone: the first lines of a row, no attention, no MLP."""
+    cols = model.columns(params)
+    for position, (token_id, k, v) in enumerate(zip(tokens, keys, values)):
+        x0 = model.add(params["tok_emb"][token_id], params["pos_emb"][position])
+        h1 = model.layernorm(x0, params["ln1_g"], params["ln1_b"])
+        if model.linear(h1, cols["Wk"]) != k or model.linear(h1, cols["Wv"]) != v:
+            return position
+    return None
 
 
 def _cache_problem(tokens, keys, values):

@@ -141,6 +141,22 @@ class CacheFiles(unittest.TestCase):
                                                        f"not exist"):
             cache_files.save_cache(filled_cache([5]), nowhere)
 
+    def test_a_file_edited_with_its_signature_computed_again_is_refused(self):
+        """The content signature is no secret: a token changed, and the signature computed
+        again, would load a cache that continues otherwise than generate. Every key and
+        value is computed again from its token and position, and compared."""
+        cache_files.save_cache(filled_cache(TOK.encode(OPENINGS[1])), self.path)
+        with open(self.path, encoding="utf-8") as f:
+            record = json.load(f)
+        record["tokens"][3] = (record["tokens"][3] + 1) % 96
+        record["content"] = cache_files.content_signature(record["tokens"], record["keys"],
+                                                          record["values"])
+        with open(self.path, "w", encoding="utf-8") as f:
+            json.dump(record, f)
+        with self.assertRaisesRegex(ValueError, "the key or value of position 3 is not what "
+                                                "these weights compute for its token there"):
+            cache_files.load_cache(PARAMS, self.path)
+
     def test_a_randomly_corrupted_file_loads_exactly_or_is_refused_naming_it(self):
         """Case n changes the saved file with random.Random(n): one character replaced,
         a piece cut out, or a piece copied elsewhere. Every load gives exactly the saved
@@ -155,8 +171,19 @@ class CacheFiles(unittest.TestCase):
             nonlocal loaded_exactly, refused
             rng = random.Random(index)
             at, end = sorted(rng.randrange(len(saved)) for _ in range(2))
-            how = rng.choice(("replace", "cut", "copy"))
-            if how == "replace":
+            how = rng.choice(("replace", "cut", "copy", "re-signed"))
+            if how == "re-signed":   # a token, key or value changed, and the signature too
+                record = json.loads(saved)
+                part = rng.choice(("tokens", "keys", "values"))
+                position = rng.randrange(len(record[part]))
+                if part == "tokens":
+                    record[part][position] = (record[part][position] + 1) % 96
+                else:
+                    record[part][position][rng.randrange(16)] += rng.choice((1e-16, 0.5))
+                record["content"] = cache_files.content_signature(
+                    record["tokens"], record["keys"], record["values"])
+                text = json.dumps(record)
+            elif how == "replace":
                 text = saved[:at] + rng.choice('0123456789.,-e[]{}":ab ') + saved[at + 1:]
             elif how == "cut":
                 text = saved[:at] + saved[end:]
