@@ -66,7 +66,7 @@ def load_cache(params, path):
     record = read_json(path, CACHE_FORMAT, "a KV cache file of this lab")
     if record.get("weights") != weights_signature(params):
         raise ValueError(f"{path}: computed with other weights (signature "
-                         f"{record.get('weights')!r}, these weights are "
+                         f"{model.excerpt(record.get('weights'))}, these weights are "
                          f"{weights_signature(params)!r}): its keys and values would give "
                          f"stale logits; save the cache again with these params (python3 "
                          f"cache_files.py PROMPT --save-cache FILE)")
