@@ -70,9 +70,12 @@ class Serve(unittest.TestCase):
     def test_random_requests_pools_batches_and_a_log_that_fails(self):
         """Case n draws, from random.Random(n), up to six requests (greedy, sampled or
         top-k, 0 to 20 new tokens), blocks of 2 to 8 positions, a pool from the smallest
-        serve accepts to ample, a batch size, and in one case of two a log that raises at
-        a random event. Afterwards every block is free, and a run that ended has each
-        request's generate.generate result."""
+        serve accepts to ample, a batch size, and a kernel that serves them first, leaving
+        its blocks in the pool; then serves them again, with the exact product, and in one
+        case of three a log that raises at a random event, in another a log that takes
+        blocks of the same pool at one. Afterwards every block serve took is free, and a
+        run that ended has each request's generate.generate result (a log that took
+        blocks may leave a request that can never be admitted: then a refusal)."""
         logged = 0
 
         def check(index):
@@ -88,24 +91,37 @@ class Serve(unittest.TestCase):
             smallest = max(math.ceil((min(len(TOK.encode(r["prompt"])) + r["max_new_tokens"],
                                           model.CONTEXT) - 1) / size) for r in requests)
             pool = paged.BlockPool(PARAMS, rng.randint(max(smallest, 1), 4 * smallest + 1), size)
-            fail_at = rng.randrange(60) if index % 2 else None
-            events = []
+            kernel = rng.choice((batched.by_batch, batched.batch_invariant, batched.exact))
+            serving.serve(PARAMS, TOK, requests, pool, rng.randint(1, 6), product=kernel)
+            fails, takes = (index % 3 == 1, index % 3 == 2)
+            at, events, taken = rng.randrange(60), [], []
 
             def log(step, request, event):
                 events.append(event)
-                if len(events) == fail_at:
+                if len(events) == at and fails:
                     raise RuntimeError("the log failed")
+                if len(events) == at and takes and pool.free_blocks():
+                    taken.append(pool.sequence())
+                    positions = min(rng.randint(1, pool.free_blocks()) * size, model.CONTEXT)
+                    feed(PARAMS, taken[-1], TOK.encode(STORIES[index % 60] * 3)[:positions])
             try:
                 results, _ = serving.serve(PARAMS, TOK, requests, pool, rng.randint(1, 6), log)
             except RuntimeError:
                 logged += 1
                 results = None
+            except ValueError as refused:
+                if not (taken and "cannot be admitted and nothing runs" in str(refused)):
+                    raise
+                results = None
+            for seq in taken:
+                seq.free()
             if pool.free_blocks() != len(pool.blocks) or any(pool.ref_counts):
                 return f"{len(pool.blocks) - pool.free_blocks()} blocks still held afterwards"
             if results is not None:
                 for request, result in zip(requests, results):
                     if result != generate_cached(PARAMS, TOK, **request):
-                        return f"request {request} came back as {result['text']!r}"
+                        return (f"request {request} came back as {result['text']!r}, after "
+                                f"{kernel.__name__} traffic on the same pool")
             return None
         if len(support.check_random_cases(self, 16, check)) >= 16:
             self.assertGreater(logged, 0)   # some log did fail part-way
