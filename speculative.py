@@ -148,33 +148,36 @@ def _training_drafter(tok, corpus):
 
 
 def experiment(lab, draft, runs):
-    """generate_speculative with DRAFTS[draft] on every opening, greedy and sampled: the
-    stories identical to the uncached ones, the largest gap between the logits each token
-    was chosen with and the uncached full pass's row for the same position, the prefill
-    calls and the rows they computed (rejected ones included) against one call per
+    """generate_speculative with DRAFTS[draft] on every opening, greedy and sampled, each
+    from a cache holding the opening (fed once for both): the stories identical to the
+    uncached ones, the largest gap between the logits each token was chosen with and the
+    uncached full pass's row for the same position, the prefill calls and the rows they
+    computed after the opening (rejected ones included) against one call and one row per
     generated token, and how many drafted tokens were accepted."""
     params, tok, prompts = lab.params, lab.tok, lab.prompts
     drafter, lookahead = DRAFTS[draft]
     chosen_drafter = (_training_drafter(tok, lab.corpus) if drafter == "training stories"
                       else PromptLookup())
     counts = {"drafter": drafter, "lookahead": lookahead, "identical": 0, "model_calls": 0,
-              "model_calls_one_per_token": 0, "rows": 0, "rows_one_at_a_time": 0,
+              "model_calls_one_per_token": 0, "rows": 0, "rows_one_per_token": 0,
               "drafted": 0, "accepted": 0}
     gap = 0.0
     for index, prompt in enumerate(prompts):
+        opening = KVCache(params)   # both stories start from a copy of it
+        prefill.prefill(params, opening, tok.encode(prompt), 0)
         for settings, result, rows in (({}, runs.greedy[index], runs.greedy_rows[index]),
                                        ({"temperature": 1.0, "seed": index},
                                         runs.sampled[index], runs.sampled_rows[index])):
             with recording(generate.Generation, "choose") as choices, \
                     recording(prefill, "prefill") as calls:
                 again = generate_speculative(params, tok, prompt, lookahead=lookahead,
-                                             drafter=chosen_drafter, **settings)
+                                             drafter=chosen_drafter, cache=opening, **settings)
             story = story_ids(tok, prompt, result)
             counts["identical"] += again == result
             if again == result:
                 gap = max([gap] + [largest_gap([logits], [rows[position]])
                                    for _, position, logits in chosen_rows(choices)])
-            for call in calls[1:]:    # the first call is the prompt's
+            for call in calls[1:]:    # the first is the prompt's last token, fed again
                 _, _, token_ids, start = call.args
                 counts["drafted"] += len(token_ids) - 1
                 counts["accepted"] += next((j for j, token in enumerate(token_ids[1:])
@@ -183,6 +186,6 @@ def experiment(lab, draft, runs):
             counts["model_calls"] += len(calls)
             counts["model_calls_one_per_token"] += len(result["steps"])
             counts["rows"] += sum(len(call.args[2]) for call in calls)
-            counts["rows_one_at_a_time"] += len(story) - 1
+            counts["rows_one_per_token"] += len(result["steps"])
     counts["largest_logit_gap_of_choosing_rows"] = gap
     return counts
