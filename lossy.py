@@ -29,8 +29,8 @@ def _pack(fmt, vector):
         try:
             packed = struct.pack(f"<{len(vector)}{code}", *vector)
         except OverflowError:
-            raise ValueError(f"a number of {vector} is beyond {fmt}'s largest, {largest}; "
-                             f"use a wider format") from None
+            raise ValueError(f"a number of {model.excerpt(vector)} is beyond {fmt}'s largest, "
+                             f"{largest}; use a wider format") from None
         return (array("f", vector),) if fmt == "float32" else (packed,)
     if fmt == "int4" and len(vector) % 2:
         raise ValueError(f"int4 packs two numbers a byte, so a vector of {len(vector)} "
@@ -39,8 +39,8 @@ def _pack(fmt, vector):
     try:   # the scale is kept as a 32-bit float
         struct.pack("<f", max(map(abs, vector)) / top)
     except OverflowError:
-        raise ValueError(f"the scale of {vector} is beyond float32's largest, 3.4e38, so "
-                         f"{fmt} cannot store it; use float64") from None
+        raise ValueError(f"the scale of {model.excerpt(vector)} is beyond float32's largest, "
+                         f"3.4e38, so {fmt} cannot store it; use float64") from None
     scale = array("f", [max(map(abs, vector)) / top])
     levels = [max(-top, min(top, round(x / scale[0]))) if scale[0] else 0 for x in vector]
     if fmt == "int8":
