@@ -184,12 +184,19 @@ class Serve(unittest.TestCase):
         pool = paged.BlockPool(PARAMS, 4, 4)
         outside = pool.sequence()
         feed(PARAMS, outside, TOK.encode("mia was sad. tom")[:12])   # 3 of the 4 blocks
+        refused = self.refusal_in_time(lambda: serving.serve(
+            PARAMS, TOK, [{"prompt": "tom ran.", "max_new_tokens": 3}], pool, 1))
+        self.assertIn("the pool has 1 free (3 of its 4 are held by sequences made outside "
+                      "serve): it could never run", refused)
+
+    def refusal_in_time(self, serve):
+        """The message of the ValueError serve() raises, in a thread that must end within
+        30 s (a serve that waits for blocks no request can free never would)."""
         finished = []
 
         def attempt():
             try:
-                serving.serve(PARAMS, TOK, [{"prompt": "tom ran.", "max_new_tokens": 3}],
-                              pool, 1)
+                serve()
             except ValueError as refused:
                 finished.append(str(refused))
         thread = threading.Thread(target=attempt, daemon=True)
@@ -197,34 +204,23 @@ class Serve(unittest.TestCase):
         thread.join(timeout=30)
         self.assertFalse(thread.is_alive(), "serve waits for blocks no request can free")
         self.assertEqual(len(finished), 1)
-        self.assertIn("the pool has 1 free (3 of its 4 are held by sequences made outside "
-                      "serve): it could never run", finished[0])
+        return finished[0]
 
     def test_a_log_that_takes_blocks_ends_the_run_with_a_refusal_not_a_wait(self):
         """The log takes ten of the twenty blocks during the run: the second request,
         which could have run at the start, can then never be admitted, and nothing runs
         to free a block (serve used to loop for ever); every block serve took goes back."""
         params = generate.never_ending(PARAMS, TOK)
-        pool, taken, finished = paged.BlockPool(params, 20, 4), [], []
+        pool, taken = paged.BlockPool(params, 20, 4), []
 
         def log(step, index, event):
             if event == "prefill" and not taken:
                 taken.append(pool.sequence())
                 feed(params, taken[0], TOK.encode(STORIES[0] + STORIES[1])[:40])   # 10 blocks
-
-        def attempt():
-            try:
-                serving.serve(params, TOK, [{"prompt": "mia was sad.", "max_new_tokens": 3},
-                                            {"prompt": "tom was sad.", "max_new_tokens": 40}],
-                              pool, 1, log)
-            except ValueError as refused:
-                finished.append(str(refused))
-        thread = threading.Thread(target=attempt, daemon=True)
-        thread.start()
-        thread.join(timeout=30)
-        self.assertFalse(thread.is_alive(), "serve waits for blocks no request can free")
-        self.assertEqual(len(finished), 1)
-        self.assertRegex(finished[0], r"^request 1 cannot be admitted and nothing runs: it "
+        refused = self.refusal_in_time(lambda: serving.serve(
+            params, TOK, [{"prompt": "mia was sad.", "max_new_tokens": 3},
+                          {"prompt": "tom was sad.", "max_new_tokens": 40}], pool, 1, log))
+        self.assertRegex(refused, r"^request 1 cannot be admitted and nothing runs: it "
                                       r"needs \d+ blocks of 4 positions, and the pool has 10 "
                                       r"free \(10 of its 20 are held by sequences made outside "
                                       r"serve, perhaps by log\)$")
