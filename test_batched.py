@@ -43,14 +43,40 @@ class ExactProduct(unittest.TestCase):
 
     def test_random_models_and_batches(self):
         """Case n draws, from random.Random(n), a model (init_params with a random seed)
-        and 1 to 5 random token sequences, fed in random mixed steps."""
+        and 1 to 5 random token sequences, fed in random mixed steps; then a batch of one
+        more token for each of those caches and a float16 cache, with one flaw drawn at
+        random (a position out of order, a token outside the vocabulary, or keys a
+        million times too large for float16), which must be refused with every cache as
+        it was."""
         def check(index):
             rng = random.Random(index)
             params = model.init_params(rng.randrange(10 ** 6))
             ids = [[rng.randrange(model.VOCAB_SIZE) for _ in range(rng.randint(1, 20))]
                    for _ in range(rng.randint(1, 5))]
             caches = [KVCache(params) for _ in ids]
-            return layers.where_batches_differ(params, caches, ids, seed=index)
+            why = layers.where_batches_differ(params, caches, ids, seed=index)
+            if why:
+                return why
+            flaw = rng.choice(("position", "token", "storage"))
+            if flaw == "storage":
+                params = dict(params, Wk=[[w * 1e6 for w in row] for row in params["Wk"]])
+                caches = [support.filled_cache(own[:3], params) for own in ids]
+            caches.append(QuantizedCache(params, "float16"))
+            items = [(cache, rng.randrange(model.VOCAB_SIZE), len(cache)) for cache in caches]
+            flawed = rng.randrange(len(items))
+            cache, token_id, position = items[flawed]
+            items[flawed] = {"position": (cache, token_id, position + 1),
+                             "token": (cache, model.VOCAB_SIZE, position)}.get(flaw,
+                                                                               items[flawed])
+            before = [support.snapshot(cache) for cache in caches]
+            try:
+                batched.forward_rows(params, items)
+                return f"a batch with a flawed {flaw} was not refused"
+            except ValueError:
+                pass
+            if [support.snapshot(cache) for cache in caches] != before:
+                return f"a batch refused for its {flaw} changed a cache"
+            return None
         support.check_random_cases(self, 10, check)
 
 
