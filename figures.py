@@ -30,7 +30,7 @@ import serving
 
 README, TRACE, TIMES = "README.md", "kv-trace.json", "kv-time.json"
 FULL_RECORD = "The full record: {} (or python3 trace_kv.py --json)"
-FIGURE = re.compile(r"<!--fig ([^>]*?)-->(.*?)<!--/-->", re.S)
+FIGURE = re.compile(r"<!--fig ([^>\n]*?)-->([^<\n]*)<!--/-->")   # within one line
 BLOCK = re.compile(r"^<!--block (\w+)-->\n(.*?)(?=^$)", re.M | re.S)
 
 

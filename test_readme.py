@@ -108,8 +108,12 @@ def _line(text, at):
 def figure_problems(text, record, timing):
     """Every marked figure and block of text that is not what the record, the timing and
     the code give now, a line each (naming the README's line and both values)."""
-    problems = []
-    for found in FIGURE.finditer(text):
+    marks = list(FIGURE.finditer(text))
+    starts = {found.start() for found in marks}
+    problems = [f"line {_line(text, begun.start())}: a <!--fig mark without its <!--/--> on "
+                f"the same line" for begun in re.finditer("<!--fig ", text)
+                if begun.start() not in starts and text[begun.start() - 1] != "`"]
+    for found in marks:
         try:
             wanted = figures.figure(found[1], record, timing)
         except (KeyError, IndexError, ValueError, TypeError) as e:
