@@ -125,6 +125,11 @@ def _speed_against_rows(record, timing):
             "not every one lands below its rows ratio")
 
 
+def _deeper_grouped(record):
+    """The rotary stage's grouped-query shapes of two layers or more."""
+    return [s for s in record["rotary"]["shapes"] if s["kv_heads"] == 2 and s["layers"] > 1]
+
+
 def _against(figure, reference, close, below, above):
     """Words for how figure stands against reference: within 10% of it, or not."""
     return close if abs(figure / reference - 1) <= 0.1 else below if figure < reference else above
@@ -151,11 +156,10 @@ DERIVED = {
     "rotary_later_layers_changed": lambda r, t: ", ".join(
         str(e["continuations_changed"]) for e in r["rotary"]["against_recompute_by_layers"][1:]),
     "rotary_offset_gaps": lambda r, t: ", ".join(
-        shown(s["offset_after_other_tokens"]["largest_logit_gap"])
-        for s in r["rotary"]["shapes"] if s["kv_heads"] == 2 and s["layers"] > 1),
+        shown(s["offset_after_other_tokens"]["largest_logit_gap"]) for s in _deeper_grouped(r)),
     "rotary_offset_every": lambda r, t: "every" if all(
-        s["offset_after_other_tokens"]["continuation_changed"]
-        for s in r["rotary"]["shapes"] if s["kv_heads"] == 2 and s["layers"] > 1) else "not every",
+        s["offset_after_other_tokens"]["continuation_changed"] for s in _deeper_grouped(r))
+        else "not every",
     "last_dropped_position": lambda r, t: r["rotary"]["dropped"] - 1,
     "last_position": lambda r, t: r["rotary"]["positions"] - 1,
 }

@@ -105,7 +105,7 @@ def _lossy():
                        model.forward(PARAMS, ids, model.band(8, 2))[0], "the cache"))
 
 
-def in_batches(params, caches, ids, product=None, seed=0):
+def in_batches(params, caches, ids, seed=0):
     """Feed each cache its ids through batched.forward_rows, in steps that mix, at random
     from seed, a chunk of one cache's next tokens with one next token of each other
     cache: the rows of each cache, in position order."""
@@ -120,8 +120,7 @@ def in_batches(params, caches, ids, product=None, seed=0):
                 items.append((cache, own[position], position))
                 owners.append(index)
         if items:
-            for index, logits in zip(owners, batched.forward_rows(
-                    params, items, product or batched.exact)):
+            for index, logits in zip(owners, batched.forward_rows(params, items)):
                 rows[index].append(logits)
     return rows
 
@@ -189,15 +188,22 @@ def _cache_files():
                    snapshot(loaded), snapshot(cache), "the file")
 
 
+def deep_rows(params, ids, mask=None):
+    """The rows of a deep_model fed ids one token at a time through a new cache (with
+    mask, causal unless given), and the cache."""
+    import deep_model
+    cache = deep_model.DeepCache(params, mask or deep_model.causal)
+    return [deep_model.forward_step(params, cache, token_id, position)
+            for position, token_id in enumerate(ids)], cache
+
+
 def where_deep_rows_differ(params, ids, mask=None):
     """None if every row of a deep_model fed through its cache equals its full pass's,
     else where they first differ, in a line."""
     import deep_model
-    mask = mask or deep_model.causal
-    cache = deep_model.DeepCache(params, mask)
-    rows = [deep_model.forward_step(params, cache, token_id, position)
-            for position, token_id in enumerate(ids)]
-    return _differ("the cached rows", rows, deep_model.forward(params, ids, mask), "the cache")
+    rows, _ = deep_rows(params, ids, mask)
+    return _differ("the cached rows", rows,
+                   deep_model.forward(params, ids, mask or deep_model.causal), "the cache")
 
 
 def _deep_model():

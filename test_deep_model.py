@@ -11,7 +11,7 @@ import deep_model
 import model
 from generate import load_trained
 from instruments import replacing
-from layers import set_up, where_deep_rows_differ
+from layers import deep_rows, set_up, where_deep_rows_differ
 from support import assert_each_mistake_is_caught, check_random_cases, tear_down
 
 SHAPES = [(layers, heads, kv_heads) for layers in (1, 2, 3, 4)
@@ -21,12 +21,6 @@ SHAPES = [(layers, heads, kv_heads) for layers in (1, 2, 3, 4)
 def tokens(count, seed=0):
     rng = random.Random(seed)
     return [rng.randrange(model.VOCAB_SIZE) for _ in range(count)]
-
-
-def cached_rows(params, ids, mask=deep_model.causal):
-    cache = deep_model.DeepCache(params, mask)
-    return [deep_model.forward_step(params, cache, token_id, position)
-            for position, token_id in enumerate(ids)], cache
 
 
 def setUpModule():
@@ -66,7 +60,7 @@ class Exactness(unittest.TestCase):
             window = rng.randint(1, 8)
             mask = rng.choice((deep_model.causal, model.band(window, rng.randrange(window))))
             ids = tokens(rng.randint(1, 20), seed=index)
-            rows, cache = cached_rows(params, ids, mask)
+            rows, cache = deep_rows(params, ids, mask)
             label = (f"{layers} layers, {heads} heads, {kv_heads} kv heads, width {width}, "
                      f"{positions} positions")
             if rows != deep_model.forward(params, ids, mask):
@@ -79,7 +73,7 @@ class Exactness(unittest.TestCase):
     def test_the_cache_keeps_2_x_layers_x_kv_heads_x_head_width_numbers_per_position(self):
         for layers, heads, kv_heads in SHAPES:
             params = deep_model.init_params(layers, heads, kv_heads, 16, 0)
-            _, cache = cached_rows(params, tokens(5))
+            _, cache = deep_rows(params, tokens(5))
             with self.subTest(layers=layers, heads=heads, kv_heads=kv_heads):
                 self.assertEqual(cache.floats_per_position(),
                                  2 * layers * kv_heads * (16 // heads))
@@ -185,9 +179,9 @@ class Refusals(unittest.TestCase):
             with self.subTest(args=args), self.assertRaisesRegex(ValueError, fragment):
                 deep_model.init_params(*args)
         params = deep_model.init_params(2, 4, 2, 16, 0)
-        _, cache = cached_rows(params, tokens(3))
+        _, cache = deep_rows(params, tokens(3))
         other = deep_model.init_params(2, 4, 2, 16, 0)    # equal weights, another model
-        _, full = cached_rows(params, tokens(model.CONTEXT))
+        _, full = deep_rows(params, tokens(model.CONTEXT))
         with self.assertRaisesRegex(ValueError, "beyond the 64 positions"):
             deep_model.forward_step(params, full, 5, model.CONTEXT)
         for call, fragment in ((lambda: deep_model.forward_step(other, cache, 5, 3),

@@ -8,6 +8,7 @@ from contextlib import redirect_stderr
 from unittest import mock
 
 import layers
+import model
 import support
 from layers import Layer
 
@@ -40,7 +41,6 @@ class Cases(unittest.TestCase):
         self.assertIn("1 of 1 random cases fail; the first, case 7", message)
 
     def test_an_exception_in_a_case_is_its_failure_naming_the_lab_s_lines(self):
-        import model
         why = support.described(model.check_int, "blocks", 0, 1)
         self.assertRegex(why, r"^raised ValueError: blocks must be an int >= 1, got 0 "
                               r"\(in model\.py line \d+, check_int\)$")
