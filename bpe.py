@@ -8,11 +8,16 @@ merges in the order they were learned (by rank), so it reproduces training exact
     python3 bpe.py            retrains tokenizer.json from corpus.txt
     python3 bpe.py --check    exits non-zero if retraining would change tokenizer.json
 """
+import os
+import sys
+if __name__ == "__main__":   # first: Ctrl-C while the modules below load ends in one line
+    sys.excepthook = lambda kind, *rest: (
+        print(f"{os.path.basename(sys.argv[0])}: interrupted", file=sys.stderr)
+        if issubclass(kind, KeyboardInterrupt) else sys.__excepthook__(kind, *rest))
+
 import argparse
 import itertools
 import json
-import os
-import sys
 
 from checkpoint import add_folder_flag, lab_file, read_json, run_command, write_atomically
 from model import VOCAB_SIZE, is_int

@@ -6,12 +6,17 @@ bit for bit, and a file of other weights is refused.
     python3 cache_files.py "zoe went to the park." --save-cache zoe.json
     python3 cache_files.py "zoe went to the park." --load-cache zoe.json  (--help: flags)
 """
+import os
+import sys
+if __name__ == "__main__":   # first: Ctrl-C while the modules below load ends in one line
+    sys.excepthook = lambda kind, *rest: (
+        print(f"{os.path.basename(sys.argv[0])}: interrupted", file=sys.stderr)
+        if issubclass(kind, KeyboardInterrupt) else sys.__excepthook__(kind, *rest))
+
 import argparse
 import hashlib
 import json
 import math
-import os
-import sys
 import tempfile
 
 import checkpoint

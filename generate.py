@@ -7,10 +7,16 @@ opening at every step. kv_cache.py keeps that work instead.
 
 A prompt is lowercase letters, spaces, commas and periods: the stories' alphabet.
 """
+import os
+import sys
+if __name__ == "__main__":   # first: Ctrl-C while the modules below load ends in one line
+    sys.excepthook = lambda kind, *rest: (
+        print(f"{os.path.basename(sys.argv[0])}: interrupted", file=sys.stderr)
+        if issubclass(kind, KeyboardInterrupt) else sys.__excepthook__(kind, *rest))
+
 import argparse
 import math
 import random
-import sys
 
 import checkpoint
 import model

@@ -12,9 +12,15 @@ new row, appends its key and value to the cache, and attends over the cache.
 The lesson's experiment, the stages that trace_kv.py runs on the 60 test openings, is
 lesson.py's.
 """
+import os
+import sys
+if __name__ == "__main__":   # first: Ctrl-C while the modules below load ends in one line
+    sys.excepthook = lambda kind, *rest: (
+        print(f"{os.path.basename(sys.argv[0])}: interrupted", file=sys.stderr)
+        if issubclass(kind, KeyboardInterrupt) else sys.__excepthook__(kind, *rest))
+
 import argparse
 import copy
-import sys
 import time
 
 import checkpoint

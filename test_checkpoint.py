@@ -17,6 +17,7 @@ from bpe import Tokenizer
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIG = {"width": 16, "hidden": 64, "seed": 3, "learning_rate": 0.01, "epochs": 2}
 SIGNATURE = "0123456789abcdef"
+COMMANDS = ["bpe.py", "cache_files.py", "generate.py", "kv_cache.py", "train.py", "trace_kv.py"]
 AWKWARD_FLOATS = [0.1 + 0.2, 1e-300, -2.5e17, 1 / 3, -0.0, 5e-324, 1e30, 2.0 ** 99,
                   2.0 ** 0.5, -1e-5]   # 1e30: the largest weight a checkpoint takes
 
@@ -423,6 +424,20 @@ class QuietExits(unittest.TestCase):
             checkpoint.run_command(interrupted)
         self.assertEqual(done.exception.code, 130)
         self.assertEqual(err.getvalue(), "generate.py: interrupted\n")
+
+    def test_ctrl_c_while_a_command_loads_its_modules_ends_in_one_line(self):
+        # Every command imports argparse first; one that raises KeyboardInterrupt stands
+        # for a Ctrl-C that arrives while the command loads.
+        with tempfile.TemporaryDirectory() as folder:
+            with open(os.path.join(folder, "argparse.py"), "w", encoding="utf-8") as f:
+                f.write("raise KeyboardInterrupt\n")
+            for script in COMMANDS:   # every file with a command line
+                with self.subTest(script=script):
+                    done = subprocess.run([sys.executable, os.path.join(HERE, script)],
+                                          env={**os.environ, "PYTHONPATH": folder},
+                                          capture_output=True, text=True, timeout=60)
+                    self.assertEqual(done.stderr, f"{script}: interrupted\n")
+                    self.assertNotEqual(done.returncode, 0)
 
     def test_a_closed_pipe_ends_every_command_quietly_with_exit_code_141(self):
         # trace_kv.py and train.py take minutes to print; they end through the same

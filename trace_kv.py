@@ -15,11 +15,16 @@ kv-trace.json holds only what any machine reproduces exactly (results and counts
 kv-time.json holds wall-clock times, which vary, and is never compared. Progress goes to
 stderr, so the output stays clean when redirected.
 """
+import os
+import sys
+if __name__ == "__main__":   # first: Ctrl-C while the modules below load ends in one line
+    sys.excepthook = lambda kind, *rest: (
+        print(f"{os.path.basename(sys.argv[0])}: interrupted", file=sys.stderr)
+        if issubclass(kind, KeyboardInterrupt) else sys.__excepthook__(kind, *rest))
+
 import argparse
 import json
-import os
 import platform
-import sys
 import time
 from collections import namedtuple
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait

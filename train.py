@@ -9,12 +9,17 @@ CONFIG["seed"] draws the first weights and the order of the batches. So a rerun
 reproduces best.json byte for byte. Nothing is written before the last epoch, so an
 interrupted run (Ctrl-C) leaves best.json as it was.
 """
+import os
+import sys
+if __name__ == "__main__":   # first: Ctrl-C while the modules below load ends in one line
+    sys.excepthook = lambda kind, *rest: (
+        print(f"{os.path.basename(sys.argv[0])}: interrupted", file=sys.stderr)
+        if issubclass(kind, KeyboardInterrupt) else sys.__excepthook__(kind, *rest))
+
 import argparse
 import copy
 import math
-import os
 import random
-import sys
 import time
 
 import checkpoint
