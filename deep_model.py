@@ -15,6 +15,15 @@ each head by the angle position x 10000^(-2i/d). Adjacent pairs, as RoFormer wri
 keep the two numbers that turn together side by side; Hugging Face's Llama turns the
 halves (i, i + d/2) instead, the same model with Wq's and Wk's columns reordered. A query
 turned by i and a key turned by j meet at the angle i - j: only the distance counts.
+
+With latent= (multi-head latent attention, MLA: DeepSeek-V2, 2024, section 2.1) a layer
+keeps per position one latent vector c_kv of that width (h1 times Wdkv, layer-normed) and
+rebuilds every head's key and value from it (c_kv times Wuk and Wuv: head h's columns
+h*d ..). With rotary positions each head's key also carries a small rotary key k_r that
+all heads share, turned by its position, and its query a rotary part of its own:
+head h's query is q_h then q_r_h, its key k_h then k_r. The cache keeps c_kv and k_r only,
+and this module's forward_step rebuilds the keys and values at every step, in the full
+pass's order; latent_attention.py reads the latents directly instead.
 """
 import math
 import random
@@ -27,41 +36,44 @@ from model import (CONTEXT, VOCAB_SIZE, WIDTH, add, band, causal, check_ids, che
 
 
 BASE = 10000.0   # of the rotary angles
+SHAPE = ("layers", "heads", "kv_heads", "width", "positions", "latent", "rotary_key")
 
 
-def init_params(layers, heads, kv_heads, width, seed, positions="learned"):
+def init_params(layers, heads, kv_heads, width, seed, positions="learned", latent=None,
+                rotary_key=None):
     """Random params of this shape: per layer ln1, Wq (width x width), Wk and Wv (width x
     kv_heads * head width), Wo, ln2 and an MLP of 4 x width; embeddings and the output
-    layer as model.py's, without pos_emb if positions is "rotary". The shape, positions
-    included, is kept in params["shape"]."""
-    _check_shape(layers, heads, kv_heads, width, positions)
+    layer as model.py's, without pos_emb if positions is "rotary". With latent (an int),
+    Wdkv (width x latent), lnc and Wuk and Wuv (latent x width) instead of Wk and Wv, every
+    head its own key and value (kv_heads = heads); with rotary positions also Wqr (width
+    x heads * rotary_key) and Wkr (width x rotary_key). rotary_key defaults to half a head,
+    as DeepSeek-V2's 64 of 128 (at least 2, even); 0 turns the rebuilt keys instead. The
+    shape is kept in params["shape"]."""
+    if rotary_key is None:
+        rotary_key = max(2, width // heads // 4 * 2) if latent and positions == "rotary" else 0
+    shape = {"layers": layers, "heads": heads, "kv_heads": kv_heads, "width": width,
+             "positions": positions, "latent": latent, "rotary_key": rotary_key}
+    _check_shape(**shape)
     rng = random.Random(seed)
-    kv_width = kv_heads * (width // heads)
 
-    def matrix(rows, cols, std):
-        return [[rng.gauss(0.0, std) for _ in range(cols)] for _ in range(rows)]
-    blocks = [{"ln1_g": [1.0] * width, "ln1_b": [0.0] * width,
-               "Wq": matrix(width, width, width ** -0.5),
-               "Wk": matrix(width, kv_width, width ** -0.5),
-               "Wv": matrix(width, kv_width, width ** -0.5),
-               "Wo": matrix(width, width, width ** -0.5),
-               "ln2_g": [1.0] * width, "ln2_b": [0.0] * width,
-               "W1": matrix(width, 4 * width, width ** -0.5), "b1": [0.0] * (4 * width),
-               "W2": matrix(4 * width, width, (4 * width) ** -0.5), "b2": [0.0] * width}
-              for _ in range(layers)]
-    tok_emb = matrix(VOCAB_SIZE, width, 0.5)
-    table = {"pos_emb": matrix(CONTEXT, width, 0.5)} if positions == "learned" else {}
-    return {"shape": {"layers": layers, "heads": heads, "kv_heads": kv_heads, "width": width,
-                      "positions": positions},
-            "tok_emb": tok_emb, **table,
-            "blocks": blocks, "lnf_g": [1.0] * width, "lnf_b": [0.0] * width,
-            "W_out": matrix(width, VOCAB_SIZE, width ** -0.5), "b_out": [0.0] * VOCAB_SIZE}
+    def made(name, dims):   # a matrix of rows x columns, std 1 / sqrt(rows); g 1, b 0
+        if len(dims) == 1:
+            return [1.0 if name.endswith("_g") else 0.0] * dims[0]
+        std = 0.5 if name.endswith("_emb") else dims[0] ** -0.5
+        return [[rng.gauss(0.0, std) for _ in range(dims[1])] for _ in range(dims[0])]
+    wanted = param_shapes(shape)
+    blocks = [{name: made(name, dims) for name, dims in block.items()}
+              for block in wanted.pop("blocks")]
+    return {"shape": shape, "blocks": blocks,
+            **{name: made(name, dims) for name, dims in wanted.items()}}
 
 
-def _check_shape(layers, heads, kv_heads, width, positions):
+def _check_shape(layers, heads, kv_heads, width, positions, latent, rotary_key):
     """Refuse a shape that cannot be built: counts that are not ints >= 1, heads that do
     not divide the width, key-value heads that do not divide the heads, positions other
-    than "learned" or "rotary", or, for rotary, an odd head width."""
+    than "learned" or "rotary", or, for rotary, an odd head width; a latent that is not
+    None or an int >= 1, or shared by grouped heads; a rotary key that is not an even int
+    >= 0, or not 0 without a latent and rotary positions."""
     for name, value in (("layers", layers), ("heads", heads), ("kv_heads", kv_heads),
                         ("width", width)):
         check_int(name, value, 1)
@@ -75,21 +87,69 @@ def _check_shape(layers, heads, kv_heads, width, positions):
     if positions == "rotary" and width // heads % 2:
         raise ValueError(f"rotary positions turn pairs of numbers: the head width "
                          f"{width // heads} (width {width} / heads {heads}) must be even")
+    if latent is not None:
+        check_int("latent", latent, 1)
+        if kv_heads != heads:
+            raise ValueError(f"a latent model rebuilds a key and a value for every head: "
+                             f"kv_heads must be heads {heads}, got {kv_heads}")
+    check_int("rotary_key", rotary_key, 0)
+    if rotary_key % 2:
+        raise ValueError(f"the rotary key turns pairs of numbers: rotary_key must be even, "
+                         f"got {rotary_key}")
+    if rotary_key and (latent is None or positions != "rotary"):
+        raise ValueError("a rotary key of its own (rotary_key > 0) is for a latent model "
+                         "with rotary positions; give latent= and positions=\"rotary\", "
+                         "or rotary_key=0")
 
 
 def _columns(params):
     """Each block's matrices, and the output layer, by columns (ready for linear)."""
     def cols(matrix):
         return [list(column) for column in zip(*matrix)]
-    return ([{name: cols(block[name]) for name in ("Wq", "Wk", "Wv", "Wo", "W1", "W2")}
+    return ([{name: cols(value) for name, value in block.items() if name.startswith("W")}
              for block in params["blocks"]], cols(params["W_out"]))
 
 
 def _heads(shape):
-    """(heads, head width, query heads per key-value head, 1 / sqrt(head width))."""
-    head_width = shape["width"] // shape["heads"]
-    return (shape["heads"], head_width, shape["heads"] // shape["kv_heads"],
-            1 / math.sqrt(head_width))
+    """(heads, head width d, a head's key width (d, and the rotary key's width),
+    query heads per key-value head, 1 / sqrt(key width))."""
+    d = shape["width"] // shape["heads"]
+    d_key = d + shape["rotary_key"]
+    return shape["heads"], d, d_key, shape["heads"] // shape["kv_heads"], 1 / math.sqrt(d_key)
+
+
+def _joined(a, b, heads):
+    """Each head's part of a, then its part of b (each cut into heads equal parts)."""
+    da, db = len(a) // heads, len(b) // heads
+    return [x for h in range(heads) for x in a[h * da:(h + 1) * da] + b[h * db:(h + 1) * db]]
+
+
+def latent(h1, block, cols, position, r_thetas):
+    """What a latent layer keeps of a position: its latent c_kv (h1 times Wdkv, then its
+    layer norm) and its rotary key k_r (h1 times Wkr, turned by position; [] without)."""
+    c_kv = layernorm(linear(h1, cols["Wdkv"]), block["lnc_g"], block["lnc_b"])
+    k_r = rotate(linear(h1, cols["Wkr"]), position, r_thetas) if "Wkr" in cols else []
+    return c_kv, k_r
+
+
+def latent_query(q, h1, cols, position, thetas, r_thetas, heads):
+    """A latent layer's query from q = h1 Wq: with a rotary key, each head's q_h then its
+    rotary part (h1 times Wqr, turned by position); with rotary positions but no rotary
+    key, q turned; with learned positions, q."""
+    if "Wqr" in cols:
+        return _joined(q, rotate(linear(h1, cols["Wqr"]), position, r_thetas), heads)
+    return rotate(q, position, thetas) if thetas else q
+
+
+def rebuilt(c_kv, k_r, position, cols, thetas, heads):
+    """Every head's key and value from what a latent layer keeps of a position: c_kv
+    times Wuk, each head's part followed by k_r, and c_kv times Wuv. Without a rotary key
+    but with rotary positions, the rebuilt key is turned by its position (the coupled
+    design that latent_attention.py shows the absorbed path cannot fold)."""
+    k = linear(c_kv, cols["Wuk"])
+    if thetas and not k_r:
+        k = rotate(k, position, thetas)
+    return _joined(k, k_r * heads, heads), linear(c_kv, cols["Wuv"])
 
 
 def rotate(x, position, thetas):
@@ -104,14 +164,22 @@ def rotate(x, position, thetas):
 
 
 def param_shapes(shape):
-    """The shape of every parameter of a model of this shape (layers, heads, kv_heads,
-    width, positions): name -> (rows, columns), or (entries,) for a vector; per block
-    under "blocks". A rotary model has no pos_emb."""
+    """The shape of every parameter of a model of this shape (params["shape"]): name ->
+    (rows, columns), or (entries,) for a vector; per block under "blocks". A rotary model
+    has no pos_emb."""
     width, kv_width = shape["width"], shape["kv_heads"] * (shape["width"] // shape["heads"])
-    block = {"ln1_g": (width,), "ln1_b": (width,), "Wq": (width, width),
-             "Wk": (width, kv_width), "Wv": (width, kv_width), "Wo": (width, width),
-             "ln2_g": (width,), "ln2_b": (width,), "W1": (width, 4 * width),
-             "b1": (4 * width,), "W2": (4 * width, width), "b2": (width,)}
+    latent, rotary_key = shape["latent"], shape["rotary_key"]
+    if latent is None:
+        attention = {"Wk": (width, kv_width), "Wv": (width, kv_width)}
+    else:
+        attention = {"Wdkv": (width, latent), "lnc_g": (latent,), "lnc_b": (latent,),
+                     "Wuk": (latent, width), "Wuv": (latent, width)}
+        if rotary_key:
+            attention.update(Wqr=(width, shape["heads"] * rotary_key), Wkr=(width, rotary_key))
+    block = {"ln1_g": (width,), "ln1_b": (width,), "Wq": (width, width), **attention,
+             "Wo": (width, width), "ln2_g": (width,), "ln2_b": (width,),
+             "W1": (width, 4 * width), "b1": (4 * width,), "W2": (4 * width, width),
+             "b2": (width,)}
     table = {"pos_emb": (CONTEXT, width)} if shape["positions"] == "learned" else {}
     return {"tok_emb": (VOCAB_SIZE, width), **table,
             "blocks": [block] * shape["layers"], "lnf_g": (width,), "lnf_b": (width,),
@@ -123,9 +191,9 @@ def check_params(params):
     shape that init_params accepts, and every matrix and vector of that shape, holding
     finite floats no larger than model.MAX_WEIGHT (as model.check_params refuses)."""
     if not isinstance(params, dict) or not isinstance(params.get("shape"), dict) \
-            or set(params["shape"]) != {"layers", "heads", "kv_heads", "width", "positions"}:
-        raise ValueError("params must be deep_model.init_params(...)'s: a dict with a "
-                         "\"shape\" of layers, heads, kv_heads, width and positions")
+            or set(params["shape"]) != set(SHAPE):
+        raise ValueError(f"params must be deep_model.init_params(...)'s: a dict with a "
+                         f"\"shape\" of {', '.join(SHAPE)}")
     shape = params["shape"]
     _check_shape(**shape)
     if shape["positions"] == "rotary" and "pos_emb" in params:
@@ -159,11 +227,14 @@ def forward(params, ids, mask=causal):
     check_ids(ids)
     check_mask(mask, len(ids))
     block_cols, out_cols = _columns(params)
-    heads, d, group, scale = _heads(params["shape"])
-    rotary = params["shape"]["positions"] == "rotary"
-    if rotary:   # the pair from c of q or k is pair (c % d) / 2 of its head
+    shape = params["shape"]
+    heads, d, d_key, group, scale = _heads(shape)
+    thetas = r_thetas = []
+    if shape["positions"] == "rotary":   # the pair from c of q or k is pair (c % d) / 2 of its head
         xs = [params["tok_emb"][token_id] for token_id in ids]
-        thetas = [BASE ** (-(c % d) / d) for c in range(0, params["shape"]["width"], 2)]
+        thetas = [BASE ** (-(c % d) / d) for c in range(0, shape["width"], 2)]
+        r = shape["rotary_key"]   # and of a rotary query or key, pair (c % r) / 2
+        r_thetas = [BASE ** (-(c % r) / r) for c in range(0, heads * r, 2)]
     else:
         xs = [add(params["tok_emb"][token_id], params["pos_emb"][position])
               for position, token_id in enumerate(ids)]
@@ -172,19 +243,25 @@ def forward(params, ids, mask=causal):
         for position, x0 in enumerate(xs):
             h1 = layernorm(x0, block["ln1_g"], block["ln1_b"])
             q = linear(h1, cols["Wq"])
-            k = linear(h1, cols["Wk"])
-            if rotary:
-                q, k = rotate(q, position, thetas), rotate(k, position, thetas)
+            if shape["latent"]:   # keys and values rebuilt from what the cache would keep
+                q = latent_query(q, h1, cols, position, thetas, r_thetas, heads)
+                k, v = rebuilt(*latent(h1, block, cols, position, r_thetas), position, cols,
+                               thetas, heads)
+            else:
+                k = linear(h1, cols["Wk"])
+                if thetas:
+                    q, k = rotate(q, position, thetas), rotate(k, position, thetas)
+                v = linear(h1, cols["Wv"])
             qs.append(q)
             ks.append(k)
-            vs.append(linear(h1, cols["Wv"]))
+            vs.append(v)
         for i, x0 in enumerate(xs):
             keys, values = [ks[j] for j in mask(i)], [vs[j] for j in mask(i)]
             mixed = []
             for head in range(heads):
                 kv = head // group                     # the key-value head it reads
-                q_h = qs[i][head * d:(head + 1) * d]
-                scores = [dot(q_h, k_j[kv * d:(kv + 1) * d]) * scale for k_j in keys]
+                q_h = qs[i][head * d_key:(head + 1) * d_key]
+                scores = [dot(q_h, k_j[kv * d_key:(kv + 1) * d_key]) * scale for k_j in keys]
                 weights = softmax_row(scores)
                 mixed += [dot(weights, column)
                           for column in zip(*(v_j[kv * d:(kv + 1) * d] for v_j in values))]
@@ -197,11 +274,13 @@ def forward(params, ids, mask=causal):
 
 
 class DeepCache:
-    """The keys and values of one sequence, per layer: layers[L] holds, for each
-    position, the key and the value of layer L's kv_heads key-value heads side by side.
-    mask(i), causal unless given, is which held positions position i attends to. With
-    rotary positions a key is kept after its rotation by its own position, so a later
-    query, rotated by its own, reads it as it is; the rotation adds no number."""
+    """What one sequence keeps, per layer: layers[L]["keys"] and ["values"] hold, for
+    each position, the key and the value of layer L's kv_heads key-value heads side by
+    side; in a latent model, layers[L]["latents"] and ["rotary_keys"] hold its latent and
+    its rotary key instead. mask(i), causal unless given, is which held positions
+    position i attends to. With rotary positions a key is kept after its rotation by its
+    own position, so a later query, rotated by its own, reads it as it is; the rotation
+    adds no number."""
 
     def __init__(self, params, mask=causal):
         check_params(params)
@@ -209,7 +288,8 @@ class DeepCache:
         self.params, self.mask = params, mask
         self.block_columns, self.out_columns = _columns(params)
         self.tokens = []
-        self.layers = [{"keys": [], "values": []} for _ in params["blocks"]]
+        parts = ("latents", "rotary_keys") if params["shape"]["latent"] else ("keys", "values")
+        self.layers = [{part: [] for part in parts} for _ in params["blocks"]]
 
     def __len__(self):
         return len(self.tokens)
@@ -218,15 +298,22 @@ class DeepCache:
         """The numbers the cache keeps per position, counted in its lists."""
         if not self.tokens:
             raise ValueError("the cache holds no position yet")
-        return sum(len(vector) for layer in self.layers for part in ("keys", "values")
-                   for vector in layer[part]) / len(self)
+        return sum(len(vector) for layer in self.layers for vectors in layer.values()
+                   for vector in vectors) / len(self)
+
+    def keep(self, token_id, new):
+        """Append token_id, and to each layer's lists the vectors of new (one dict a
+        layer): once a step has computed every layer, so that nothing can fail after."""
+        self.tokens.append(token_id)
+        for layer, kept in zip(self.layers, new):
+            for part, vector in kept.items():
+                layer[part].append(vector)
 
 
-def forward_step(params, cache, token_id, position):
-    """Next-token logits for token_id at position, the next one after the cache's,
-    through every layer; keeps the token and each layer's key and value in the cache once
-    every layer is computed. Refuses, before computing anything, what
-    kv_cache.forward_step refuses; if anything else goes wrong, the cache is unchanged."""
+def check_step(params, cache, token_id, position):
+    """Refuse, before anything is computed, what kv_cache.forward_step refuses (in its
+    order): a cache made for other params, a position out of order or past the table, a
+    token outside the vocabulary; and a mask that gives the position no held positions."""
     if not isinstance(cache, DeepCache) or cache.params is not params:
         raise ValueError("this cache was made for different parameters; start a new "
                          "cache with DeepCache(params)")
@@ -237,31 +324,55 @@ def forward_step(params, cache, token_id, position):
                          f"model's table")
     check_token_id(token_id)
     check_mask(cache.mask, position + 1, position)
-    heads, d, group, scale = _heads(params["shape"])
-    rotary = params["shape"]["positions"] == "rotary"
-    if rotary:   # the pair from c of q or k is pair (c % d) / 2 of its head
+
+
+def forward_step(params, cache, token_id, position):
+    """Next-token logits for token_id at position, the next one after the cache's,
+    through every layer; keeps the token and each layer's key and value (or latent and
+    rotary key) in the cache once every layer is computed. A latent model's keys and
+    values are rebuilt from the cached latents at every step. Refuses, before computing
+    anything, what check_step refuses; if anything else goes wrong, the cache is unchanged."""
+    check_step(params, cache, token_id, position)
+    shape = params["shape"]
+    heads, d, d_key, group, scale = _heads(shape)
+    thetas = r_thetas = []
+    if shape["positions"] == "rotary":   # the pair from c of q or k is pair (c % d) / 2 of its head
         x0 = params["tok_emb"][token_id]
-        thetas = [BASE ** (-(c % d) / d) for c in range(0, params["shape"]["width"], 2)]
+        thetas = [BASE ** (-(c % d) / d) for c in range(0, shape["width"], 2)]
+        r = shape["rotary_key"]   # and of a rotary query or key, pair (c % r) / 2
+        r_thetas = [BASE ** (-(c % r) / r) for c in range(0, heads * r, 2)]
     else:
         x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])
-    new = []   # each layer's key and value for this position, kept at the end
+    attended = cache.mask(position)
+    new = []   # each layer's vectors for this position, kept at the end
     for block, cols, layer in zip(params["blocks"], cache.block_columns, cache.layers):
         h1 = layernorm(x0, block["ln1_g"], block["ln1_b"])
         q = linear(h1, cols["Wq"])
-        k = linear(h1, cols["Wk"])
-        if rotary:
-            q, k = rotate(q, position, thetas), rotate(k, position, thetas)
-        v = linear(h1, cols["Wv"])
-        held_keys = layer["keys"] + [k]        # a position attends to itself too
-        held_values = layer["values"] + [v]
-        attended = cache.mask(position)
-        keys = [held_keys[j] for j in attended]
-        values = [held_values[j] for j in attended]
+        if shape["latent"]:   # keep the latent; rebuild every attended key and value
+            q = latent_query(q, h1, cols, position, thetas, r_thetas, heads)
+            c_kv, k_r = latent(h1, block, cols, position, r_thetas)
+            held = list(zip(layer["latents"] + [c_kv], layer["rotary_keys"] + [k_r]))
+            keys, values = [], []
+            for j in attended:
+                k_j, v_j = rebuilt(*held[j], j, cols, thetas, heads)
+                keys.append(k_j)
+                values.append(v_j)
+            new.append({"latents": c_kv, "rotary_keys": k_r})
+        else:
+            k = linear(h1, cols["Wk"])
+            if thetas:
+                q, k = rotate(q, position, thetas), rotate(k, position, thetas)
+            v = linear(h1, cols["Wv"])
+            held_keys = layer["keys"] + [k]        # a position attends to itself too
+            held_values = layer["values"] + [v]
+            keys = [held_keys[j] for j in attended]
+            values = [held_values[j] for j in attended]
+            new.append({"keys": k, "values": v})
         mixed = []
         for head in range(heads):
             kv = head // group                     # the key-value head it reads
-            q_h = q[head * d:(head + 1) * d]
-            scores = [dot(q_h, k_j[kv * d:(kv + 1) * d]) * scale for k_j in keys]
+            q_h = q[head * d_key:(head + 1) * d_key]
+            scores = [dot(q_h, k_j[kv * d_key:(kv + 1) * d_key]) * scale for k_j in keys]
             weights = softmax_row(scores)
             mixed += [dot(weights, column)
                       for column in zip(*(v_j[kv * d:(kv + 1) * d] for v_j in values))]
@@ -269,13 +380,9 @@ def forward_step(params, cache, token_id, position):
         h2 = layernorm(x1, block["ln2_g"], block["ln2_b"])
         a = relu(add(linear(h2, cols["W1"]), block["b1"]))
         x0 = add(x1, add(linear(a, cols["W2"]), block["b2"]))
-        new.append((k, v))
     logits = add(linear(layernorm(x0, params["lnf_g"], params["lnf_b"]), cache.out_columns),
                  params["b_out"])
-    cache.tokens.append(token_id)   # every layer computed: nothing can go wrong now
-    for layer, (k, v) in zip(cache.layers, new):
-        layer["keys"].append(k)
-        layer["values"].append(v)
+    cache.keep(token_id, new)   # every layer computed: nothing can go wrong now
     return logits
 
 

@@ -15,18 +15,10 @@ picked by its number or by its fields (rungs.cache=int4, runs.drafter=x&lookahea
 PATH:SPEC formats the figure with that format spec; without one, an int gets its thousands
 separated (20,509), a float 4 significant digits (0.0 as 0.0), a bool yes or no.
 """
-import ast
-import difflib
 import functools
-import inspect
-import os
 import re
 
-import checkpoint
-import kv_cache
-import model
-import paged
-import serving
+import diagrams
 
 README, TRACE, TIMES = "README.md", "kv-trace.json", "kv-time.json"
 FULL_RECORD = "The full record: {} (or python3 trace_kv.py --json)"
@@ -130,6 +122,18 @@ def _deeper_grouped(record):
     return [s for s in record["rotary"]["shapes"] if s["kv_heads"] == 2 and s["layers"] > 1]
 
 
+def _latent_shapes_of(record, coupled):
+    """The latent stage's shapes: the coupled controls (rotary, no rotary key), or the rest."""
+    return [s for s in record["latent_attention"]["shapes"]
+            if (s["positions"] == "rotary" and not s["rotary_key"]) == coupled]
+
+
+def _per_position(record, timing, path):
+    """What one more attended position adds to a decode step's products on path."""
+    first, *_, last = record["latent_attention"]["work_per_step"]["steps"]
+    return (last[path] - first[path]) // (last["attended"] - first["attended"])
+
+
 def _against(figure, reference, close, below, above):
     """Words for how figure stands against reference: within 10% of it, or not."""
     return close if abs(figure / reference - 1) <= 0.1 else below if figure < reference else above
@@ -160,6 +164,16 @@ DERIVED = {
     "rotary_offset_every": lambda r, t: "every" if all(
         s["offset_after_other_tokens"]["continuation_changed"] for s in _deeper_grouped(r))
         else "not every",
+    "latent_absorbed_largest_gap": lambda r, t: max(
+        s["largest_gap_absorbed"] for s in _latent_shapes_of(r, coupled=False)),
+    "latent_control_gaps": lambda r, t: " and ".join(
+        shown(s["largest_gap_absorbed"]) for s in _latent_shapes_of(r, coupled=True)),
+    "latent_control_parts_at": lambda r, t: " and ".join(
+        str(s["continuation_parts_at"] + 1) for s in _latent_shapes_of(r, coupled=True)),
+    **{f"latent_{path}_per_position": functools.partial(_per_position, path=path)
+       for path in ("rebuilt", "absorbed", "multi-head")},
+    "deepseek_v3_ratio": lambda r, t: round(_real_models()["DeepSeek-V3"][1]
+                                            / _real_models()["DeepSeek-V3"][0]),
     "last_dropped_position": lambda r, t: r["rotary"]["dropped"] - 1,
     "last_position": lambda r, t: r["rotary"]["positions"] - 1,
 }
@@ -307,6 +321,73 @@ def _deep_shapes(r, t):
                    "the same as CPython objects"], rows)
 
 
+def _latent_shapes(r, t):
+    rows = []
+    for positions, latent, rotary_key in (("learned", 4, 0), ("learned", 8, 0), ("rotary", 4, 2),
+                                          ("rotary", 8, 2), ("rotary", 8, 0)):
+        shapes = [s for s in r["latent_attention"]["shapes"] if (s["positions"], s["latent"],
+                                                                  s["rotary_key"]) == (
+                                                                     positions, latent, rotary_key)]
+        against = shapes[0]["against"]
+        rows.append([f"{positions} positions, latent {latent}"
+                     + (f", rotary key {rotary_key}" if rotary_key else
+                        ", rebuilt keys turned (the control)" if positions == "rotary" else ""),
+                     " / ".join(f"{s['floats_per_position']:g}" for s in shapes),
+                     f"{against['multi-head']} / {against['grouped-query']} / "
+                     f"{against['multi-query']}",
+                     _bold(" / ".join(shown(s["largest_gap_rebuilt"]) for s in shapes)),
+                     " / ".join(shown(s["largest_gap_absorbed"]) for s in shapes),
+                     " / ".join("the same" if s["continuation_parts_at"] is None else
+                                f"parts at token {s['continuation_parts_at'] + 1}"
+                                for s in shapes)])
+    return _table(["latent model (4 heads of 4)", "numbers cached per position, 1 / 2 layers",
+                   "multi-head / grouped-query (2) / multi-query, 1 layer",
+                   "rebuilt keys: largest gap, 1 / 2 layers",
+                   "absorbed: largest gap, 1 / 2 layers",
+                   f"absorbed greedy continuation ({r['latent_attention']['continued']} tokens)"],
+                  rows)
+
+
+def _latent_work(r, t):
+    from latent_attention import cache_floats
+    work = r["latent_attention"]["work_per_step"]
+    shape, steps = work["shape"], work["steps"]
+    latent = (f"latent {shape['latent']} + rotary key {shape['rotary_key']} "
+              f"({cache_floats(1, 4, 4, shape['latent'], shape['rotary_key'])})")
+    return _table(["one decode step, 1 layer, 4 heads", *(f"attending to {s['attended']}"
+                                                           for s in steps)],
+                  [[label, *(shown(s[path]) for s in steps)]
+                   for path, label in (("multi-head", f"multi-head cache ({cache_floats(1, 4, 4)} "
+                                                      f"numbers a position)"),
+                                       ("multi-query", f"multi-query cache ({cache_floats(1, 1, 4)})"),
+                                       ("rebuilt", f"{latent}, keys rebuilt"),
+                                       ("absorbed", f"{latent}, absorbed"))])
+
+
+def _real_models():
+    """Each real model of latent_attention.REAL_MODELS: bytes a token, 2 a number, and
+    for a latent model the bytes of its heads' own keys and values."""
+    from latent_attention import REAL_MODELS, cache_floats
+    return {m["model"]: (2 * cache_floats(m["layers"], m.get("kv_heads"), m["head_width"],
+                                          m.get("latent"), m.get("rotary_key", 0)),
+                         m.get("latent") and 2 * cache_floats(m["layers"], m["heads"],
+                                                              m["head_width"], None,
+                                                              m["rotary_key"]))
+            for m in REAL_MODELS}
+
+
+def _real_latent_models(r, t):
+    from latent_attention import REAL_MODELS
+    rows = []
+    for m in REAL_MODELS:
+        kept, plain = _real_models()[m["model"]]
+        rows.append([m["model"], m["layers"], f"latent {m['latent']} + rotary key "
+                     f"{m['rotary_key']}" if plain else f"{m['kv_heads']} key-value heads",
+                     f"{kept:,}", f"{plain:,} ({plain / kept:.0f}x)" if plain else "—"])
+    return _table(["model", "layers", "cache", "bytes a token (2-byte numbers)",
+                   "its heads' keys and values cached instead"], rows)
+
+
 def _story_quality(r, t):
     greedy, sampled = r["story_quality"]["greedy"], r["story_quality"]["sampled"]
 
@@ -348,97 +429,20 @@ def _indented(stories):
     return [f"    {story.rstrip(chr(10))}" for story in stories]
 
 
-@functools.lru_cache(maxsize=None)   # of the code alone: the same in a run
-def the_row_side_by_side():
-    """model.forward's two loops over positions against kv_cache.forward_step after its
-    checks, as a diff generated from their real source: the lines they share, and those
-    that differ (what each keeps, where the keys and values come from)."""
-    def body_lines(function, statements):
-        lines = inspect.getsource(function).splitlines()
-        return [lines[line - 1].strip() for s in statements
-                for line in range(s.lineno, s.end_lineno + 1)]
-    forward = ast.parse(inspect.getsource(model.forward)).body[0]
-    loops = [s for s in forward.body if isinstance(s, ast.For)]
-    step = ast.parse(inspect.getsource(kv_cache.forward_step)).body[0]
-    after_checks = next(i for i, s in enumerate(step.body) if isinstance(s, ast.Assign))
-    for_each_position = body_lines(model.forward, [s for loop in loops for s in loop.body])
-    one_position = body_lines(kv_cache.forward_step, step.body[after_checks:])
-    diff = list(difflib.unified_diff(for_each_position, one_position, lineterm="",
-                                     n=len(one_position)))
-    return ("```diff", "--- model.forward: the body of its loops, for each position",
-            "+++ kv_cache.forward_step: after its checks, for one position", *diff[3:], "```")
-
-
-@functools.lru_cache(maxsize=None)
-def block_table_diagram():
-    """Section 16's picture, from a real pool of blocks of 4: one prompt fed, then a
-    second that begins like it."""
-    from generate import load_trained
-    params, tok = load_trained()
-    pool = paged.BlockPool(params, 64, 4)
-    prompts = ("mia was sad. tom gave her a hug.", "mia was tired.")
-    sequences = []
-    for prompt in prompts:
-        ids = tok.encode(prompt)
-        sequences.append(pool.sequence(ids))
-        kv_cache.feed(params, sequences[-1], ids)
-
-    def tokens(block):
-        return ", ".join("space" if tok.vocab[t] == " " else tok.vocab[t]
-                         for t in pool.blocks[block].tokens)
-    lines = ["```mermaid", "flowchart LR", '    subgraph tables["block tables"]']
-    for name, prompt, seq in zip("AB", prompts, sequences):
-        lines.append(f'        {name}["{prompt}<br/>blocks {", ".join(map(str, seq.table))}"]')
-    lines += ["    end", '    subgraph pool["BlockPool: blocks of 4 positions"]']
-    for block in sorted(set(sequences[0].table) | set(sequences[1].table)):
-        lines.append(f'        P{block}["{block}: {tokens(block)}'
-                     f'<br/>(refs {pool.ref_counts[block]})"]')
-    lines.append("    end")
-    for name, seq in zip("AB", sequences):
-        lines += [f"    {name} --> P{block}" for block in seq.table]
-    return (*lines, "```")
-
-
-@functools.lru_cache(maxsize=None)
-def serving_timeline():
-    """Section 19's picture, from a real run of serving.serve: four openings, batches of
-    up to four, a pool of 16 blocks of 4. One line per request, one character per step:
-    P admitted (its tokens prefilled), . a decode row, x preempted, - waiting, * finished."""
-    from generate import load_trained
-    from stories import openings, split_stories
-    params, tok = load_trained()
-    with open(os.path.join(checkpoint.LAB, "corpus.txt"), encoding="utf-8") as f:
-        prompts = openings(split_stories(f.read())[2])[:4]
-    events = {}
-    _, counts = serving.serve(params, tok, [{"prompt": p} for p in prompts],
-                              paged.BlockPool(params, 16, 4), 4,
-                              lambda step, index, event: events.setdefault(
-                                  (index, step), set()).add(event))
-    lines = []
-    for index, prompt in enumerate(prompts):
-        marks, finished = "", False
-        for step in range(1, counts["steps"] + 1):
-            happened = events.get((index, step), set())
-            marks += ("*" if "finished" in happened else "x" if "preempted" in happened
-                      else "P" if "prefill" in happened else "." if happened
-                      else " " if finished else "-")
-            finished = finished or "finished" in happened
-        lines.append(f"{prompt:<{max(map(len, prompts))}}  {marks.rstrip()}")
-    return ("```text", *lines, "```")
-
-
 BLOCKS = {
     "summary": _summary, "work": _work, "cost_by_length": _cost_by_length,
     "cost_chart": _cost_chart, "slots": _slots, "ladder": _ladder,
     "prefix_cache": _prefix_cache, "many_requests": _many_requests, "kernels": _kernels,
     "speculative": _speculative, "deep_shapes": _deep_shapes,
+    "latent_shapes": _latent_shapes, "latent_work": _latent_work,
+    "real_latent_models": _real_latent_models,
     "story_quality": _story_quality, "attention_on_the_name": _attention_on_the_name,
     "greedy_examples": lambda r, t: _indented(r["greedy_examples"]),
     "stories_with_a_wrong_pronoun": lambda r, t: _indented(
         r["story_quality"]["greedy"]["stories_with_a_wrong_pronoun"]),
     "right_where_only_the_name_tells": lambda r, t: _indented(
         r["story_quality"]["greedy"]["first_three_right_where_only_the_name_tells"]),
-    "the_row_side_by_side": lambda r, t: list(the_row_side_by_side()),
-    "block_tables": lambda r, t: list(block_table_diagram()),
-    "serving_timeline": lambda r, t: list(serving_timeline()),
+    "the_row_side_by_side": lambda r, t: list(diagrams.the_row_side_by_side()),
+    "block_tables": lambda r, t: list(diagrams.block_table_diagram()),
+    "serving_timeline": lambda r, t: list(diagrams.serving_timeline()),
 }

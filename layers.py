@@ -207,13 +207,49 @@ def where_deep_rows_differ(params, ids, mask=None):
 
 
 def _deep_model():
-    """Two layers of grouped-query attention, learned and rotary: cached rows == full."""
+    """Two layers of grouped-query attention, learned and rotary, and of latent attention
+    with a rotary key: cached rows == full."""
+    import deep_model
+    ids = TOK.encode(STORIES[0])[:12]
+    for label, params in (("grouped-query model with learned positions",
+                           deep_model.init_params(2, 4, 2, 16, 0)),
+                          ("grouped-query model with rotary positions",
+                           deep_model.init_params(2, 4, 2, 16, 0, "rotary")),
+                          ("latent model with a rotary key",
+                           deep_model.init_params(2, 4, 4, 16, 0, "rotary", 8))):
+        why = where_deep_rows_differ(params, ids)
+        if why:
+            return f"a 2-layer {label}: {why}"
+    return None
+
+
+ROUNDING = 1e-12   # far above the absorbed path's gaps (about 1e-15), far below a mistake's
+
+
+def where_absorbed_strays(params, ids):
+    """None if a latent model's rows read through latent_attention.absorbed_step stay
+    within ROUNDING of its full pass's, else the first position that strays, in a line."""
+    import deep_model
+    import latent_attention
+    folded, cache = latent_attention.fold(params), deep_model.DeepCache(params)
+    rows = [latent_attention.absorbed_step(folded, cache, token_id, position)
+            for position, token_id in enumerate(ids)]
+    for position, (row, full) in enumerate(zip(rows, deep_model.forward(params, ids))):
+        gap = max(abs(a - b) for a, b in zip(row, full))
+        if not gap <= ROUNDING:
+            return (f"at position {position} the absorbed path's logits are {gap:.3g} from "
+                    f"the full pass's, more than rounding ({ROUNDING:g})")
+    return None
+
+
+def _latent_attention():
+    """The absorbed path of a 2-layer latent model, learned and rotary: within rounding."""
     import deep_model
     ids = TOK.encode(STORIES[0])[:12]
     for positions in ("learned", "rotary"):
-        why = where_deep_rows_differ(deep_model.init_params(2, 4, 2, 16, 0, positions), ids)
+        why = where_absorbed_strays(deep_model.init_params(2, 4, 4, 16, 0, positions, 8), ids)
         if why:
-            return f"a 2-layer grouped-query model with {positions} positions: {why}"
+            return f"a 2-layer latent model with {positions} positions: {why}"
     return None
 
 
@@ -243,6 +279,9 @@ LAYERS = {
                         "python3 -m unittest test_deep_model", _deep_model),
     "context_shift": Layer("the context shift (context_shift.py)", ("deep_model",),
                            "python3 -m unittest test_context_shift", None),
+    "latent_attention": Layer("latent attention read in latent space (latent_attention.py)",
+                              ("deep_model",), "python3 -m unittest test_latent_attention",
+                              _latent_attention),
 }
 LAYERS["every Part"] = Layer("every Part", tuple(LAYERS), "python3 -m unittest", None)
 

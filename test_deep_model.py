@@ -43,11 +43,12 @@ class Exactness(unittest.TestCase):
 
     def test_random_shapes_masks_and_inputs(self):
         """Case n draws, from random.Random(n), 1 to 3 layers, a width of 4 to 24, heads
-        that divide it and key-value heads that divide those, learned or (for an even
+        that divide it and key-value heads that divide those (or, one case in three, a
+        latent of 1 to 12 and, if rotary, a rotary key of 0 to 6), learned or (for an even
         head width) rotary positions, a seed, 1 to 20 random tokens, and the causal mask
         or a band of 1 to 8 (with sinks): every cached row == the full pass's, and the
         cache keeps 2 x layers x kv_heads x head width numbers a position (the rotation
-        adds none)."""
+        adds none), or layers x (latent + rotary key)."""
         def check(index):
             rng = random.Random(index)
             width = rng.choice((4, 6, 8, 12, 16, 24))
@@ -55,17 +56,23 @@ class Exactness(unittest.TestCase):
             kv_heads = rng.choice([k for k in range(1, heads + 1) if heads % k == 0])
             layers = rng.randint(1, 3)
             positions = rng.choice(("learned", "rotary")) if width // heads % 2 == 0 else "learned"
+            latent, rotary_key = None, 0
+            if rng.randrange(3) == 0:
+                kv_heads, latent = heads, rng.randint(1, 12)
+                rotary_key = rng.choice((0, 2, 4, 6)) if positions == "rotary" else 0
             params = deep_model.init_params(layers, heads, kv_heads, width, rng.randrange(99),
-                                            positions)
+                                            positions, latent, rotary_key)
             window = rng.randint(1, 8)
             mask = rng.choice((deep_model.causal, model.band(window, rng.randrange(window))))
             ids = tokens(rng.randint(1, 20), seed=index)
             rows, cache = deep_rows(params, ids, mask)
             label = (f"{layers} layers, {heads} heads, {kv_heads} kv heads, width {width}, "
-                     f"{positions} positions")
+                     f"{positions} positions, latent {latent}, rotary key {rotary_key}")
             if rows != deep_model.forward(params, ids, mask):
                 return f"{label}: {where_deep_rows_differ(params, ids, mask)}"
-            if cache.floats_per_position() != 2 * layers * kv_heads * (width // heads):
+            kept = (layers * (latent + rotary_key) if latent
+                    else 2 * layers * kv_heads * (width // heads))
+            if cache.floats_per_position() != kept:
                 return f"{label}: {cache.floats_per_position()} numbers a position"
             return None
         check_random_cases(self, 30, check)

@@ -17,6 +17,7 @@ import sys
 import unittest
 import unittest.mock
 
+import diagrams
 import figures
 import trace_kv
 from figures import BLOCK, FIGURE
@@ -265,11 +266,11 @@ class Figures(unittest.TestCase):
     def test_the_pictures_show_what_their_prose_says(self):
         """Section 5: one line differs in where the keys and values come from; section
         16: the second prompt shares a block; section 19: a request is preempted."""
-        changed = [line for line in figures.the_row_side_by_side()[3:] if line[:1] in "+-"]
+        changed = [line for line in diagrams.the_row_side_by_side()[3:] if line[:1] in "+-"]
         self.assertEqual(len([line for line in changed
                               if line[1:].startswith("keys, values =")]), 2)
-        self.assertIn("(refs 2)", "".join(figures.block_table_diagram()))
-        self.assertIn("x", "".join(line[32:] for line in figures.serving_timeline()[1:-1]))
+        self.assertIn("(refs 2)", "".join(diagrams.block_table_diagram()))
+        self.assertIn("x", "".join(line[32:] for line in diagrams.serving_timeline()[1:-1]))
 
     def test_a_mark_names_an_entry_by_its_keys_its_items_and_a_format(self):
         record = {"work": {"rows": 20509}, "runs": [{"kind": "a", "n": 2, "gap": 0.0},

@@ -24,7 +24,7 @@ import trace_kv
 from generate import never_ending
 from instruments import largest_gap, recording, sums_in_another_order
 from kv_cache import generate_cached
-from layers import skip_unless_sound
+from layers import ROUNDING, skip_unless_sound
 from support import (HERE, OPENINGS, PARAMS, STORIES, TOK, assert_changed,
                      assert_same_rows, cached_rows, generation_difference, lab_file,
                      where_rows_differ)
@@ -127,6 +127,15 @@ class TheRecord(unittest.TestCase):
         self.assertLess(rotary["rounding"]["largest_logit_gap"], 1e-12)
         for deeper in rotary["against_recompute_by_layers"][1:]:   # and content from layer 2 on
             self.assertGreater(deeper["continuations_changed"], 0, deeper)
+        for shape in record["latent_attention"]["shapes"]:
+            coupled = shape["positions"] == "rotary" and not shape["rotary_key"]
+            self.assertEqual(shape["largest_gap_rebuilt"], 0.0, shape)
+            self.assertEqual(shape["floats_per_position"], shape["formula"], shape)
+            if coupled:   # a turn between the query and Wuk cannot be folded
+                self.assertGreater(shape["largest_gap_absorbed"], 0.1, shape)
+            else:         # the same math in another order
+                self.assertLess(shape["largest_gap_absorbed"], ROUNDING, shape)
+                self.assertIsNone(shape["continuation_parts_at"], shape)
 
     def test_recorded_trace(self):
         """kv-trace.json is this run's record, key for key."""

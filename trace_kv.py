@@ -34,6 +34,7 @@ import cache_files
 import context_shift
 import deep_model
 import figures
+import latent_attention
 import lesson
 import lossy
 import model
@@ -88,6 +89,7 @@ STAGES = (
     Stage(3, "cache_files", cache_files.experiment, ("runs",)),
     Stage(4, "deep_models", deep_model.experiment),
     Stage(4, "rotary", context_shift.experiment),
+    Stage(4, "latent_attention", latent_attention.experiment),
 )
 PARTS = max(stage.part for stage in STAGES)
 

@@ -1,0 +1,232 @@
+"""Latent attention read the way engines decode it (Part 4, section 25). A latent model
+of deep_model.py caches one latent c_kv a position and layer (and a small rotary key
+k_r), and deep_model.forward_step rebuilds every head's key and value from it at every
+step: exact, and dear. Absorption reads the latents directly, with the same math in
+another order:
+
+    q_h . (c Wuk_h)          = (q_h Wuk_h^T) . c          the query moved into latent space
+    (sum_j w_j c_j Wuv_h) Wo_h = (sum_j w_j c_j) (Wuv_h Wo_h)   one folded matrix per head
+
+so no key or value is ever rebuilt (DeepSeek-V2, 2024, section 2.1.3; vLLM's MLA
+backend runs the rebuilding path in prefill and this one in decode). The sums are taken
+in another order, so the logits differ from the full pass's by rounding. A turn by each
+key's position between q and Wuk_h^T cannot be folded into either: that is why the
+rotary part is a separate key (k_r) that the heads share. A model that turns its
+rebuilt keys instead (rotary_key=0) is exact on the rebuilding path, and this module
+measures what absorption does to it.
+"""
+from collections import namedtuple
+
+import deep_model
+from deep_model import (BASE, DeepCache, check_params, check_step, forward,
+                        forward_step, init_params, latent, latent_query)
+from instruments import largest_gap
+from model import VOCAB_SIZE, WIDTH, add, dot, layernorm, linear, relu, softmax_row
+
+Folded = namedtuple("Folded", "params blocks")
+Folded.__doc__ = """A latent model's weights folded for the absorbed path, once per model:
+params, and per layer "to_latent" (each head's columns of Wuk, rows of its map from the
+query to latent space) and "out" (Wuv_h Wo_h for every head, stacked head by head, by
+columns)."""
+
+
+def fold(params):
+    """params folded for absorbed_step. Refuses a model that is not latent, and one whose
+    rebuilt keys are turned by their positions (rotary_key 0 with rotary positions): a
+    turn that depends on each key's position cannot be folded into the query."""
+    check_params(params)
+    shape = params["shape"]
+    if not shape["latent"]:
+        raise ValueError("fold needs a latent model: deep_model.init_params(..., latent=...)")
+    if shape["positions"] == "rotary" and not shape["rotary_key"]:
+        raise ValueError("this model turns its rebuilt keys (rotary_key=0): each key's turn "
+                         "depends on its position, so it cannot be folded into the query; "
+                         "give the model a rotary key of its own (rotary_key > 0)")
+    return _fold(params)
+
+
+def _fold(params):
+    """fold without its refusals (the experiment folds the coupled control too)."""
+    heads, d = params["shape"]["heads"], params["shape"]["width"] // params["shape"]["heads"]
+    blocks = []
+    for block in params["blocks"]:
+        wo_columns = list(zip(*block["Wo"]))
+        out = [[dot(row[h * d:(h + 1) * d], column[h * d:(h + 1) * d]) for column in wo_columns]
+               for h in range(heads) for row in block["Wuv"]]   # row m of Wuv_h times Wo_h
+        blocks.append({"to_latent": [[row[h * d:(h + 1) * d] for row in block["Wuk"]]
+                                     for h in range(heads)],
+                       "out": [list(column) for column in zip(*out)]})
+    return Folded(params, blocks)
+
+
+def absorbed_step(folded, cache, token_id, position):
+    """Next-token logits for token_id at position through a latent model's cache, read in
+    latent space: each head's query times Wuk_h^T, its scores against the cached latents
+    (and rotary keys), its weights summing the latents, and the heads' sums through the
+    folded Wuv_h Wo_h. Keeps in the cache what deep_model.forward_step keeps, and refuses
+    what it refuses."""
+    if not isinstance(folded, Folded):
+        raise ValueError("absorbed_step needs latent_attention.fold(params)")
+    params = folded.params
+    check_step(params, cache, token_id, position)
+    shape = params["shape"]
+    heads, d, d_key, _, scale = deep_model._heads(shape)
+    thetas = r_thetas = []
+    if shape["positions"] == "rotary":
+        x0 = params["tok_emb"][token_id]
+        thetas = [BASE ** (-(c % d) / d) for c in range(0, shape["width"], 2)]
+        r = shape["rotary_key"]
+        r_thetas = [BASE ** (-(c % r) / r) for c in range(0, heads * r, 2)]
+    else:
+        x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])
+    attended = cache.mask(position)
+    new = []
+    for block, cols, fold_, layer in zip(params["blocks"], cache.block_columns, folded.blocks,
+                                         cache.layers):
+        h1 = layernorm(x0, block["ln1_g"], block["ln1_b"])
+        q = latent_query(linear(h1, cols["Wq"]), h1, cols, position, thetas, r_thetas, heads)
+        c_kv, k_r = latent(h1, block, cols, position, r_thetas)
+        held_latents = layer["latents"] + [c_kv]
+        held_rotary_keys = layer["rotary_keys"] + [k_r]
+        latents = [held_latents[j] for j in attended]
+        read = [held_latents[j] + held_rotary_keys[j] for j in attended]   # what a score reads
+        mixed = []
+        for head in range(heads):
+            q_h = q[head * d_key:(head + 1) * d_key]
+            q_latent = linear(q_h[:d], fold_["to_latent"][head]) + q_h[d:]   # then its rotary part
+            scores = [dot(q_latent, c_j) * scale for c_j in read]
+            weights = softmax_row(scores)
+            mixed += [dot(weights, column) for column in zip(*latents)]
+        x1 = add(x0, linear(mixed, fold_["out"]))
+        h2 = layernorm(x1, block["ln2_g"], block["ln2_b"])
+        a = relu(add(linear(h2, cols["W1"]), block["b1"]))
+        x0 = add(x1, add(linear(a, cols["W2"]), block["b2"]))
+        new.append({"latents": c_kv, "rotary_keys": k_r})
+    logits = add(linear(layernorm(x0, params["lnf_g"], params["lnf_b"]), cache.out_columns),
+                 params["b_out"])
+    cache.keep(token_id, new)
+    return logits
+
+
+# ---- work and memory, by formula ----------------------------------------------------
+
+def cache_floats(layers, kv_heads, head_width, latent=None, rotary_key=0):
+    """The numbers a cache keeps per position: per layer a latent and a rotary key, or a
+    key (head_width + rotary_key wide, as in a latent model's keys rebuilt) and a value
+    (head_width) for each key-value head."""
+    if latent:
+        return layers * (latent + rotary_key)
+    return layers * kv_heads * (2 * head_width + rotary_key)
+
+
+def multiply_adds(shape, attended, path):
+    """Products summed (in every dot product: linear layers, turns, scores, weighted sums)
+    by one decode step of a deep_model of this shape (params["shape"]) attending to
+    attended positions: path "cached" for a model that caches keys and values, "rebuilt"
+    (deep_model.forward_step) or "absorbed" (absorbed_step) for a latent model."""
+    heads, width, r = shape["heads"], shape["width"], shape["rotary_key"]
+    d, latent_width, t = width // heads, shape["latent"], attended
+    turned = shape["positions"] == "rotary"
+    layer = width * width + 8 * width * width + width * width   # Wq; the MLP; Wo
+    if path == "cached":
+        kv_width = shape["kv_heads"] * d
+        layer += 2 * width * kv_width + 2 * heads * d * t + (2 * (width + kv_width) if turned else 0)
+    else:
+        layer += width * latent_width                                  # Wdkv
+        layer += width * (heads + 1) * r + 2 * (heads + 1) * r         # Wqr, Wkr, their turns
+        coupled = turned and not r
+        layer += 2 * width if coupled else 0                           # q turned
+        if path == "rebuilt":
+            layer += t * 2 * latent_width * width + heads * t * (2 * d + r)
+            layer += t * 2 * width if coupled else 0                   # every rebuilt key turned
+        else:
+            layer += heads * d * latent_width + heads * t * (2 * latent_width + r)
+            layer += heads * latent_width * width - width * width      # folded, instead of Wo
+    return shape["layers"] * layer + width * VOCAB_SIZE
+
+
+def products(calls):
+    """The products summed by recorded calls of dot and linear."""
+    return sum(len(call.args[0]) * (len(call.args[1]) if call.name == "linear" else 1)
+               for call in calls)
+
+
+# Cache sizes of real latent and grouped models, from their published configurations:
+# DeepSeek-V2 (arXiv 2405.04434, its config.json) and V3 (arXiv 2412.19437): 128 heads,
+# keys of 128 + a rotary 64, values of 128, a latent of 512; V2 60 layers, V3 61.
+# Llama-3-70B: 80 layers, 8 key-value heads of 128.
+REAL_MODELS = (
+    {"model": "DeepSeek-V2", "layers": 60, "heads": 128, "head_width": 128, "latent": 512,
+     "rotary_key": 64},
+    {"model": "DeepSeek-V3", "layers": 61, "heads": 128, "head_width": 128, "latent": 512,
+     "rotary_key": 64},
+    {"model": "Llama-3-70B", "layers": 80, "kv_heads": 8, "head_width": 128},
+)
+
+
+# ---- the experiment (a stage of trace_kv.py) ---------------------------------------
+
+LATENT_SHAPES = tuple((layers, positions, latent_width, None)
+                      for positions in ("learned", "rotary") for latent_width in (4, 8)
+                      for layers in (1, 2))
+COUPLED = tuple((layers, "rotary", 8, 0) for layers in (1, 2))   # the rebuilt keys turned
+WORK_AT = (16, 64, 128)   # positions a decode step attends to
+
+
+def _greedy(row):
+    return max(range(VOCAB_SIZE), key=row.__getitem__)
+
+
+def _latent_case(layers, positions, latent_width, rotary_key, prompt, continued):
+    """A latent model (4 heads, the lab's width, seed 0) that feeds prompt and continues
+    greedily for continued tokens through deep_model.forward_step: its rows against the
+    full pass's; then absorbed_step fed the same tokens: its largest gap, and the first
+    continued token where its greedy choice would part (None if it never does)."""
+    params = init_params(layers, 4, 4, WIDTH, 0, positions, latent_width, rotary_key)
+    cache, rows, ids = DeepCache(params), [], list(prompt)
+    for position in range(len(prompt) + continued - 1):
+        rows.append(forward_step(params, cache, ids[position], position))
+        if position >= len(prompt) - 1:
+            ids.append(_greedy(rows[-1]))
+    folded, other = _fold(params), DeepCache(params)
+    absorbed = [absorbed_step(folded, other, token_id, position)
+                for position, token_id in enumerate(ids[:-1])]
+    # fed the same tokens, its greedy continuation is the same until its choice differs
+    parts = [n for n, (a, b) in enumerate(zip(absorbed[len(prompt) - 1:], ids[len(prompt):]))
+             if _greedy(a) != b]
+    full = forward(params, ids[:-1])
+    return {"layers": layers, "positions": positions, "latent": latent_width,
+            "rotary_key": params["shape"]["rotary_key"],
+            "largest_gap_rebuilt": largest_gap(rows, full),
+            "largest_gap_absorbed": largest_gap(absorbed, full),
+            "continuation_parts_at": parts[0] if parts else None,
+            "floats_per_position": cache.floats_per_position()}
+
+
+def experiment(lab):
+    """Latent models of 1 and 2 layers, learned and rotary positions, latents of 4 and 8
+    (and the coupled control: rotary, no rotary key), each fed the first tokens of the
+    test stories and continued greedily: the rebuilding path's gap to the full pass, the
+    absorbed path's gap and whether its continuation parts; the numbers cached per
+    position against multi-head, grouped-query and multi-query caches of the same heads;
+    and the products of one decode step at WORK_AT positions, by formula (the tests
+    count them)."""
+    ids = deep_model._deep_ids(lab)
+    prompt = ids[:len(ids) // 4]
+    head = WIDTH // 4
+    shapes = [_latent_case(*shape, prompt, len(prompt)) for shape in LATENT_SHAPES + COUPLED]
+    for case in shapes:
+        case["formula"] = cache_floats(case["layers"], 4, head, case["latent"], case["rotary_key"])
+        case["against"] = {kind: cache_floats(case["layers"], kv_heads, head)
+                           for kind, kv_heads in (("multi-head", 4), ("grouped-query", 2),
+                                                  ("multi-query", 1))}
+    shape = dict(init_params(1, 4, 4, WIDTH, 0, "rotary", 8)["shape"])
+    work = [{"attended": t,
+             "rebuilt": multiply_adds(shape, t, "rebuilt"),
+             "absorbed": multiply_adds(shape, t, "absorbed"),
+             **{kind: multiply_adds(dict(shape, kv_heads=kv_heads, latent=None, rotary_key=0),
+                                    t, "cached")
+                for kind, kv_heads in (("multi-head", 4), ("multi-query", 1))}}
+            for t in WORK_AT]
+    return {"prompt": len(prompt), "continued": len(prompt), "shapes": shapes,
+            "work_per_step": {"shape": shape, "steps": work}}

@@ -1,0 +1,167 @@
+"""Latent attention: the absorbed path reads the cached latents with the same math in
+another order, so its rows stay within rounding of the full pass's, while the coupled
+design (rebuilt keys turned, no rotary key of their own) cannot be absorbed; the work of
+a decode step is what the formulas say, counted in the real code; three mistakes are
+caught. (deep_model's tests prove the rebuilding path exact for latent shapes too.)"""
+import ast
+import random
+import unittest
+
+import deep_model
+import latent_attention
+import model
+from instruments import recording, replacing
+from layers import set_up, where_absorbed_strays, where_deep_rows_differ
+from support import assert_each_mistake_is_caught, tear_down
+
+
+def tokens(count, seed=0):
+    rng = random.Random(seed)
+    return [rng.randrange(model.VOCAB_SIZE) for _ in range(count)]
+
+
+def setUpModule():
+    set_up("latent_attention")
+
+
+tearDownModule = tear_down
+
+
+class Absorption(unittest.TestCase):
+
+    def test_the_absorbed_path_stays_within_rounding_of_the_full_pass(self):
+        """Seed 1, 20 positions, latents of 2 to 12 (the trace does seed 0 on the test
+        stories); the absorbed rows are compared with a tolerance, since they are the
+        same math summed in another order."""
+        ids = tokens(20, 1)
+        for layers, positions, latent, rotary_key in ((1, "learned", 2, None),
+                                                      (2, "learned", 12, None),
+                                                      (1, "rotary", 4, 4),
+                                                      (3, "rotary", 8, None)):
+            params = deep_model.init_params(layers, 4, 4, 16, 1, positions, latent, rotary_key)
+            with self.subTest(layers=layers, positions=positions, latent=latent):
+                self.assertIsNone(where_absorbed_strays(params, ids))
+
+    def test_a_turn_of_the_rebuilt_keys_cannot_be_absorbed(self):
+        coupled = deep_model.init_params(2, 4, 4, 16, 1, "rotary", 8, 0)
+        ids = tokens(20, 1)
+        self.assertIsNone(where_deep_rows_differ(coupled, ids))   # exact when rebuilt
+        with self.assertRaisesRegex(ValueError, "cannot be folded into the query"):
+            latent_attention.fold(coupled)
+        folded, cache = latent_attention._fold(coupled), deep_model.DeepCache(coupled)
+        rows = [latent_attention.absorbed_step(folded, cache, token_id, position)
+                for position, token_id in enumerate(ids)]
+        gap = max(abs(a - b) for row, full in zip(rows, deep_model.forward(coupled, ids))
+                  for a, b in zip(row, full))
+        self.assertGreater(gap, 0.1)
+
+
+class Work(unittest.TestCase):
+
+    def test_a_decode_step_computes_the_products_the_formula_counts(self):
+        """Every product of every dot product the real step computes (recorded in
+        deep_model's and latent_attention's dot and linear), at 1, 16 and 40 positions."""
+        cases = [(deep_model.init_params(2, 4, kv_heads, 16, 0, positions), "cached")
+                 for kv_heads in (4, 2, 1) for positions in ("learned", "rotary")]
+        for positions, rotary_key in (("learned", None), ("rotary", None), ("rotary", 0)):
+            params = deep_model.init_params(2, 4, 4, 16, 0, positions, 8, rotary_key)
+            cases += [(params, "rebuilt"), (params, "absorbed")]
+        for params, path in cases:
+            folded = path == "absorbed" and latent_attention._fold(params)
+            cache = deep_model.DeepCache(params)
+            for position, token_id in enumerate(tokens(40)):
+                with recording(deep_model, "dot", "linear") as calls, \
+                        recording(latent_attention, "dot", "linear") as more:
+                    if folded:
+                        latent_attention.absorbed_step(folded, cache, token_id, position)
+                    else:
+                        deep_model.forward_step(params, cache, token_id, position)
+                if position + 1 in (1, 16, 40):
+                    with self.subTest(shape=params["shape"], path=path, attended=position + 1):
+                        self.assertEqual(latent_attention.products(calls + more),
+                                         latent_attention.multiply_adds(params["shape"],
+                                                                        position + 1, path))
+
+
+def in_call_of(name, argument, replacement):
+    """A mistake for plant: argument number argument of every call of name becomes
+    replacement (an expression's source)."""
+    def replaced(node):
+        node.args[argument] = ast.parse(replacement, mode="eval").body
+        return node
+    return replacing(lambda node: isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                     and node.func.id == name, replaced)
+
+
+class Teeth(unittest.TestCase):
+
+    def test_each_mistake_of_the_latent_cache_is_caught(self):
+        """Planted in the real deep_model.forward_step: the rebuilding path differs."""
+        params, ids = deep_model.init_params(2, 4, 4, 16, 0, "rotary", 8), tokens(12)
+        self.assertIsNone(where_deep_rows_differ(params, ids))
+        assert_each_mistake_is_caught(self, deep_model, "forward_step", {
+            "the rotary key turned by the next position":
+                in_call_of("latent", 3, "position + 1"),
+            "the latent cached before its layer norm":
+                replacing(lambda node: isinstance(node, ast.Dict) and any(
+                              isinstance(key, ast.Constant) and key.value == "latents"
+                              for key in node.keys),
+                          lambda node: ast.Dict(node.keys, [ast.parse(
+                              'linear(h1, cols["Wdkv"])', mode="eval").body, node.values[1]])),
+        }, lambda: where_deep_rows_differ(params, ids))
+
+    def test_a_fold_in_the_wrong_order_is_caught(self):
+        """Planted in the real latent_attention._fold: the folded rows stacked latent by
+        latent instead of head by head, so a head's latent sum meets another's Wuv Wo."""
+        params, ids = deep_model.init_params(2, 4, 4, 16, 0, "rotary", 8), tokens(12)
+        self.assertIsNone(where_absorbed_strays(params, ids))
+
+        def swapped(node):
+            node.generators.reverse()
+            return node
+        assert_each_mistake_is_caught(self, latent_attention, "_fold", {
+            "the folded rows stacked latent by latent, not head by head":
+                replacing(lambda node: isinstance(node, ast.ListComp)
+                          and len(node.generators) == 2, swapped),
+        }, lambda: where_absorbed_strays(params, ids))
+
+
+class Refusals(unittest.TestCase):
+
+    def test_shapes_a_latent_model_cannot_have_are_refused(self):
+        for args, fragment in (((1, 4, 2, 16, 0, "learned", 8), "kv_heads must be heads 4"),
+                               ((1, 4, 4, 16, 0, "learned", 0), "latent must be an int >= 1"),
+                               ((1, 4, 4, 16, 0, "learned", 8.0), "latent must be an int"),
+                               ((1, 4, 4, 16, 0, "rotary", 8, 3), "rotary_key must be even"),
+                               ((1, 4, 4, 16, 0, "rotary", 8, -2), "rotary_key must be an int >= 0"),
+                               ((1, 4, 4, 16, 0, "learned", 8, 2), "a rotary key of its own"),
+                               ((1, 4, 4, 16, 0, "rotary", None, 2), "a rotary key of its own")):
+            with self.subTest(args=args), self.assertRaisesRegex(ValueError, fragment):
+                deep_model.init_params(*args)
+
+    def test_the_absorbed_path_refuses_what_forward_step_refuses_and_changes_nothing(self):
+        params = deep_model.init_params(2, 4, 4, 16, 0, "rotary", 8)
+        with self.assertRaisesRegex(ValueError, "fold needs a latent model"):
+            latent_attention.fold(deep_model.init_params(1, 4, 2, 16, 0))
+        folded, cache = latent_attention.fold(params), deep_model.DeepCache(params)
+        for position, token_id in enumerate(tokens(3)):
+            latent_attention.absorbed_step(folded, cache, token_id, position)
+        before = (list(cache.tokens), [{part: list(vectors) for part, vectors in layer.items()}
+                                       for layer in cache.layers])
+        other = latent_attention.fold(deep_model.init_params(2, 4, 4, 16, 0, "rotary", 8))
+        for call, fragment in ((lambda: latent_attention.absorbed_step(params, cache, 5, 3),
+                                "needs latent_attention.fold"),
+                               (lambda: latent_attention.absorbed_step(other, cache, 5, 3),
+                                "different parameters"),
+                               (lambda: latent_attention.absorbed_step(folded, cache, 5, 2),
+                                "expected position 3, got 2"),
+                               (lambda: latent_attention.absorbed_step(folded, cache, 96, 3),
+                                "outside the vocabulary")):
+            with self.subTest(fragment=fragment):
+                with self.assertRaisesRegex(ValueError, fragment):
+                    call()
+                self.assertEqual((cache.tokens, cache.layers), before)
+
+
+if __name__ == "__main__":
+    unittest.main()
