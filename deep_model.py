@@ -110,7 +110,7 @@ def _columns(params):
              for block in params["blocks"]], cols(params["W_out"]))
 
 
-def _heads(shape):
+def heads_of(shape):
     """(heads, head width d, a head's key width (d, and the rotary key's width),
     query heads per key-value head, 1 / sqrt(key width))."""
     d = shape["width"] // shape["heads"]
@@ -124,7 +124,7 @@ def _joined(a, b, heads):
     return [x for h in range(heads) for x in a[h * da:(h + 1) * da] + b[h * db:(h + 1) * db]]
 
 
-def latent(h1, block, cols, position, r_thetas):
+def compressed(h1, block, cols, position, r_thetas):
     """What a latent layer keeps of a position: its latent c_kv (h1 times Wdkv, then its
     layer norm) and its rotary key k_r (h1 times Wkr, turned by position; [] without)."""
     c_kv = layernorm(linear(h1, cols["Wdkv"]), block["lnc_g"], block["lnc_b"])
@@ -228,7 +228,7 @@ def forward(params, ids, mask=causal):
     check_mask(mask, len(ids))
     block_cols, out_cols = _columns(params)
     shape = params["shape"]
-    heads, d, d_key, group, scale = _heads(shape)
+    heads, d, d_key, group, scale = heads_of(shape)
     thetas = r_thetas = []
     if shape["positions"] == "rotary":   # the pair from c of q or k is pair (c % d) / 2 of its head
         xs = [params["tok_emb"][token_id] for token_id in ids]
@@ -245,8 +245,8 @@ def forward(params, ids, mask=causal):
             q = linear(h1, cols["Wq"])
             if shape["latent"]:   # keys and values rebuilt from what the cache would keep
                 q = latent_query(q, h1, cols, position, thetas, r_thetas, heads)
-                k, v = rebuilt(*latent(h1, block, cols, position, r_thetas), position, cols,
-                               thetas, heads)
+                c_kv, k_r = compressed(h1, block, cols, position, r_thetas)
+                k, v = rebuilt(c_kv, k_r, position, cols, thetas, heads)
             else:
                 k = linear(h1, cols["Wk"])
                 if thetas:
@@ -334,7 +334,7 @@ def forward_step(params, cache, token_id, position):
     anything, what check_step refuses; if anything else goes wrong, the cache is unchanged."""
     check_step(params, cache, token_id, position)
     shape = params["shape"]
-    heads, d, d_key, group, scale = _heads(shape)
+    heads, d, d_key, group, scale = heads_of(shape)
     thetas = r_thetas = []
     if shape["positions"] == "rotary":   # the pair from c of q or k is pair (c % d) / 2 of its head
         x0 = params["tok_emb"][token_id]
@@ -350,7 +350,7 @@ def forward_step(params, cache, token_id, position):
         q = linear(h1, cols["Wq"])
         if shape["latent"]:   # keep the latent; rebuild every attended key and value
             q = latent_query(q, h1, cols, position, thetas, r_thetas, heads)
-            c_kv, k_r = latent(h1, block, cols, position, r_thetas)
+            c_kv, k_r = compressed(h1, block, cols, position, r_thetas)
             held = list(zip(layer["latents"] + [c_kv], layer["rotary_keys"] + [k_r]))
             keys, values = [], []
             for j in attended:
@@ -388,7 +388,7 @@ def forward_step(params, cache, token_id, position):
 
 # ---- the experiment (a stage of trace_kv.py) ---------------------------------------
 
-def _deep_ids(lab):
+def deep_ids(lab):
     """The first 64 tokens of the test stories (16 in a quick run of fewer openings)."""
     positions = CONTEXT if len(lab.prompts) == len(lab.test) else 16
     return [t for story in lab.test for t in lab.tok.encode(story)][:positions]
@@ -411,7 +411,7 @@ def experiment(lab):
     and multi-query (1) attention: the largest gap between the cached rows and the full
     pass's, and the numbers its cache keeps per position; then, with a window of 8 on
     every layer, which positions changing token 0 reaches."""
-    ids = _deep_ids(lab)
+    ids = deep_ids(lab)
     shapes = []
     for layers, kv_heads in DEEP_SHAPES:
         params, rows, cache = _deep_cache(layers, kv_heads, ids)
@@ -437,9 +437,9 @@ def experiment(lab):
 
 
 def cache_bytes(lab):
-    """Bytes CPython uses per position for each deep_model shape's cache of _deep_ids():
+    """Bytes CPython uses per position for each deep_model shape's cache of deep_ids():
     the lists and every float object (it depends on the Python, so it is timing's)."""
-    ids = _deep_ids(lab)
+    ids = deep_ids(lab)
     measured = []
     for layers, kv_heads in DEEP_SHAPES:
         _, _, cache = _deep_cache(layers, kv_heads, ids)

@@ -359,7 +359,8 @@ def _latent_work(r, t):
                   [[label, *(shown(s[path]) for s in steps)]
                    for path, label in (("multi-head", f"multi-head cache ({cache_floats(1, 4, 4)} "
                                                       f"numbers a position)"),
-                                       ("multi-query", f"multi-query cache ({cache_floats(1, 1, 4)})"),
+                                       ("multi-query",
+                                        f"multi-query cache ({cache_floats(1, 1, 4)})"),
                                        ("rebuilt", f"{latent}, keys rebuilt"),
                                        ("absorbed", f"{latent}, absorbed"))])
 

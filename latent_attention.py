@@ -17,9 +17,8 @@ measures what absorption does to it.
 """
 from collections import namedtuple
 
-import deep_model
-from deep_model import (BASE, DeepCache, check_params, check_step, forward,
-                        forward_step, init_params, latent, latent_query)
+from deep_model import (BASE, DeepCache, check_params, check_step, compressed, deep_ids,
+                        forward, forward_step, heads_of, init_params, latent_query)
 from instruments import largest_gap
 from model import VOCAB_SIZE, WIDTH, add, dot, layernorm, linear, relu, softmax_row
 
@@ -70,7 +69,7 @@ def absorbed_step(folded, cache, token_id, position):
     params = folded.params
     check_step(params, cache, token_id, position)
     shape = params["shape"]
-    heads, d, d_key, _, scale = deep_model._heads(shape)
+    heads, d, d_key, _, scale = heads_of(shape)
     thetas = r_thetas = []
     if shape["positions"] == "rotary":
         x0 = params["tok_emb"][token_id]
@@ -81,11 +80,11 @@ def absorbed_step(folded, cache, token_id, position):
         x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])
     attended = cache.mask(position)
     new = []
-    for block, cols, fold_, layer in zip(params["blocks"], cache.block_columns, folded.blocks,
-                                         cache.layers):
+    for block, cols, folded_block, layer in zip(params["blocks"], cache.block_columns,
+                                                folded.blocks, cache.layers):
         h1 = layernorm(x0, block["ln1_g"], block["ln1_b"])
         q = latent_query(linear(h1, cols["Wq"]), h1, cols, position, thetas, r_thetas, heads)
-        c_kv, k_r = latent(h1, block, cols, position, r_thetas)
+        c_kv, k_r = compressed(h1, block, cols, position, r_thetas)
         held_latents = layer["latents"] + [c_kv]
         held_rotary_keys = layer["rotary_keys"] + [k_r]
         latents = [held_latents[j] for j in attended]
@@ -93,11 +92,12 @@ def absorbed_step(folded, cache, token_id, position):
         mixed = []
         for head in range(heads):
             q_h = q[head * d_key:(head + 1) * d_key]
-            q_latent = linear(q_h[:d], fold_["to_latent"][head]) + q_h[d:]   # then its rotary part
+            # the query in latent space, q_h Wuk_h^T, then its rotary part
+            q_latent = linear(q_h[:d], folded_block["to_latent"][head]) + q_h[d:]
             scores = [dot(q_latent, c_j) * scale for c_j in read]
             weights = softmax_row(scores)
             mixed += [dot(weights, column) for column in zip(*latents)]
-        x1 = add(x0, linear(mixed, fold_["out"]))
+        x1 = add(x0, linear(mixed, folded_block["out"]))
         h2 = layernorm(x1, block["ln2_g"], block["ln2_b"])
         a = relu(add(linear(h2, cols["W1"]), block["b1"]))
         x0 = add(x1, add(linear(a, cols["W2"]), block["b2"]))
@@ -130,17 +130,18 @@ def multiply_adds(shape, attended, path):
     layer = width * width + 8 * width * width + width * width   # Wq; the MLP; Wo
     if path == "cached":
         kv_width = shape["kv_heads"] * d
-        layer += 2 * width * kv_width + 2 * heads * d * t + (2 * (width + kv_width) if turned else 0)
+        layer += 2 * width * kv_width + 2 * heads * d * t              # Wk, Wv; scores, sums
+        layer += 2 * (width + kv_width) if turned else 0               # q and k turned
     else:
         layer += width * latent_width                                  # Wdkv
         layer += width * (heads + 1) * r + 2 * (heads + 1) * r         # Wqr, Wkr, their turns
         coupled = turned and not r
         layer += 2 * width if coupled else 0                           # q turned
         if path == "rebuilt":
-            layer += t * 2 * latent_width * width + heads * t * (2 * d + r)
+            layer += t * 2 * latent_width * width + heads * t * (2 * d + r)   # keys, values
             layer += t * 2 * width if coupled else 0                   # every rebuilt key turned
         else:
-            layer += heads * d * latent_width + heads * t * (2 * latent_width + r)
+            layer += heads * d * latent_width + heads * t * (2 * latent_width + r)   # Wuk_h^T
             layer += heads * latent_width * width - width * width      # folded, instead of Wo
     return shape["layers"] * layer + width * VOCAB_SIZE
 
@@ -211,7 +212,7 @@ def experiment(lab):
     position against multi-head, grouped-query and multi-query caches of the same heads;
     and the products of one decode step at WORK_AT positions, by formula (the tests
     count them)."""
-    ids = deep_model._deep_ids(lab)
+    ids = deep_ids(lab)
     prompt = ids[:len(ids) // 4]
     head = WIDTH // 4
     shapes = [_latent_case(*shape, prompt, len(prompt)) for shape in LATENT_SHAPES + COUPLED]

@@ -101,7 +101,7 @@ class Teeth(unittest.TestCase):
         self.assertIsNone(where_deep_rows_differ(params, ids))
         assert_each_mistake_is_caught(self, deep_model, "forward_step", {
             "the rotary key turned by the next position":
-                in_call_of("latent", 3, "position + 1"),
+                in_call_of("compressed", 3, "position + 1"),
             "the latent cached before its layer norm":
                 replacing(lambda node: isinstance(node, ast.Dict) and any(
                               isinstance(key, ast.Constant) and key.value == "latents"
@@ -133,7 +133,8 @@ class Refusals(unittest.TestCase):
                                ((1, 4, 4, 16, 0, "learned", 0), "latent must be an int >= 1"),
                                ((1, 4, 4, 16, 0, "learned", 8.0), "latent must be an int"),
                                ((1, 4, 4, 16, 0, "rotary", 8, 3), "rotary_key must be even"),
-                               ((1, 4, 4, 16, 0, "rotary", 8, -2), "rotary_key must be an int >= 0"),
+                               ((1, 4, 4, 16, 0, "rotary", 8, -2),
+                                "rotary_key must be an int >= 0"),
                                ((1, 4, 4, 16, 0, "learned", 8, 2), "a rotary key of its own"),
                                ((1, 4, 4, 16, 0, "rotary", None, 2), "a rotary key of its own")):
             with self.subTest(args=args), self.assertRaisesRegex(ValueError, fragment):
