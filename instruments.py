@@ -7,7 +7,8 @@ for a while; largest_gap compares two lists of rows; sums_in_another_order makes
 of the model a plain left-to-right one, last term first; plant(owner, name, mistake)
 compiles a function of the lab again from its real source with a mistake planted in its
 syntax tree, which is how the tests show they have teeth; where_raised names the lines
-of the lab an exception came through, for a message of one line.
+of the lab an exception came through, for a message of one line; count_reads counts the
+distinct numbers a step reads from memory (the weights and the cache).
 """
 import ast
 import contextlib
@@ -140,6 +141,60 @@ def replacing(matches, replacement):
         Planter().visit(tree)
         return changed
     return mistake
+
+
+class _Watched(list):
+    """A vector of floats that notes which of its entries are read: all of them when it
+    is iterated, joined to another list or repeated; some when it is indexed or sliced."""
+
+    def __init__(self, values, touched):
+        super().__init__(values)
+        self.touched = touched
+
+    def _note(self, indices):
+        self.touched.setdefault(id(self), set()).update(indices)
+
+    def __iter__(self):
+        self._note(range(len(self)))
+        return super().__iter__()
+
+    def __getitem__(self, index):
+        read = range(len(self))[index]
+        self._note(read if isinstance(index, slice) else [read])
+        return super().__getitem__(index)
+
+    def __add__(self, other):
+        self._note(range(len(self)))
+        return list(self) + list(other)
+
+    def __radd__(self, other):
+        return list(other) + list(self)
+
+    def __mul__(self, times):
+        self._note(range(len(self)))
+        return list.__mul__(self, times)
+
+
+def count_reads(step, *holders):
+    """The number of distinct entries that step() reads from the vectors (lists of
+    floats) found inside holders (dicts and lists, walked), each read once however often
+    it is read, as a kernel that loads it once would: the numbers a step takes from
+    memory. Every vector is replaced in place by one that watches its reads, and stays
+    so: pass what only this count uses (a model and a cache made for it)."""
+    touched = {}
+
+    def watch(holder):
+        keys = holder.keys() if isinstance(holder, dict) else range(len(holder))
+        for key in keys:
+            value = holder[key]
+            if isinstance(value, list) and value and all(type(x) is float for x in value):
+                holder[key] = _Watched(value, touched)
+            elif isinstance(value, (dict, list)):
+                watch(value)
+    for holder in holders:
+        watch(holder)
+    step()
+    return sum(map(len, touched.values()))
 
 
 LAB = os.path.dirname(os.path.abspath(__file__))

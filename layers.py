@@ -7,6 +7,7 @@ that one mistake gives one verdict, from the layer it is in.
 Each check imports its Part's module itself, when it runs: a Part that cannot even be
 imported (a syntax error) is then that layer's verdict, and the layers beside it run.
 """
+import copy
 import os
 import random
 import sys
@@ -253,6 +254,20 @@ def _latent_attention():
     return None
 
 
+def _bandwidth():
+    """The numbers a step of the lesson's model reads, counted, against the formula's."""
+    import bandwidth
+    from instruments import count_reads
+    params = copy.deepcopy(PARAMS)
+    cache = KVCache(params)
+    feed(params, cache, TOK.encode(STORIES[0])[:5])
+    read = count_reads(lambda: kv_cache.forward_step(params, cache, 5, 5), params, cache.columns,
+                       cache.keys, cache.values)
+    wanted = sum(bandwidth.floats_read(bandwidth.LESSON, 5).values())
+    return None if read == wanted else (f"a step with 5 positions held reads {read} numbers, "
+                                        f"and bandwidth.floats_read counts {wanted}")
+
+
 Layer = namedtuple("Layer", "title builds_on command check")
 Layer.__doc__ = """One layer of the lab: what it is, the layers it builds on, the command
 that shows why it is wrong, and its quick check (None if it holds, else why not, in a
@@ -283,6 +298,9 @@ LAYERS = {
                               ("deep_model",), "python3 -m unittest test_latent_attention",
                               _latent_attention),
 }
+LAYERS["bandwidth"] = Layer("the numbers a step reads (bandwidth.py)",
+                            ("lesson", "deep_model", "latent_attention"),
+                            "python3 -m unittest test_bandwidth", _bandwidth)
 LAYERS["every Part"] = Layer("every Part", tuple(LAYERS), "python3 -m unittest", None)
 
 _verdicts, _told = {}, set()

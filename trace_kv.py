@@ -30,6 +30,7 @@ from collections import namedtuple
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from math import fsum
 
+import bandwidth
 import cache_files
 import context_shift
 import deep_model
@@ -90,6 +91,7 @@ STAGES = (
     Stage(4, "deep_models", deep_model.experiment),
     Stage(4, "rotary", context_shift.experiment),
     Stage(4, "latent_attention", latent_attention.experiment),
+    Stage(4, "bytes_read", bandwidth.experiment),
 )
 PARTS = max(stage.part for stage in STAGES)
 
