@@ -19,6 +19,7 @@ without one).
 import functools
 import re
 
+import bandwidth
 import tables
 from tables import real_cache_bytes, shown
 
@@ -123,6 +124,12 @@ def _per_position(record, timing, path):
     return (last[path] - first[path]) // (last["attended"] - first["attended"])
 
 
+def _times(ratio):
+    """A ratio in words: "more than twice", "nearly twice" and so on."""
+    return ("more than three times" if ratio > 3 else "more than twice" if ratio > 2
+            else "nearly twice" if ratio > 1.8 else f"{ratio:.1f} times")
+
+
 def _against(figure, reference, close, below, above):
     """Words for how figure stands against reference: within 10% of it, or not."""
     return close if abs(figure / reference - 1) <= 0.1 else below if figure < reference else above
@@ -163,6 +170,15 @@ DERIVED = {
        for path in ("rebuilt", "absorbed", "multi-head")},
     "deepseek_v3_ratio": lambda r, t: round(real_cache_bytes()["DeepSeek-V3"][1]
                                             / real_cache_bytes()["DeepSeek-V3"][0]),
+    "llama_share_lost_at_4096": lambda r, t: format(
+        1 - bandwidth.bound(bandwidth.LLAMA_2_7B, 4096)
+        / bandwidth.bound(bandwidth.LLAMA_2_7B, 0), ".0%"),
+    "llama_cache_outweighs_at_batch_16": lambda r, t: bandwidth.cache_outweighs_weights(
+        bandwidth.LLAMA_2_7B, 16),
+    "grouped_query_over_multi_head_at_batch_16": lambda r, t: _times(
+        bandwidth.bound({**bandwidth.LLAMA_2_7B, "kv_heads": 8}, 4096, 16)
+        / bandwidth.bound(bandwidth.LLAMA_2_7B, 4096, 16)),
+    "llama_70b_bound": lambda r, t: round(bandwidth.bound(bandwidth.LLAMA_2_70B_8_BIT, 0), 1),
     "last_dropped_position": lambda r, t: r["rotary"]["dropped"] - 1,
     "last_position": lambda r, t: r["rotary"]["positions"] - 1,
 }

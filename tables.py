@@ -225,6 +225,40 @@ def _real_latent_models(r, t):
                    "its heads' keys and values cached instead"], rows)
 
 
+def _bytes_read(r, t):
+    shapes, lesson = r["bytes_read"]["shapes"], r["bytes_read"]["lesson"][-1]
+    rows = [["the lesson's model (1 layer, 1 head)", shown(lesson["weights"]),
+             shown(lesson["cache"]), r["bytes_read"]["lesson_cache_outweighs_weights_from_batch"]]]
+    for s in shapes:
+        kind = ({4: "multi-head", 2: "grouped-query (2)", 1: "multi-query"}[s["kv_heads"]]
+                if s["path"] == "cached" else f"latent 8 + rotary key 2, {s['path']}")
+        if (s["layers"] in (1, 4) and s["path"] == "cached"
+                or (s["latent"], s["positions"], s["layers"]) == (8, "rotary", 1)):
+            rows.append([f"{kind}, {s['layers']} layer{'s' * (s['layers'] > 1)}",
+                         shown(s["weights"]), shown(s["cache_full_context"]),
+                         s["cache_outweighs_weights_from_batch"]])
+    return _table(["model (4 heads of 4, but the lesson's)", "weights read a step",
+                   f"cache read, {lesson['held']} positions held",
+                   "batch from which the cache outweighs each request's share of the weights"],
+                  rows)
+
+
+def _decode_bound(r, t):
+    import bandwidth
+    rows = []
+    for label, design in bandwidth.DESIGNS:
+        model = {**bandwidth.LLAMA_2_7B, "kv_heads": None, **design}
+        rows.append([label, f"{bandwidth.cache_bytes_per_token(model) // 1024:,} KiB",
+                     f"{bandwidth.bound(model, 0):.0f} / {bandwidth.bound(model, 4096):.0f}",
+                     f"{bandwidth.bound(model, 4096, 16):,.0f}",
+                     f"{bandwidth.cache_outweighs_weights(model, 16):,} tokens"])
+    return _table([f"Llama-2-7B's weights ({bandwidth.LLAMA_2_7B['weight_bytes'] / 1e9:.2f} GB) "
+                   f"with this cache", "cache a token",
+                   "tokens/s, batch 1: a short context / 4,096",
+                   "tokens/s in all, batch 16 of 4,096", "cache outweighs the weights, batch 16"],
+                  rows)
+
+
 def _story_quality(r, t):
     greedy, sampled = r["story_quality"]["greedy"], r["story_quality"]["sampled"]
 
@@ -272,7 +306,8 @@ BLOCKS = {
     "prefix_cache": _prefix_cache, "many_requests": _many_requests, "kernels": _kernels,
     "speculative": _speculative, "deep_shapes": _deep_shapes,
     "latent_shapes": _latent_shapes, "latent_work": _latent_work,
-    "real_latent_models": _real_latent_models,
+    "real_latent_models": _real_latent_models, "bytes_read": _bytes_read,
+    "decode_bound": _decode_bound,
     "story_quality": _story_quality, "attention_on_the_name": _attention_on_the_name,
     "greedy_examples": lambda r, t: _indented(r["greedy_examples"]),
     "stories_with_a_wrong_pronoun": lambda r, t: _indented(
