@@ -157,9 +157,9 @@ DERIVED = {
         str(e["continuations_changed"]) for e in r["rotary"]["against_recompute_by_layers"][1:]),
     "rotary_offset_gaps": lambda r, t: ", ".join(
         shown(s["offset_after_other_tokens"]["largest_logit_gap"]) for s in _deeper_grouped(r)),
-    "rotary_offset_every": lambda r, t: "every" if all(
-        s["offset_after_other_tokens"]["continuation_changed"] for s in _deeper_grouped(r))
-        else "not every",
+    "rotary_offset_changed": lambda r, t: (
+        f"{sum(s['offset_after_other_tokens']['continuation_changed'] for s in _deeper_grouped(r))}"
+        f" of {len(_deeper_grouped(r))}"),
     "latent_absorbed_largest_gap": lambda r, t: max(
         s["largest_gap_absorbed"] for s in _latent_shapes_of(r, coupled=False)),
     "latent_control_gaps": lambda r, t: " and ".join(
