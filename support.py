@@ -299,6 +299,12 @@ def random_model(rng, scale, embedding_scale):
     return params
 
 
+def random_tokens(count, seed=0):
+    """count token IDs drawn from random.Random(seed), for the random models of Part 4."""
+    rng = random.Random(seed)
+    return [rng.randrange(model.VOCAB_SIZE) for _ in range(count)]
+
+
 def random_prompt(rng, fewest, most):
     """The text of random token IDs, re-drawn until it encodes to fewest..most tokens
     (encoding the decoded text may merge the pieces differently: only its text counts)

@@ -2,7 +2,6 @@
 cache, counted by instruments.count_reads, are bandwidth.floats_read's, for the lesson's
 model and for deep_model's shapes on every path; the bound follows from them."""
 import copy
-import random
 import unittest
 
 import bandwidth
@@ -12,12 +11,7 @@ import latent_attention
 import model
 from instruments import count_reads
 from layers import set_up
-from support import PARAMS, tear_down
-
-
-def tokens(count, seed=0):
-    rng = random.Random(seed)
-    return [rng.randrange(model.VOCAB_SIZE) for _ in range(count)]
+from support import PARAMS, random_tokens, tear_down
 
 
 def setUpModule():
@@ -32,7 +26,7 @@ def deep_reads(params, path, held):
     (deep_model.forward_step, or latent_attention.absorbed_step for "absorbed")."""
     cache = deep_model.DeepCache(params)
     folded = path == "absorbed" and latent_attention._fold(params)
-    ids = tokens(held + 1)
+    ids = random_tokens(held + 1)
 
     def step(position):
         if folded:
@@ -52,7 +46,7 @@ class Reads(unittest.TestCase):
         for held in (0, 1, 40, model.CONTEXT - 1):
             params = copy.deepcopy(PARAMS)
             cache = kv_cache.KVCache(params)
-            kv_cache.feed(params, cache, tokens(held))
+            kv_cache.feed(params, cache, random_tokens(held))
             read = count_reads(lambda: kv_cache.forward_step(params, cache, 5, held),
                                params, cache.columns, cache.keys, cache.values)
             with self.subTest(held=held):

@@ -12,15 +12,11 @@ import model
 from generate import load_trained
 from instruments import replacing
 from layers import deep_rows, set_up, where_deep_rows_differ
-from support import assert_each_mistake_is_caught, check_random_cases, tear_down
+from support import (assert_each_mistake_is_caught, check_random_cases, random_tokens,
+                     tear_down)
 
 SHAPES = [(layers, heads, kv_heads) for layers in (1, 2, 3, 4)
           for heads, kv_heads in ((1, 1), (4, 4), (4, 2), (4, 1))]   # MHA, GQA, MQA
-
-
-def tokens(count, seed=0):
-    rng = random.Random(seed)
-    return [rng.randrange(model.VOCAB_SIZE) for _ in range(count)]
 
 
 def setUpModule():
@@ -35,7 +31,7 @@ class Exactness(unittest.TestCase):
     def test_every_cached_row_equals_the_full_pass_for_every_shape(self):
         """16 positions, seed 1 (the trace does every shape of 4 heads on 64 positions
         with seed 0)."""
-        ids = tokens(16)
+        ids = random_tokens(16)
         for layers, heads, kv_heads in SHAPES:
             params = deep_model.init_params(layers, heads, kv_heads, 16, 1)
             with self.subTest(layers=layers, heads=heads, kv_heads=kv_heads):
@@ -64,7 +60,7 @@ class Exactness(unittest.TestCase):
                                             positions, latent, rotary_key)
             window = rng.randint(1, 8)
             mask = rng.choice((deep_model.causal, model.band(window, rng.randrange(window))))
-            ids = tokens(rng.randint(1, 20), seed=index)
+            ids = random_tokens(rng.randint(1, 20), seed=index)
             rows, cache = deep_rows(params, ids, mask)
             label = (f"{layers} layers, {heads} heads, {kv_heads} kv heads, width {width}, "
                      f"{positions} positions, latent {latent}, rotary key {rotary_key}")
@@ -80,7 +76,7 @@ class Exactness(unittest.TestCase):
     def test_the_cache_keeps_2_x_layers_x_kv_heads_x_head_width_numbers_per_position(self):
         for layers, heads, kv_heads in SHAPES:
             params = deep_model.init_params(layers, heads, kv_heads, 16, 0)
-            _, cache = deep_rows(params, tokens(5))
+            _, cache = deep_rows(params, random_tokens(5))
             with self.subTest(layers=layers, heads=heads, kv_heads=kv_heads):
                 self.assertEqual(cache.floats_per_position(),
                                  2 * layers * kv_heads * (16 // heads))
@@ -146,7 +142,7 @@ class Teeth(unittest.TestCase):
 
     def check_caught(self, params, mistakes):
         """params is a GQA model: two query heads a group."""
-        ids = tokens(12)
+        ids = random_tokens(12)
         self.assertIsNone(where_deep_rows_differ(params, ids))
         assert_each_mistake_is_caught(self, deep_model, "forward_step", mistakes,
                                       lambda: where_deep_rows_differ(params, ids))
@@ -158,7 +154,7 @@ class Window(unittest.TestCase):
         """With a window of 8, token 0 changes rows up to position 7 in one layer, 14 in
         two, 21 in three: layers x (window - 1). The cached path with the same band mask
         gives the full pass's rows."""
-        ids = tokens(24)
+        ids = random_tokens(24)
         changed = [(ids[0] + 1) % model.VOCAB_SIZE] + ids[1:]
         band = model.band(8)
         for layers in (1, 2, 3):
@@ -186,9 +182,9 @@ class Refusals(unittest.TestCase):
             with self.subTest(args=args), self.assertRaisesRegex(ValueError, fragment):
                 deep_model.init_params(*args)
         params = deep_model.init_params(2, 4, 2, 16, 0)
-        _, cache = deep_rows(params, tokens(3))
+        _, cache = deep_rows(params, random_tokens(3))
         other = deep_model.init_params(2, 4, 2, 16, 0)    # equal weights, another model
-        _, full = deep_rows(params, tokens(model.CONTEXT))
+        _, full = deep_rows(params, random_tokens(model.CONTEXT))
         with self.assertRaisesRegex(ValueError, "beyond the 64 positions"):
             deep_model.forward_step(params, full, 5, model.CONTEXT)
         for call, fragment in ((lambda: deep_model.forward_step(other, cache, 5, 3),

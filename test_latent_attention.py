@@ -4,20 +4,13 @@ design (rebuilt keys turned, no rotary key of their own) cannot be absorbed; the
 a decode step is what the formulas say, counted in the real code; three mistakes are
 caught. (deep_model's tests prove the rebuilding path exact for latent shapes too.)"""
 import ast
-import random
 import unittest
 
 import deep_model
 import latent_attention
-import model
 from instruments import recording, replacing
 from layers import set_up, where_absorbed_strays, where_deep_rows_differ
-from support import assert_each_mistake_is_caught, tear_down
-
-
-def tokens(count, seed=0):
-    rng = random.Random(seed)
-    return [rng.randrange(model.VOCAB_SIZE) for _ in range(count)]
+from support import assert_each_mistake_is_caught, random_tokens, tear_down
 
 
 def setUpModule():
@@ -33,7 +26,7 @@ class Absorption(unittest.TestCase):
         """Seed 1, 20 positions, latents of 2 to 12 (the trace does seed 0 on the test
         stories); the absorbed rows are compared with a tolerance, since they are the
         same math summed in another order."""
-        ids = tokens(20, 1)
+        ids = random_tokens(20, 1)
         for layers, positions, latent, rotary_key in ((1, "learned", 2, None),
                                                       (2, "learned", 12, None),
                                                       (1, "rotary", 4, 4),
@@ -44,7 +37,7 @@ class Absorption(unittest.TestCase):
 
     def test_a_turn_of_the_rebuilt_keys_cannot_be_absorbed(self):
         coupled = deep_model.init_params(2, 4, 4, 16, 1, "rotary", 8, 0)
-        ids = tokens(20, 1)
+        ids = random_tokens(20, 1)
         self.assertIsNone(where_deep_rows_differ(coupled, ids))   # exact when rebuilt
         with self.assertRaisesRegex(ValueError, "cannot be folded into the query"):
             latent_attention.fold(coupled)
@@ -69,7 +62,7 @@ class Work(unittest.TestCase):
         for params, path in cases:
             folded = path == "absorbed" and latent_attention._fold(params)
             cache = deep_model.DeepCache(params)
-            for position, token_id in enumerate(tokens(40)):
+            for position, token_id in enumerate(random_tokens(40)):
                 with recording(deep_model, "dot", "linear") as calls, \
                         recording(latent_attention, "dot", "linear") as more:
                     if folded:
@@ -97,7 +90,7 @@ class Teeth(unittest.TestCase):
 
     def test_each_mistake_of_the_latent_cache_is_caught(self):
         """Planted in the real deep_model.forward_step: the rebuilding path differs."""
-        params, ids = deep_model.init_params(2, 4, 4, 16, 0, "rotary", 8), tokens(12)
+        params, ids = deep_model.init_params(2, 4, 4, 16, 0, "rotary", 8), random_tokens(12)
         self.assertIsNone(where_deep_rows_differ(params, ids))
         assert_each_mistake_is_caught(self, deep_model, "forward_step", {
             "the rotary key turned by the next position":
@@ -113,7 +106,7 @@ class Teeth(unittest.TestCase):
     def test_a_fold_in_the_wrong_order_is_caught(self):
         """Planted in the real latent_attention._fold: the folded rows stacked latent by
         latent instead of head by head, so a head's latent sum meets another's Wuv Wo."""
-        params, ids = deep_model.init_params(2, 4, 4, 16, 0, "rotary", 8), tokens(12)
+        params, ids = deep_model.init_params(2, 4, 4, 16, 0, "rotary", 8), random_tokens(12)
         self.assertIsNone(where_absorbed_strays(params, ids))
 
         def swapped(node):
@@ -145,7 +138,7 @@ class Refusals(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "fold needs a latent model"):
             latent_attention.fold(deep_model.init_params(1, 4, 2, 16, 0))
         folded, cache = latent_attention.fold(params), deep_model.DeepCache(params)
-        for position, token_id in enumerate(tokens(3)):
+        for position, token_id in enumerate(random_tokens(3)):
             latent_attention.absorbed_step(folded, cache, token_id, position)
         before = (list(cache.tokens), [{part: list(vectors) for part, vectors in layer.items()}
                                        for layer in cache.layers])
