@@ -68,11 +68,20 @@ def _half(numbers):
                          ) from None
 
 
-def forward_rows(params, items, product=exact):
+def exact_attention(q, keys, values, rows=1):
+    """forward_step's attention of q over keys and values: the scores, their softmax and
+    the weighted sums, each one correctly rounded sum (however many rows its step has)."""
+    scores = [dot(q, k_j) * SCALE for k_j in keys]
+    weights = softmax_row(scores)
+    return [dot(weights, column) for column in zip(*values)]
+
+
+def forward_rows(params, items, product=exact, attention=exact_attention):
     """Next-token logits for each item (cache, token_id, position), computed together:
     each weight matrix applied once to every item's row, each row attending to its own
-    cache's positions 0..position, the batch's new ones included. Items may share a cache
-    (a prompt's tokens, in order). Refuses, before anything changes, what forward_step
+    cache's positions 0..position, the batch's new ones included, as attention(q, keys,
+    values, the batch's rows) reads them (blockwise.py has engines' ways to). Items may
+    share a cache (a prompt's tokens, in order). Refuses, before anything changes, what forward_step
     refuses and a batch its caches have no room for; the caches keep the new keys and
     values only once every row is computed, so a refusal on the way (a key a cache cannot
     store, a sum a kernel cannot hold) changes nothing either."""
@@ -89,10 +98,7 @@ def forward_rows(params, items, product=exact):
     mixed = []
     for (cache, _, i), q in zip(items, qs):
         keys, values = held[id(cache)]
-        keys, values = keys[:i + 1], values[:i + 1]   # its own positions 0..i
-        scores = [dot(q, k_j) * SCALE for k_j in keys]
-        weights = softmax_row(scores)
-        mixed.append([dot(weights, column) for column in zip(*values)])
+        mixed.append(attention(q, keys[:i + 1], values[:i + 1], len(items)))   # positions 0..i
     x1s = [add(x0, o) for x0, o in zip(x0s, product(mixed, cols["Wo"]))]
     h2s = [layernorm(x1, params["ln2_g"], params["ln2_b"]) for x1 in x1s]
     hidden = [relu(add(z, params["b1"])) for z in product(h2s, cols["W1"])]

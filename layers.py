@@ -268,6 +268,26 @@ def _bandwidth():
                                         f"and bandwidth.floats_read counts {wanted}")
 
 
+def _blockwise():
+    """The exact kind split in 4 and the online kind, on a story's rows: forward_step's
+    bits, and within ROUNDING of them."""
+    import batched
+    import blockwise
+    cache, reads = KVCache(PARAMS), []
+    batched.forward_rows(PARAMS, [(cache, token_id, position) for position, token_id
+                                  in enumerate(TOK.encode(STORIES[0]))],
+                         attention=lambda q, keys, values, rows: reads.append(
+                             (q, keys, values)) or batched.exact_attention(q, keys, values))
+    for row, read in enumerate(reads):
+        wanted = batched.exact_attention(*read)
+        if blockwise.exact(4)(*read) != wanted:
+            return f"row {row}: the exact kind split in 4 is not forward_step's attention"
+        gap = max(abs(a - b) for a, b in zip(blockwise.online(*read), wanted))
+        if not gap <= ROUNDING:
+            return f"row {row}: the online kind is {gap:.3g} from forward_step's attention"
+    return None
+
+
 Layer = namedtuple("Layer", "title builds_on command check")
 Layer.__doc__ = """One layer of the lab: what it is, the layers it builds on, the command
 that shows why it is wrong, and its quick check (None if it holds, else why not, in a
@@ -301,6 +321,9 @@ LAYERS = {
 LAYERS["bandwidth"] = Layer("the numbers a step reads (bandwidth.py)",
                             ("lesson", "deep_model", "latent_attention"),
                             "python3 -m unittest test_bandwidth", _bandwidth)
+LAYERS["blockwise"] = Layer("attention read block by block (blockwise.py)",
+                            ("lesson", "batched"), "python3 -m unittest test_blockwise",
+                            _blockwise)
 LAYERS["every Part"] = Layer("every Part", tuple(LAYERS), "python3 -m unittest", None)
 
 _verdicts, _told = {}, set()

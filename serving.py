@@ -9,7 +9,7 @@ from collections import deque
 
 import generate
 import model
-from batched import batch_invariant, by_batch, exact, forward_rows
+from batched import batch_invariant, by_batch, exact, exact_attention, forward_rows
 from instruments import chosen_rows, largest_gap, recording
 from paged import BlockPool
 from stories import story_ids
@@ -22,18 +22,19 @@ KERNEL_RUNS = (*(("batch-dependent", batch, "ample") for batch in (1, 2, 8)),
                *(("batch-invariant", batch, "ample") for batch in (1, 8)))
 
 
-def serve(params, tok, requests, pool, max_batch, log=None, product=exact):
+def serve(params, tok, requests, pool, max_batch, log=None, product=exact,
+          attention=exact_attention):
     """Run requests (each a dict of generate.generate's keyword arguments, prompt
     included) to completion from one pool, with continuous batching as servers do: at
     each step every running request chooses one token, and all of them are fed theirs
-    in one batch (a decode row each, forward_rows with product); a waiting request is
-    admitted, its tokens prefilled in one pass, as soon as the batch and the pool have
-    room; a finished one leaves at once. When the running requests need more blocks than
+    in one batch (a decode row each, forward_rows with product and attention); a
+    waiting request is admitted, its tokens prefilled in one pass, as soon as the batch
+    and the pool have room; a finished one leaves at once. When the running requests need more blocks than
     are free, the most recently admitted one is preempted by recompute: its blocks are
     freed, and when it is admitted again its prompt and the tokens it had chosen are
     prefilled again (its random numbers go on where they were: none is drawn twice).
     Returns (results, counts): each result, in request order, exactly generate.generate's
-    for its request with the exact product, and what serving did. log(step, request
+    for its request with the exact product and attention, and what serving did. log(step, request
     index, event), if given, is told each "prefill", "decode", "preempted" and "finished"
     as it happens. If anything raises (log itself, say), every block serve took goes
     back to the pool."""
@@ -46,6 +47,9 @@ def serve(params, tok, requests, pool, max_batch, log=None, product=exact):
     if not callable(product):
         raise ValueError(f"product must be a function of (rows, columns), such as "
                          f"batched.exact, got {model.excerpt(product)}")
+    if not callable(attention):
+        raise ValueError(f"attention must be a function of (q, keys, values, rows), such as "
+                         f"batched.exact_attention, got {model.excerpt(attention)}")
     generate.check_tokenizer(tok)
     if not isinstance(requests, (list, tuple)):
         raise ValueError(f"requests must be a list of dicts, got {type(requests).__name__}")
@@ -60,7 +64,8 @@ def serve(params, tok, requests, pool, max_batch, log=None, product=exact):
         counts["peak_blocks"] = max(counts["peak_blocks"], len(pool.blocks) - pool.free_blocks())
     try:
         while waiting or running:
-            while waiting and len(running) < max_batch and waiting[0].admit(counts, product):
+            while waiting and len(running) < max_batch and waiting[0].admit(counts, product,
+                                                                             attention):
                 running.append(waiting.popleft())
                 note_peak()
                 log(counts["steps"] + 1, running[-1].index, "prefill")
@@ -82,7 +87,7 @@ def serve(params, tok, requests, pool, max_batch, log=None, product=exact):
                 log(counts["steps"], victim.index, "preempted")
             if running:
                 rows = forward_rows(params, [request.next_item() for request in running],
-                                    product)
+                                    product, attention)
                 for request, logits in zip(running, rows):
                     request.fed(logits, counts)
                     log(counts["steps"], request.index, "decode")
@@ -124,12 +129,14 @@ class _Served:
         self.params, self.pool, self.index = params, pool, index
         self.seq, self.logits, self.computed = None, None, 0
 
-    def admit(self, counts, product):
+    def admit(self, counts, product, attention):
         """Prefill the tokens so far into a new sequence, in one pass, after the full
         blocks the pool has cached for them (never the last position: its logits are
         needed); False, with nothing changed, if the pool lacks room."""
         ids = self.generation.ids
-        kernel = None if product is exact else product   # exact: forward_step's arithmetic
+        # exact: forward_step's arithmetic. (The attention does not matter here: in this
+        # one-block model a key or value depends on its own token and position alone.)
+        kernel = None if product is exact else product
         if not self.pool.room_for_sequence(ids[:-1], len(ids), kernel):
             return False
         self.seq = self.pool.sequence(ids[:-1], kernel)
@@ -137,7 +144,7 @@ class _Served:
         start = len(self.seq)
         self.logits = forward_rows(self.params, [(self.seq, token_id, position) for position,
                                                  token_id in enumerate(ids[start:], start)],
-                                   product)[-1]
+                                   product, attention)[-1]
         counts["rows"] += len(ids) - start
         counts["recomputed_rows"] += max(0, self.computed - start)
         self.computed = max(self.computed, len(ids))

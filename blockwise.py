@@ -1,0 +1,203 @@
+"""Attention read block by block (Part 3, section 20), as engines' kernels read a cache.
+
+forward_step takes a row's attention in one go: every score, one softmax, one correctly
+rounded sum for each number. A GPU kernel cannot hold a long row of scores, so
+FlashAttention (Dao et al., 2022) reads the keys and values a block at a time with an
+online softmax (Milakov and Gimelshein, 2018): a running maximum, a running sum of
+exponentials and a partial output, the last two rescaled whenever a block raises the
+maximum. And one query's row is too little work to fill a GPU, so Flash-Decoding and
+PagedAttention v2 split the positions into parts that run side by side, each returning
+its maximum, its sum and its partial output, merged by their log-sum-exp. Each is the
+same math in another order, so not the same bits. The third kind here is exact: partials
+that merge to forward_step's bits at any split count, for two more passes over the cache.
+
+Each kind is an attention for batched.forward_rows (and so for serving.serve): a function
+of (q, keys, values, rows) that gives the row's mixed values, rows being the number of
+rows its step computes, from which heuristic chooses its split count as
+FlashAttention-2 does.
+"""
+import math
+from math import exp, fsum
+
+from batched import exact_attention, forward_rows
+from instruments import largest_gap
+from model import SCALE, add, check_int, dot, layernorm, linear, relu
+from paged import BlockPool
+from stories import story_ids
+
+BLOCK = 4        # positions a block, as the experiment's pool keeps them
+PROCESSORS = 8   # the processors a step's rows and parts share (heuristic fills them)
+
+
+def _scores(q, keys):
+    return [dot(q, k_j) * SCALE for k_j in keys]
+
+
+def online(q, keys, values, rows=1):
+    """One pass, BLOCK positions at a time, never holding more than a block of scores:
+    the output so far (not yet divided by the sum) and the sum are rescaled by
+    exp(old maximum - new maximum) whenever a block raises the maximum."""
+    top, total, out = -math.inf, 0.0, [0.0] * len(values[0])
+    for first in range(0, len(keys), BLOCK):
+        scores = _scores(q, keys[first:first + BLOCK])
+        new_top = max(top, *scores)
+        rescale = exp(top - new_top)              # 0.0 at the first block
+        weights = [exp(s - new_top) for s in scores]
+        total = total * rescale + fsum(weights)
+        out = [o * rescale + dot(weights, column)
+               for o, column in zip(out, zip(*values[first:first + BLOCK]))]
+        top = new_top
+    return [o / total for o in out]
+
+
+def parts_of(length, parts):
+    """The positions of each of at most parts parts of a row of length positions: runs of
+    whole blocks, as even as blocks allow (so a row may get fewer parts than asked)."""
+    per_part = math.ceil(math.ceil(length / BLOCK) / parts) * BLOCK
+    return [range(first, min(first + per_part, length)) for first in range(0, length, per_part)]
+
+
+def _part(q, keys, values):
+    """One part's maximum score, its sum of exp(score - maximum), and its output: the
+    values weighted by those exps, not yet divided by any sum."""
+    scores = _scores(q, keys)
+    top = max(scores)
+    weights = [exp(s - top) for s in scores]
+    return top, fsum(weights), [dot(weights, column) for column in zip(*values)]
+
+
+def split(parts):
+    """The attention of a kernel that splits each row into parts (parts_of) run side by
+    side, and merges them: each part's sum and output brought to the common maximum,
+    times exp(its maximum - the common one), then summed, the output divided by the sum.
+    (A part's log-sum-exp is its maximum + log(its sum): the same merge, in logs.)"""
+    check_int("parts", parts, 1)
+
+    def attention(q, keys, values, rows=1):
+        found = [_part(q, keys[p.start:p.stop], values[p.start:p.stop])
+                 for p in parts_of(len(keys), parts)]
+        top = max(part_top for part_top, _, _ in found)
+        factors = [exp(part_top - top) for part_top, _, _ in found]
+        total = fsum(part_total * f for (_, part_total, _), f in zip(found, factors))
+        return [fsum(o * f for o, f in zip(outputs, factors)) / total
+                for outputs in zip(*(part_out for _, _, part_out in found))]
+    return attention
+
+
+def exact_partials(terms):
+    """Floats that do not overlap and add up to the terms' exact sum (Shewchuk, 1997; what
+    math.fsum keeps inside): each addition split into its rounded sum and the error
+    the rounding made, itself a float, kept if it is not zero."""
+    partials = []
+    for x in terms:
+        kept = []
+        for p in partials:
+            if abs(x) < abs(p):
+                x, p = p, x
+            high = x + p
+            low = p - (high - x)   # exact, as |x| >= |p|
+            if low:
+                kept.append(low)
+            x = high
+        partials = kept + [x]
+    return partials
+
+
+def exact(parts):
+    """The attention of a kernel whose parts merge to forward_step's bits: the first pass
+    finds each part's maximum (the row's is theirs); the second, each part's exps from the
+    row's maximum, as exact partials of their sum; the third, each part's weights (exp /
+    the row's sum) times its values, as exact partials of each column's sum. fsum of all
+    the parts' partials is the correctly rounded sum of all the terms: forward_step's."""
+    check_int("parts", parts, 1)
+
+    def attention(q, keys, values, rows=1):
+        cuts = [(keys[p.start:p.stop], values[p.start:p.stop]) for p in parts_of(len(keys), parts)]
+        top = max(max(_scores(q, part_keys)) for part_keys, _ in cuts)
+        total = fsum([x for part_keys, _ in cuts
+                      for x in exact_partials(exp(s - top) for s in _scores(q, part_keys))])
+        columns = [[] for _ in values[0]]
+        for part_keys, part_values in cuts:
+            weights = [exp(s - top) / total for s in _scores(q, part_keys)]
+            for column, part_column in zip(columns, zip(*part_values)):
+                column += exact_partials(w * v for w, v in zip(weights, part_column))
+        return [fsum(column) for column in columns]
+    return attention
+
+
+def split_count(rows, length):
+    """The parts a kernel in FlashAttention-2's manner splits a row of length positions
+    into when its step computes rows rows on PROCESSORS processors: one if the rows alone
+    fill 80% of them; else, of the counts up to PROCESSORS and the row's blocks that change
+    how many blocks a part gets, the fewest whose waves (rows x parts / PROCESSORS, rounded
+    up) are at least 85% as full as the fullest count's."""
+    if rows >= 0.8 * PROCESSORS:
+        return 1
+    blocks = math.ceil(length / BLOCK)
+    counts = [p for p in range(1, min(PROCESSORS, blocks) + 1)
+              if p == 1 or math.ceil(blocks / p) != math.ceil(blocks / (p - 1))]
+
+    def fullness(parts):
+        waves = rows * parts / PROCESSORS
+        return waves / math.ceil(waves)
+    best = max(map(fullness, counts))
+    return next(p for p in counts if fullness(p) >= 0.85 * best)
+
+
+def heuristic(q, keys, values, rows):
+    """split's attention with split_count(rows, positions) parts: the engines' choice,
+    which makes a row's bits depend on how many rows share its step."""
+    return split(split_count(rows, len(keys)))(q, keys, values, rows)
+
+
+# ---- the experiment (a stage of trace_kv.py) ---------------------------------------
+
+KINDS = {"online": online, **{f"split {parts}": split(parts) for parts in (2, 4, 8)},
+         **{f"exact {parts}": exact(parts) for parts in (1, 2, 4, 8)}}
+
+
+def _finish(params, cols, x0, mixed):
+    """forward_step's row after its attention, from the mixed values on: the logits."""
+    x1 = add(x0, linear(mixed, cols["Wo"]))
+    h2 = layernorm(x1, params["ln2_g"], params["ln2_b"])
+    a = relu(add(linear(h2, cols["W1"]), params["b1"]))
+    x2 = add(x1, add(linear(a, cols["W2"]), params["b2"]))
+    hf = layernorm(x2, params["lnf_g"], params["lnf_b"])
+    return add(linear(hf, cols["W_out"]), params["b_out"])
+
+
+def _greedy(row):
+    return max(range(len(row)), key=row.__getitem__)
+
+
+def story_kinds(lab, index, runs):
+    """Opening index's greedy story fed through a paged sequence (blocks of BLOCK) with
+    forward_step's exact rows; at each row that chooses a token, every kind of KINDS
+    reads the same query, keys and values: per kind, the largest gap between its logits
+    and the exact ones, and whether the greedy story would change there (its best token
+    is not the story's next)."""
+    params = lab.params
+    ids = story_ids(lab.tok, lab.prompts[index], runs.greedy[index])
+    first = len(lab.tok.encode(lab.prompts[index])) - 1
+    sequence = BlockPool(params, math.ceil(len(ids) / BLOCK), BLOCK).sequence()
+    found = {name: {"largest_logit_gap": 0.0, "greedy_changed": False} for name in KINDS}
+    for position, token_id in enumerate(ids[:-1]):
+        read = []
+
+        def exact_read(q, keys, values, rows):   # forward_step's attention, its input kept
+            read.append((q, keys, values))
+            return exact_attention(q, keys, values, rows)
+        logits, = forward_rows(params, [(sequence, token_id, position)], attention=exact_read)
+        if position < first:
+            continue
+        x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])
+        mixed = exact_attention(*read[0])
+        for name, kind in KINDS.items():
+            other_mixed = kind(*read[0], 1)
+            if other_mixed == mixed:   # the rest of the row is the same: so are its logits
+                continue
+            other = _finish(params, sequence.columns, x0, other_mixed)
+            found[name]["largest_logit_gap"] = max(found[name]["largest_logit_gap"],
+                                                   largest_gap([other], [logits]))
+            found[name]["greedy_changed"] |= _greedy(other) != ids[position + 1]
+    return found

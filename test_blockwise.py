@@ -1,0 +1,144 @@
+"""Attention read block by block: the exact kind's parts merge to forward_step's bits at
+every split count, the online and split kinds stay within rounding of them, the
+heuristic's split count is FlashAttention-2's rule, and three mistakes planted in the
+real kinds are caught."""
+import ast
+import math
+import unittest
+
+import batched
+import blockwise
+from instruments import replacing
+from kv_cache import KVCache
+from layers import ROUNDING, set_up
+from support import OPENINGS, PARAMS, STORIES, TOK, assert_each_mistake_is_caught, tear_down
+
+READS = []   # (q, keys, values) of every row of two stories, as forward_rows reads them
+
+
+def setUpModule():
+    set_up("blockwise")
+    for story in STORIES[:2]:
+        cache = KVCache(PARAMS)
+        batched.forward_rows(PARAMS, [(cache, token_id, position) for position, token_id
+                                      in enumerate(TOK.encode(story))],
+                             attention=lambda q, keys, values, rows: READS.append(
+                                 (q, keys, values)) or batched.exact_attention(q, keys, values))
+
+
+tearDownModule = tear_down
+
+
+def where_kind_strays(kind, exact_bits):
+    """None if kind reads every row of READS as it should (forward_step's bits, or
+    within ROUNDING of them), else the first row where it does not, in a line."""
+    for row, read in enumerate(READS):
+        wanted, got = batched.exact_attention(*read), kind(*read, 1)
+        gap = max(abs(a - b) for a, b in zip(got, wanted))
+        if (got != wanted) if exact_bits else not gap <= ROUNDING:
+            return (f"row {row} ({len(read[1])} positions): mixed values {gap:.3g} from "
+                    f"forward_step's")
+    return None
+
+
+class Kinds(unittest.TestCase):
+
+    def test_the_exact_kind_gives_forward_steps_bits_at_every_split_count(self):
+        for parts in (1, 2, 3, 4, 8, 16, 64):
+            with self.subTest(parts=parts):
+                self.assertIsNone(where_kind_strays(blockwise.exact(parts), exact_bits=True))
+
+    def test_the_online_and_split_kinds_stay_within_rounding(self):
+        for name, kind in (("online", blockwise.online),
+                           *((f"split {parts}", blockwise.split(parts)) for parts in (1, 2, 5, 16))):
+            with self.subTest(kind=name):
+                self.assertIsNone(where_kind_strays(kind, exact_bits=False))
+
+    def test_parts_are_runs_of_whole_blocks_covering_every_position_once(self):
+        for length in range(1, 65):
+            for parts in range(1, 10):
+                cuts = blockwise.parts_of(length, parts)
+                with self.subTest(length=length, parts=parts):
+                    self.assertEqual([p for cut in cuts for p in cut], list(range(length)))
+                    self.assertLessEqual(len(cuts), parts)
+                    self.assertTrue(all(cut.start % blockwise.BLOCK == 0 for cut in cuts))
+
+    def test_served_with_an_exact_kind_every_story_is_generates(self):
+        """Serving with the exact kind split in 4: the stories of generate (the split
+        kinds' stories are the trace's)."""
+        import generate
+        import paged
+        import serving
+        requests = [{"prompt": prompt, "temperature": 1.0, "seed": 1, "max_new_tokens": 12}
+                    for prompt in OPENINGS[:4]]
+        served, _ = serving.serve(PARAMS, TOK, requests, paged.BlockPool(PARAMS, 64, 4), 4,
+                                  attention=blockwise.exact(4))
+        self.assertEqual(served, [generate.generate(PARAMS, TOK, **r) for r in requests])
+
+
+class Heuristic(unittest.TestCase):
+
+    def test_the_split_count_is_the_fewest_parts_that_fill_the_processors_nearly_best(self):
+        """FlashAttention-2's rule, checked for every batch and length it meets here."""
+        for rows in range(1, 2 * blockwise.PROCESSORS):
+            for length in range(1, 65):
+                parts = blockwise.split_count(rows, length)
+                with self.subTest(rows=rows, length=length):
+                    if rows >= 0.8 * blockwise.PROCESSORS:
+                        self.assertEqual(parts, 1)
+                        continue
+                    blocks = math.ceil(length / blockwise.BLOCK)
+                    counts = [p for p in range(1, min(blockwise.PROCESSORS, blocks) + 1)
+                              if p == 1 or math.ceil(blocks / p) != math.ceil(blocks / (p - 1))]
+
+                    def fullness(p):
+                        return rows * p / blockwise.PROCESSORS / math.ceil(
+                            rows * p / blockwise.PROCESSORS)
+                    self.assertIn(parts, counts)
+                    self.assertGreaterEqual(fullness(parts), 0.85 * max(map(fullness, counts)))
+                    self.assertTrue(all(fullness(p) < 0.85 * max(map(fullness, counts))
+                                        for p in counts if p < parts))
+
+    def test_fewer_rows_split_a_long_row_into_more_parts(self):
+        splits = [blockwise.split_count(rows, 64) for rows in (1, 2, 4, 8)]
+        self.assertEqual(splits, sorted(splits, reverse=True))
+        self.assertGreater(splits[0], 1)
+        self.assertEqual(splits[-1], 1)
+
+    def test_bad_split_counts_are_refused(self):
+        for parts in (0, -1, 2.0, True, None):
+            with self.subTest(parts=parts), self.assertRaisesRegex(ValueError,
+                                                                   "parts must be an int"):
+                blockwise.split(parts)
+            with self.assertRaisesRegex(ValueError, "parts must be an int"):
+                blockwise.exact(parts)
+
+
+class Teeth(unittest.TestCase):
+    """Each mistake, planted in the real kind, makes it stray from forward_step."""
+
+    def test_a_partial_output_not_rescaled_when_the_maximum_grows_is_caught(self):
+        assert_each_mistake_is_caught(self, blockwise, "online", {
+            "the output so far kept as it is when a block raises the maximum":
+                replacing(lambda node: isinstance(node, ast.BinOp) and ast.unparse(node)
+                          == "o * rescale", lambda node: node.left),
+        }, lambda: where_kind_strays(blockwise.online, exact_bits=False))
+
+    def test_a_merge_that_forgets_a_parts_maximum_is_caught(self):
+        assert_each_mistake_is_caught(self, blockwise, "split", {
+            "each part's sums merged as they are, not brought to the common maximum":
+                replacing(lambda node: isinstance(node, ast.Call) and ast.unparse(node)
+                          == "exp(part_top - top)", lambda node: ast.Constant(1.0)),
+        }, lambda: where_kind_strays(blockwise.split(4), exact_bits=False))
+
+    def test_exps_from_a_parts_own_maximum_are_caught(self):
+        own = ast.parse("max(_scores(q, part_keys))", mode="eval").body
+        assert_each_mistake_is_caught(self, blockwise, "exact", {
+            "each part's exps taken from its own maximum, not the row's":
+                replacing(lambda node: isinstance(node, ast.BinOp) and ast.unparse(node)
+                          == "s - top", lambda node: ast.BinOp(node.left, ast.Sub(), own)),
+        }, lambda: where_kind_strays(blockwise.exact(4), exact_bits=True))
+
+
+if __name__ == "__main__":
+    unittest.main()
