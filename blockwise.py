@@ -184,20 +184,36 @@ def story_kinds(lab, index, runs):
     for position, token_id in enumerate(ids[:-1]):
         read = []
 
-        def exact_read(q, keys, values, rows):   # forward_step's attention, its input kept
-            read.append((q, keys, values))
-            return exact_attention(q, keys, values, rows)
+        def exact_read(q, keys, values, rows):   # forward_step's attention, kept with its input
+            read.append(((q, keys, values), exact_attention(q, keys, values, rows)))
+            return read[0][1]
         logits, = forward_rows(params, [(sequence, token_id, position)], attention=exact_read)
         if position < first:
             continue
         x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])
-        mixed = exact_attention(*read[0])
+        (q, keys, values), mixed = read[0]
         for name, kind in KINDS.items():
-            other_mixed = kind(*read[0], 1)
+            other_mixed = kind(q, keys, values, 1)
             if other_mixed == mixed:   # the rest of the row is the same: so are its logits
                 continue
             other = _finish(params, sequence.columns, x0, other_mixed)
             found[name]["largest_logit_gap"] = max(found[name]["largest_logit_gap"],
                                                    largest_gap([other], [logits]))
             found[name]["greedy_changed"] |= _greedy(other) != ids[position + 1]
-    return found
+    return {**found, "longest_row": len(ids) - 1}
+
+
+def kinds_table(lab, per_story):
+    """Each kind over the 60 greedy stories: the largest logit gap, the stories that
+    change, and the most scores it holds at once in the longest row (a block, a part, or
+    for forward_step the whole row)."""
+    longest = max(story["longest_row"] for story in per_story)
+    table = []
+    for name, kind in KINDS.items():
+        parts = int(name.split()[1]) if " " in name else None
+        table.append({"kind": name.split()[0], "parts": parts,
+                      "largest_logit_gap": max(s[name]["largest_logit_gap"] for s in per_story),
+                      "greedy_stories_changed": sum(s[name]["greedy_changed"] for s in per_story),
+                      "scores_held": len(parts_of(longest, parts)[0]) if parts
+                      else min(BLOCK, longest)})
+    return {"stories": len(per_story), "longest_row": longest, "kinds": table}

@@ -20,6 +20,7 @@ import functools
 import re
 
 import bandwidth
+import blockwise
 import tables
 from tables import real_cache_bytes, shown
 
@@ -130,6 +131,15 @@ def _times(ratio):
             else "nearly twice" if ratio > 1.8 else f"{ratio:.1f} times")
 
 
+def _split_kv_as_generate(record, timing):
+    """How many of the split-KV runs' stories are generate's, batch by batch, in words."""
+    requests = record["batched_decode"]["requests"]
+    same = [run["stories_identical_to_generate"] for run in record["batched_decode"]["runs"]
+            if run["kernel"] == "split-KV attention"]
+    return (f"all {requests}" if set(same) == {requests}
+            else ", ".join(map(str, same)) + f" of {requests}")
+
+
 def _against(figure, reference, close, below, above):
     """Words for how figure stands against reference: within 10% of it, or not."""
     return close if abs(figure / reference - 1) <= 0.1 else below if figure < reference else above
@@ -179,6 +189,14 @@ DERIVED = {
         bandwidth.bound({**bandwidth.LLAMA_2_7B, "kv_heads": 8}, 4096, 16)
         / bandwidth.bound(bandwidth.LLAMA_2_7B, 4096, 16)),
     "llama_70b_bound": lambda r, t: round(bandwidth.bound(bandwidth.LLAMA_2_70B_8_BIT, 0), 1),
+    "split_counts": lambda r, t: "{}, {}, {} and {}".format(
+        *(blockwise.split_count(rows, 64) for rows in (1, 2, 4, 8))),
+    "blockwise_greedy_changed": lambda r, t: sum(
+        k["greedy_stories_changed"] for k in r["blockwise"]["kinds"]),
+    "split_kv_as_generate": _split_kv_as_generate,
+    "split_kv_largest_gap": lambda r, t: max(
+        run["largest_logit_gap_against_exact"] for run in r["batched_decode"]["runs"]
+        if run["kernel"] == "split-KV attention"),
     "last_dropped_position": lambda r, t: r["rotary"]["dropped"] - 1,
     "last_position": lambda r, t: r["rotary"]["positions"] - 1,
 }

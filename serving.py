@@ -7,6 +7,7 @@ and the memory, never a token. With an engine's kernel (batched.by_batch) they c
 import hashlib
 from collections import deque
 
+import blockwise
 import generate
 import model
 from batched import batch_invariant, by_batch, exact, exact_attention, forward_rows
@@ -16,10 +17,13 @@ from stories import story_ids
 
 PREFIX_CACHE_BLOCKS = 64          # the experiment: a pool far smaller than the 60 stories
 MAX_BATCH, SMALL_POOL = 8, 24     # the experiment: 120 requests, preempting in a small pool
-KERNELS = {"batch-dependent": by_batch, "batch-invariant": batch_invariant}
+KERNELS = {"batch-dependent": {"product": by_batch},              # serve's keywords
+           "batch-invariant": {"product": batch_invariant},
+           "split-KV attention": {"attention": blockwise.heuristic}}
 KERNEL_RUNS = (*(("batch-dependent", batch, "ample") for batch in (1, 2, 8)),
                ("batch-dependent", 8, "small"),
-               *(("batch-invariant", batch, "ample") for batch in (1, 8)))
+               *(("batch-invariant", batch, "ample") for batch in (1, 8)),
+               *(("split-KV attention", batch, "ample") for batch in (1, 2, 4, 8)))
 
 
 def serve(params, tok, requests, pool, max_batch, log=None, product=exact,
@@ -243,17 +247,17 @@ def many_requests(lab, runs):
 
 def kernel_run(lab, case, runs):
     """The 60 sampled openings served with the engine's kernel of KERNEL_RUNS[case] for
-    every matrix product (prefill and decode rows alike): what serving did, each story's
-    token IDs, how many are generate's, the largest gap between a logit a token was
-    chosen with and the uncached full pass's for the same tokens, and a digest of all
-    those logits (equal digests: bit-identical logits). Sampled stories only: a greedy
+    every matrix product or every row's attention (prefill and decode rows alike): what
+    serving did, each story's token IDs, how many are generate's, the largest gap between
+    a logit a token was chosen with and the uncached full pass's for the same tokens, and
+    a digest of all those logits (equal digests: bit-identical logits). Sampled stories only: a greedy
     one changes only where the drift exceeds the lead of its best token."""
     kernel, max_batch, pool = KERNEL_RUNS[case]
     requests = _all_openings(lab)[len(lab.prompts):]
     blocks = SMALL_POOL if pool == "small" else len(requests) * 16
     with recording(generate.Generation, "choose") as choices:
         served, counts = serve(lab.params, lab.tok, requests, BlockPool(lab.params, blocks, 4),
-                               max_batch, product=KERNELS[kernel])
+                               max_batch, **KERNELS[kernel])
     exact_stories = [story_ids(lab.tok, request["prompt"], result)
                      for request, result in zip(requests, runs.sampled)]
     exact_rows = {tuple(ids[:position + 1]): row

@@ -259,6 +259,16 @@ def _decode_bound(r, t):
                   rows)
 
 
+def _blockwise(r, t):
+    b = r["blockwise"]
+    return _table(["attention read", "parts", "largest logit gap", "greedy stories changed",
+                   f"scores held at once, longest row ({b['longest_row']} positions)"],
+                  [[k["kind"], k["parts"] or "—", _bold(shown(k["largest_logit_gap"]))
+                    if k["kind"] == "exact" else shown(k["largest_logit_gap"]),
+                    f"{k['greedy_stories_changed']} of {b['stories']}", k["scores_held"]]
+                   for k in b["kinds"]])
+
+
 def _story_quality(r, t):
     greedy, sampled = r["story_quality"]["greedy"], r["story_quality"]["sampled"]
 
@@ -307,7 +317,7 @@ BLOCKS = {
     "speculative": _speculative, "deep_shapes": _deep_shapes,
     "latent_shapes": _latent_shapes, "latent_work": _latent_work,
     "real_latent_models": _real_latent_models, "bytes_read": _bytes_read,
-    "decode_bound": _decode_bound,
+    "decode_bound": _decode_bound, "blockwise": _blockwise,
     "story_quality": _story_quality, "attention_on_the_name": _attention_on_the_name,
     "greedy_examples": lambda r, t: _indented(r["greedy_examples"]),
     "stories_with_a_wrong_pronoun": lambda r, t: _indented(

@@ -76,6 +76,27 @@ class Kinds(unittest.TestCase):
         self.assertEqual(served, [generate.generate(PARAMS, TOK, **r) for r in requests])
 
 
+class Batches(unittest.TestCase):
+
+    def test_a_fixed_split_gives_a_row_the_same_bits_in_any_batch_and_the_heuristic_does_not(self):
+        """The first rows of three stories, fed one at a time and then together: split(4)
+        gives the same logits; heuristic, which splits a row alone into more parts, does
+        not."""
+        ids = [TOK.encode(story)[:24] for story in STORIES[:3]]
+
+        def rows(attention, together):
+            caches = [KVCache(PARAMS) for _ in ids]
+            feed_all = [(cache, story[p], p) for p in range(len(ids[0])) for cache, story
+                        in zip(caches, ids)]
+            if together:
+                return [row for p in range(len(ids[0])) for row in batched.forward_rows(
+                    PARAMS, feed_all[3 * p:3 * p + 3], attention=attention)]
+            return [batched.forward_rows(PARAMS, [item], attention=attention)[0]
+                    for item in feed_all]
+        self.assertEqual(rows(blockwise.split(4), True), rows(blockwise.split(4), False))
+        self.assertNotEqual(rows(blockwise.heuristic, True), rows(blockwise.heuristic, False))
+
+
 class Heuristic(unittest.TestCase):
 
     def test_the_split_count_is_the_fewest_parts_that_fill_the_processors_nearly_best(self):

@@ -114,9 +114,15 @@ class TheRecord(unittest.TestCase):
                 self.assertEqual((run["logits_as_with_batches_of_1"],
                                   run["stories_identical_to_batches_of_1"]),
                                  (True, batched["requests"]), run)
-        self.assertIn(False, [run["logits_as_with_batches_of_1"] for run in batched["runs"]
-                              if run["kernel"] == "batch-dependent"],
-                      "the batch-dependent kernel must give other logits in larger batches")
+        for kernel in ("batch-dependent", "split-KV attention"):
+            self.assertIn(False, [run["logits_as_with_batches_of_1"] for run in batched["runs"]
+                                  if run["kernel"] == kernel],
+                          f"the {kernel} kernel must give other logits in larger batches")
+        for kind in record["blockwise"]["kinds"]:   # exact partials, or the same math reordered
+            if kind["kind"] == "exact":
+                self.assertEqual(kind["largest_logit_gap"], 0.0, kind)
+            else:
+                self.assertLess(kind["largest_logit_gap"], ROUNDING, kind)
         rotary = record["rotary"]
         for shape, learned in zip(rotary["shapes"], record["deep_models"]["shapes"]):
             self.assertEqual(shape["floats_per_position"], learned["floats_per_position"])

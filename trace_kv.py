@@ -31,6 +31,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from math import fsum
 
 import bandwidth
+import blockwise
 import cache_files
 import context_shift
 import deep_model
@@ -87,6 +88,8 @@ STAGES = (
           cases=range(len(speculative.DRAFTS))),
     Stage(3, "batched_decode", serving.kernel_run, ("runs",),
           cases=range(len(serving.KERNEL_RUNS)), gather=serving.kernel_table),
+    Stage(3, "blockwise", blockwise.story_kinds, ("runs",), cases=each_opening,
+          gather=blockwise.kinds_table),
     Stage(3, "cache_files", cache_files.experiment, ("runs",)),
     Stage(4, "deep_models", deep_model.experiment),
     Stage(4, "rotary", context_shift.experiment),
