@@ -209,7 +209,7 @@ def kinds_table(lab, per_story):
     for forward_step the whole row)."""
     longest = max(story["longest_row"] for story in per_story)
     table = []
-    for name, kind in KINDS.items():
+    for name in KINDS:
         parts = int(name.split()[1]) if " " in name else None
         table.append({"kind": name.split()[0], "parts": parts,
                       "largest_logit_gap": max(s[name]["largest_logit_gap"] for s in per_story),
