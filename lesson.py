@@ -4,13 +4,14 @@ uncached generator's last full pass; the lesson's figures (exactness, work, memo
 well the model writes); one prefill shared by three continuations; and the sums of the
 first test story added in another order.
 """
+import contextlib
 import time
 from collections import namedtuple
 
 import generate
 import kv_cache
 import model
-from instruments import largest_gap, recording, results, sums_in_another_order
+from instruments import largest_gap, recording, replaced, results, sums_in_another_order
 from kv_cache import KVCache, feed, generate_cached, work
 from stories import rounded_mean, story_ids, story_quality
 
@@ -33,14 +34,20 @@ def both_generators(lab, index):
     index): for each, the uncached result, whether the cached one is identical, how many
     positions the cached path computed on the same input as the uncached path's last full
     pass and the largest gap between their logits, that full pass's rows and attention
-    weights; and the greedy seconds of each path."""
+    weights; and the greedy seconds of each path. The sampled uncached run is given the
+    greedy run's full passes on the tokens both chose (reusing), not the same computed
+    again."""
     params, tok, prompt = lab.params, lab.tok, lab.prompts[index]
-    one = {}
+    one, greedy_passes = {}, {}
     for kind, settings in zip(KINDS, ({}, {"temperature": 1.0, "seed": index})):
         start = time.perf_counter()
-        with recording(model, "forward") as full_passes:
+        with reusing(params, greedy_passes), recording(model, "forward") as full_passes:
             uncached = generate.generate(params, tok, prompt, **settings)
         middle = time.perf_counter()
+        if kind == "greedy":   # pass n read the prompt and the first n chosen tokens
+            story = story_ids(tok, prompt, uncached)
+            greedy_passes.update((tuple(story[:len(story) - len(full_passes) + n]), call.result)
+                                 for n, call in enumerate(full_passes))
         with recording(kv_cache, "forward_step") as steps:
             cached = generate_cached(params, tok, prompt, **settings)
         end = time.perf_counter()
@@ -55,6 +62,23 @@ def both_generators(lab, index):
         if kind == "greedy":
             one["seconds"] = {"uncached": middle - start, "cached": end - middle}
     return one
+
+
+def reusing(params, passes):
+    """Inside this block (a context manager), model.forward on params and token IDs that
+    passes holds (a tuple of token IDs -> forward's result) gives that result instead of
+    computing it again; with passes empty, nothing changes. forward's result depends on
+    its arguments alone (test_model), so the sampled run, wherever its story has chosen
+    the greedy one's tokens so far, is given the very full passes the greedy run made."""
+    if not passes:
+        return contextlib.nullcontext()
+
+    def stand_in(real):
+        def forward(given, ids, *rest, **named):
+            found = passes.get(tuple(ids)) if given is params and not (rest or named) else None
+            return real(given, ids, *rest, **named) if found is None else found
+        return forward
+    return replaced(model, "forward", stand_in)
 
 
 Runs = namedtuple("Runs", [f"{kind}{what}" for what in ("", "_identical", "_positions",
