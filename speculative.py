@@ -147,13 +147,29 @@ def _training_drafter(tok, corpus):
     return NgramDrafter([tok.encode(story) for story in train])
 
 
+_PREFILLED = {}   # the lab whose openings this process has prefilled, and their caches
+
+
+def _openings(lab):
+    """Each opening of lab prefilled into a cache of its own (one call of prefill), once
+    in each process for every drafter and lookahead: generate_speculative continues from
+    a copy of the cache it is given, so these stay as they are."""
+    if _PREFILLED.get("lab") is not lab:
+        caches = [KVCache(lab.params) for _ in lab.prompts]
+        for cache, prompt in zip(caches, lab.prompts):
+            prefill.prefill(lab.params, cache, lab.tok.encode(prompt), 0)
+        _PREFILLED.update(lab=lab, caches=caches)
+    return _PREFILLED["caches"]
+
+
 def experiment(lab, draft, runs):
     """generate_speculative with DRAFTS[draft] on every opening, greedy and sampled, each
-    from a cache holding the opening (fed once for both): the stories identical to the
-    uncached ones, the largest gap between the logits each token was chosen with and the
-    uncached full pass's row for the same position, the prefill calls and the rows they
-    computed after the opening (rejected ones included) against one call and one row per
-    generated token, and how many drafted tokens were accepted."""
+    from a cache holding the opening (fed once for both, and for every case: _openings):
+    the stories identical to the uncached ones, the largest gap between the logits each
+    token was chosen with and the uncached full pass's row for the same position, the
+    prefill calls and the rows they computed after the opening (rejected ones included)
+    against one call and one row per generated token, and how many drafted tokens were
+    accepted."""
     params, tok, prompts = lab.params, lab.tok, lab.prompts
     drafter, lookahead = DRAFTS[draft]
     chosen_drafter = (_training_drafter(tok, lab.corpus) if drafter == "training stories"
@@ -162,9 +178,7 @@ def experiment(lab, draft, runs):
               "model_calls_one_per_token": 0, "rows": 0, "rows_one_per_token": 0,
               "drafted": 0, "accepted": 0}
     gap = 0.0
-    for index, prompt in enumerate(prompts):
-        opening = KVCache(params)   # both stories start from a copy of it
-        prefill.prefill(params, opening, tok.encode(prompt), 0)
+    for index, (prompt, opening) in enumerate(zip(prompts, _openings(lab))):
         for settings, result, rows in (({}, runs.greedy[index], runs.greedy_rows[index]),
                                        ({"temperature": 1.0, "seed": index},
                                         runs.sampled[index], runs.sampled_rows[index])):
