@@ -17,9 +17,11 @@ rows its step computes, from which heuristic chooses its split count as
 FlashAttention-2 does.
 """
 import math
+import random
 from math import exp, fsum
 
 from batched import exact_attention, forward_rows
+from generate import next_token_probs
 from instruments import largest_gap
 from model import SCALE, add, check_int, dot, layernorm, linear, relu
 from paged import BlockPool
@@ -85,22 +87,17 @@ def split(parts):
 
 
 def exact_partials(terms):
-    """Floats that do not overlap and add up to the terms' exact sum (Shewchuk, 1997; what
-    math.fsum keeps inside): each addition split into its rounded sum and the error
-    the rounding made, itself a float, kept if it is not zero."""
-    partials = []
-    for x in terms:
-        kept = []
-        for p in partials:
-            if abs(x) < abs(p):
-                x, p = p, x
-            high = x + p
-            low = p - (high - x)   # exact, as |x| >= |p|
-            if low:
-                kept.append(low)
-            x = high
-        partials = kept + [x]
-    return partials
+    """A few floats whose exact sum is the terms' exact sum, as math.fsum keeps inside
+    (after Shewchuk, 1997), found here with fsum itself: the correctly rounded sum, then
+    the correctly rounded sum of what it missed, and so on until nothing is missed. Each
+    fsum is exact in what it is given, so the floats found so far and the remainder
+    always add up to the terms' sum; a few rounds leave no remainder."""
+    terms, partials = list(terms), []
+    while True:
+        missed = fsum(terms + [-p for p in partials])
+        if not missed:
+            return partials
+        partials.append(missed)
 
 
 def exact(parts):
@@ -152,7 +149,7 @@ def heuristic(q, keys, values, rows):
 
 # ---- the experiment (a stage of trace_kv.py) ---------------------------------------
 
-KINDS = {"online": online, **{f"split {parts}": split(parts) for parts in (2, 4, 8)},
+KINDS = {"online": online, **{f"split {parts}": split(parts) for parts in (1, 2, 4, 8, 16)},
          **{f"exact {parts}": exact(parts) for parts in (1, 2, 4, 8)}}
 
 
@@ -166,41 +163,64 @@ def _finish(params, cols, x0, mixed):
     return add(linear(hf, cols["W_out"]), params["b_out"])
 
 
-def _greedy(row):
+def _greedy(row, rng):
     return max(range(len(row)), key=row.__getitem__)
 
 
-def story_kinds(lab, index, runs):
-    """Opening index's greedy story fed through a paged sequence (blocks of BLOCK) with
-    forward_step's exact rows; at each row that chooses a token, every kind of KINDS
-    reads the same query, keys and values: per kind, the largest gap between its logits
-    and the exact ones, and whether the greedy story would change there (its best token
-    is not the story's next)."""
-    params = lab.params
-    ids = story_ids(lab.tok, lab.prompts[index], runs.greedy[index])
-    first = len(lab.tok.encode(lab.prompts[index])) - 1
-    sequence = BlockPool(params, math.ceil(len(ids) / BLOCK), BLOCK).sequence()
-    found = {name: {"largest_logit_gap": 0.0, "greedy_changed": False} for name in KINDS}
-    for position, token_id in enumerate(ids[:-1]):
-        read = []
+def _sampled(row, rng):
+    """The token generate's sampling at temperature 1.0 draws from row with a copy of rng
+    (Generation.choose's draw): rng itself is left as it is."""
+    draw = random.Random()
+    draw.setstate(rng.getstate())
+    return draw.choices(range(len(row)), weights=next_token_probs(row, 1.0, None))[0]
 
-        def exact_read(q, keys, values, rows):   # forward_step's attention, kept with its input
-            read.append(((q, keys, values), exact_attention(q, keys, values, rows)))
-            return read[0][1]
-        logits, = forward_rows(params, [(sequence, token_id, position)], attention=exact_read)
-        if position < first:
-            continue
-        x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])
-        (q, keys, values), mixed = read[0]
-        for name, kind in KINDS.items():
-            other_mixed = kind(q, keys, values, 1)
-            if other_mixed == mixed:   # the rest of the row is the same: so are its logits
+
+def story_kinds(lab, index, runs):
+    """Opening index's greedy and sampled stories (temperature 1.0, seed index), each fed
+    through a paged sequence (blocks of BLOCK) with forward_step's exact rows; at each
+    row that chooses a token, every kind of KINDS reads the same query, keys and values:
+    per kind, the largest gap between its logits and the exact ones, and whether each
+    story would change there (the token it would choose, with the story's own random
+    numbers for the sampled one, is not the story's next)."""
+    params, prompt = lab.params, lab.prompts[index]
+    found = {name: {"largest_logit_gap": 0.0, "greedy_changed": False,
+                    "sampled_changed": False} for name in KINDS}
+    longest, rows_of = 0, {}   # each kind's logits for the tokens so far (None: exact ones)
+    for story, choice, rng in (("greedy", _greedy, None),
+                               ("sampled", _sampled, random.Random(index))):
+        ids = story_ids(lab.tok, prompt, getattr(runs, story)[index])
+        longest = max(longest, len(ids) - 1)
+        first = len(lab.tok.encode(prompt)) - 1
+        sequence = BlockPool(params, math.ceil(len(ids) / BLOCK), BLOCK).sequence()
+        for position, token_id in enumerate(ids[:-1]):
+            read = []
+
+            def exact_read(q, keys, values, rows):   # forward_step's attention, its input kept
+                read.append(((q, keys, values), exact_attention(q, keys, values, rows)))
+                return read[0][1]
+            logits, = forward_rows(params, [(sequence, token_id, position)],
+                                   attention=exact_read)
+            if position < first:
                 continue
-            other = _finish(params, sequence.columns, x0, other_mixed)
-            found[name]["largest_logit_gap"] = max(found[name]["largest_logit_gap"],
-                                                   largest_gap([other], [logits]))
-            found[name]["greedy_changed"] |= _greedy(other) != ids[position + 1]
-    return {**found, "longest_row": len(ids) - 1}
+            if choice(logits, rng) != ids[position + 1]:   # the premise of the replay
+                raise ValueError(f"opening {index}: the {story} story's token {position + 1} "
+                                 f"is not what its choice gives with the exact logits")
+            so_far = tuple(ids[:position + 1])   # the sampled story may begin as the greedy
+            if so_far not in rows_of:
+                x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])
+                (q, keys, values), mixed = read[0]
+                other_mixed = {name: kind(q, keys, values, 1) for name, kind in KINDS.items()}
+                rows_of[so_far] = {name: None if m == mixed    # then so are its logits
+                                   else _finish(params, sequence.columns, x0, m)
+                                   for name, m in other_mixed.items()}
+            for name, other in rows_of[so_far].items():
+                if other is not None:
+                    found[name]["largest_logit_gap"] = max(found[name]["largest_logit_gap"],
+                                                           largest_gap([other], [logits]))
+                    found[name][f"{story}_changed"] |= choice(other, rng) != ids[position + 1]
+            if rng:
+                rng.random()   # the draw the story made here (choices draws one number)
+    return {**found, "longest_row": longest}
 
 
 def kinds_table(lab, per_story):
@@ -213,7 +233,9 @@ def kinds_table(lab, per_story):
         parts = int(name.split()[1]) if " " in name else None
         table.append({"kind": name.split()[0], "parts": parts,
                       "largest_logit_gap": max(s[name]["largest_logit_gap"] for s in per_story),
-                      "greedy_stories_changed": sum(s[name]["greedy_changed"] for s in per_story),
+                      **{f"{story}_stories_changed": sum(s[name][f"{story}_changed"]
+                                                         for s in per_story)
+                         for story in ("greedy", "sampled")},
                       "scores_held": len(parts_of(longest, parts)[0]) if parts
                       else min(BLOCK, longest)})
     return {"stories": len(per_story), "longest_row": longest, "kinds": table}

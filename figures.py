@@ -191,8 +191,9 @@ DERIVED = {
     "llama_70b_bound": lambda r, t: round(bandwidth.bound(bandwidth.LLAMA_2_70B_8_BIT, 0), 1),
     "split_counts": lambda r, t: "{}, {}, {} and {}".format(
         *(blockwise.split_count(rows, 64) for rows in (1, 2, 4, 8))),
-    "blockwise_greedy_changed": lambda r, t: sum(
-        k["greedy_stories_changed"] for k in r["blockwise"]["kinds"]),
+    "blockwise_stories_changed": lambda r, t: sum(
+        k["greedy_stories_changed"] + k["sampled_stories_changed"]
+        for k in r["blockwise"]["kinds"]),
     "split_kv_as_generate": _split_kv_as_generate,
     "split_kv_largest_gap": lambda r, t: max(
         run["largest_logit_gap_against_exact"] for run in r["batched_decode"]["runs"]

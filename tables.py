@@ -262,10 +262,12 @@ def _decode_bound(r, t):
 def _blockwise(r, t):
     b = r["blockwise"]
     return _table(["attention read", "parts", "largest logit gap", "greedy stories changed",
+                   "sampled stories changed",
                    f"scores held at once, longest row ({b['longest_row']} positions)"],
                   [[k["kind"], k["parts"] or "—", _bold(shown(k["largest_logit_gap"]))
                     if k["kind"] == "exact" else shown(k["largest_logit_gap"]),
-                    f"{k['greedy_stories_changed']} of {b['stories']}", k["scores_held"]]
+                    f"{k['greedy_stories_changed']} of {b['stories']}",
+                    f"{k['sampled_stories_changed']} of {b['stories']}", k["scores_held"]]
                    for k in b["kinds"]])
 
 

@@ -126,13 +126,19 @@ class Heuristic(unittest.TestCase):
         self.assertGreater(splits[0], 1)
         self.assertEqual(splits[-1], 1)
 
-    def test_bad_split_counts_are_refused(self):
+    def test_bad_split_counts_and_attentions_are_refused(self):
+        import paged
+        import serving
         for parts in (0, -1, 2.0, True, None):
             with self.subTest(parts=parts), self.assertRaisesRegex(ValueError,
                                                                    "parts must be an int"):
                 blockwise.split(parts)
             with self.assertRaisesRegex(ValueError, "parts must be an int"):
                 blockwise.exact(parts)
+        pool = paged.BlockPool(PARAMS, 8, 4)
+        with self.assertRaisesRegex(ValueError, "attention must be a function of"):
+            serving.serve(PARAMS, TOK, [{"prompt": OPENINGS[0]}], pool, 1, attention=5)
+        self.assertEqual(pool.free_blocks(), 8)
 
 
 class Teeth(unittest.TestCase):

@@ -53,7 +53,7 @@ from kv_cache import KVCache, feed, generate_cached, work   # trace_kv.work: the
 from stories import openings, split_stories, story_ids
 
 MAX_WORKERS = 64   # the largest stage has 60 cases
-DURATION = "about 40 s on 2 cores, 75 s on 1"   # measured on the lab's 2-core machine
+DURATION = "about 40 s on 2 cores, 80 s on 1"   # measured on the lab's 2-core machine
 
 
 # ---- the stages of every Part, and the loop that runs them ---------------------------
