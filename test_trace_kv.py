@@ -9,6 +9,7 @@ import atexit
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -46,8 +47,22 @@ def _start_the_run():
         _RUN["out"], _RUN["err"] = tempfile.TemporaryFile(), tempfile.TemporaryFile()
         _RUN["process"] = subprocess.Popen(
             [sys.executable, os.path.join(HERE, "trace_kv.py"), "--json"],
-            stdout=_RUN["out"], stderr=_RUN["err"])
-        atexit.register(_RUN["process"].terminate)   # if unittest stops early: its workers too
+            stdout=_RUN["out"], stderr=_RUN["err"],
+            start_new_session=hasattr(os, "killpg"))   # its workers in its group
+        atexit.register(_stop_the_run)   # if unittest stops early
+
+
+def _stop_the_run():
+    """End the background run and its workers at once, if it still runs. (Told to stop
+    politely mid-way, a process pool can hang in its own shutdown: a signal's exception
+    can leave one of its locks held.)"""
+    process = _RUN["process"]
+    if process.poll() is None:
+        if hasattr(os, "killpg"):
+            os.killpg(process.pid, signal.SIGKILL)
+        else:
+            process.kill()
+        process.wait()
 
 
 def _the_run():
@@ -76,7 +91,7 @@ class TheRecord(unittest.TestCase):
             skip_unless_sound("every Part")
         except unittest.SkipTest:
             if _RUN:
-                _RUN["process"].terminate()   # its record would only repeat what the layer says
+                _stop_the_run()   # its record would only repeat what the layer says
             raise
         cls.record = _the_run()
 
