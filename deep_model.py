@@ -133,9 +133,8 @@ def compressed(h1, block, cols, position, r_thetas):
 
 
 def latent_query(q, h1, cols, position, thetas, r_thetas, heads):
-    """A latent layer's query from q = h1 Wq: with a rotary key, each head's q_h then its
-    rotary part (h1 times Wqr, turned by position); with rotary positions but no rotary
-    key, q turned; with learned positions, q."""
+    """A latent layer's query from q = h1 Wq: each head's q_h then its rotary part (h1
+    times Wqr, turned by position); without a rotary key, q turned (rotary) or q."""
     if "Wqr" in cols:
         return _joined(q, rotate(linear(h1, cols["Wqr"]), position, r_thetas), heads)
     return rotate(q, position, thetas) if thetas else q
@@ -143,9 +142,8 @@ def latent_query(q, h1, cols, position, thetas, r_thetas, heads):
 
 def rebuilt(c_kv, k_r, position, cols, thetas, heads):
     """Every head's key and value from what a latent layer keeps of a position: c_kv
-    times Wuk, each head's part followed by k_r, and c_kv times Wuv. Without a rotary key
-    but with rotary positions, the rebuilt key is turned by its position (the coupled
-    design that latent_attention.py shows the absorbed path cannot fold)."""
+    times Wuk, each head's part followed by k_r, and c_kv times Wuv; with rotary positions
+    but no k_r, the key turned by its position (a design absorption cannot fold)."""
     k = linear(c_kv, cols["Wuk"])
     if thetas and not k_r:
         k = rotate(k, position, thetas)
