@@ -54,17 +54,15 @@ def block_table_diagram():
     def tokens(block):
         return ", ".join("space" if tok.vocab[t] == " " else tok.vocab[t]
                          for t in pool.blocks[block].tokens)
-    lines = ["```mermaid", "flowchart LR", '    subgraph tables["block tables"]']
-    for name, prompt, seq in zip("AB", prompts, sequences):
-        lines.append(f'        {name}["{prompt}<br/>blocks {", ".join(map(str, seq.table))}"]')
-    lines += ["    end", '    subgraph pool["BlockPool: blocks of 4 positions"]']
+    lines = ["block tables (sequences)", *(f"  {name}: {prompt!r}  ->  blocks "
+                                          f"{', '.join(map(str, seq.table))}"
+                                          for name, prompt, seq in zip("AB", prompts, sequences)),
+             "BlockPool: blocks of 4 positions"]
     for block in sorted(set(sequences[0].table) | set(sequences[1].table)):
-        lines.append(f'        P{block}["{block}: {tokens(block)}'
-                     f'<br/>(refs {pool.ref_counts[block]})"]')
-    lines.append("    end")
-    for name, seq in zip("AB", sequences):
-        lines += [f"    {name} --> P{block}" for block in seq.table]
-    return (*lines, "```")
+        held_by = " and ".join(name for name, seq in zip("AB", sequences) if block in seq.table)
+        lines.append(f"  block {block}: {tokens(block):<24} refs {pool.ref_counts[block]}  "
+                     f"(held by {held_by})")
+    return ("```text", *lines, "```")
 
 
 @functools.lru_cache(maxsize=None)

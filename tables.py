@@ -51,14 +51,14 @@ def _cost_by_length(r, t):
 
 
 def _cost_chart(r, t):
-    lengths = r["cost_by_length"]
-    return ["```mermaid", "xychart-beta",
-            '    title "Rows computed to reach each length (bars: without the cache; line: '
-            'with it)"',
-            f"    x-axis \"positions\" [{', '.join(str(e['positions']) for e in lengths)}]",
-            '    y-axis "rows"',
-            f"    bar [{', '.join(str(e['uncached_rows']) for e in lengths)}]",
-            f"    line [{', '.join(str(e['cached_rows']) for e in lengths)}]", "```"]
+    lengths, width = r["cost_by_length"], 48   # the longest bar, in characters
+    most = max(e["uncached_rows"] for e in lengths)
+    lines = ["rows computed to reach each length (# without the cache, = with it)"]
+    for e in lengths:
+        for label, rows, mark in ((e["positions"], e["uncached_rows"], "#"),
+                                  ("", e["cached_rows"], "=")):
+            lines.append(f"{label:>3} {mark * max(1, round(rows / most * width))} {rows:,}")
+    return ["```text", *lines, "```"]
 
 
 def _slots(r, t):

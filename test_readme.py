@@ -263,13 +263,32 @@ class Figures(unittest.TestCase):
     def test_no_figure_in_the_text_has_more_than_6_significant_digits(self):
         self.assert_none(digit_problems(readme()), "figures are too long")
 
+    def test_the_two_paths_name_the_code_as_it_is(self):
+        """Section 4's picture: every function and class it names is the lab's."""
+        import generate
+        import kv_cache
+        import model
+        start = readme().index("### 4. ")
+        picture = readme()[start:readme().index("```\n", readme().index("```text", start) + 7)]
+        names = {word for word in re.findall(r"\b[A-Za-z]\w*(?:\.\w+)?", picture)
+                 if len(word) > 2 and ("_" in word or "." in word
+                                       or any(map(str.isupper, word[1:])))}
+        names |= set(re.findall(r"\bgenerate(?=:)", picture))   # a heading names its generator
+        self.assertGreaterEqual(len(names), 5, names)
+        for name in sorted(names):
+            module, _, attribute = name.rpartition(".")
+            owners = [{"model": model, "generate": generate}[module]] if module else [
+                kv_cache, generate]
+            with self.subTest(name=name):
+                self.assertTrue(any(hasattr(owner, attribute) for owner in owners), name)
+
     def test_the_pictures_show_what_their_prose_says(self):
         """Section 5: one line differs in where the keys and values come from; section
         16: the second prompt shares a block; section 19: a request is preempted."""
         changed = [line for line in diagrams.the_row_side_by_side()[3:] if line[:1] in "+-"]
         self.assertEqual(len([line for line in changed
                               if line[1:].startswith("keys, values =")]), 2)
-        self.assertIn("(refs 2)", "".join(diagrams.block_table_diagram()))
+        self.assertIn("refs 2  (held by A and B)", "".join(diagrams.block_table_diagram()))
         self.assertIn("x", "".join(line[32:] for line in diagrams.serving_timeline()[1:-1]))
 
     def test_a_mark_names_an_entry_by_its_keys_its_items_and_a_format(self):
