@@ -268,17 +268,24 @@ def _bandwidth():
                                         f"and bandwidth.floats_read counts {wanted}")
 
 
+def attention_reads(story):
+    """The (q, keys, values) that every row of story, fed to the trained model in one
+    batch by batched.forward_rows, hands its attention."""
+    import batched
+    cache, reads = KVCache(PARAMS), []
+    batched.forward_rows(PARAMS, [(cache, token_id, position) for position, token_id
+                                  in enumerate(TOK.encode(story))],
+                         attention=lambda q, keys, values, rows: reads.append(
+                             (q, keys, values)) or batched.exact_attention(q, keys, values))
+    return reads
+
+
 def _blockwise():
     """The exact kind split in 4 and the online kind, on a story's rows: forward_step's
     bits, and within ROUNDING of them."""
     import batched
     import blockwise
-    cache, reads = KVCache(PARAMS), []
-    batched.forward_rows(PARAMS, [(cache, token_id, position) for position, token_id
-                                  in enumerate(TOK.encode(STORIES[0]))],
-                         attention=lambda q, keys, values, rows: reads.append(
-                             (q, keys, values)) or batched.exact_attention(q, keys, values))
-    for row, read in enumerate(reads):
+    for row, read in enumerate(attention_reads(STORIES[0])):
         wanted = batched.exact_attention(*read)
         if blockwise.exact(4)(*read) != wanted:
             return f"row {row}: the exact kind split in 4 is not forward_step's attention"

@@ -11,7 +11,7 @@ import batched
 import blockwise
 from instruments import replacing
 from kv_cache import KVCache
-from layers import ROUNDING, set_up
+from layers import ROUNDING, attention_reads, set_up
 from support import OPENINGS, PARAMS, STORIES, TOK, assert_each_mistake_is_caught, tear_down
 
 READS = []   # (q, keys, values) of every row of two stories, as forward_rows reads them
@@ -20,11 +20,7 @@ READS = []   # (q, keys, values) of every row of two stories, as forward_rows re
 def setUpModule():
     set_up("blockwise")
     for story in STORIES[:2]:
-        cache = KVCache(PARAMS)
-        batched.forward_rows(PARAMS, [(cache, token_id, position) for position, token_id
-                                      in enumerate(TOK.encode(story))],
-                             attention=lambda q, keys, values, rows: READS.append(
-                                 (q, keys, values)) or batched.exact_attention(q, keys, values))
+        READS.extend(attention_reads(story))
 
 
 tearDownModule = tear_down
