@@ -81,10 +81,10 @@ def forward_rows(params, items, product=exact, attention=exact_attention):
     each weight matrix applied once to every item's row, each row attending to its own
     cache's positions 0..position, the batch's new ones included, as attention(q, keys,
     values, the batch's rows) reads them (blockwise.py has engines' ways to). Items may
-    share a cache (a prompt's tokens, in order). Refuses, before anything changes, what forward_step
-    refuses and a batch its caches have no room for; the caches keep the new keys and
-    values only once every row is computed, so a refusal on the way (a key a cache cannot
-    store, a sum a kernel cannot hold) changes nothing either."""
+    share a cache (a prompt's tokens, in order). Refuses, before anything changes, what
+    forward_step refuses and a batch its caches have no room for; the caches keep the new
+    keys and values only once every row is computed, so a refusal on the way (a key a
+    cache cannot store, a sum a kernel cannot hold) changes nothing either."""
     _check_items(params, items)
     cols = items[0][0].columns
     x0s = [add(params["tok_emb"][token_id], params["pos_emb"][i]) for _, token_id, i in items]

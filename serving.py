@@ -33,15 +33,15 @@ def serve(params, tok, requests, pool, max_batch, log=None, product=exact,
     each step every running request chooses one token, and all of them are fed theirs
     in one batch (a decode row each, forward_rows with product and attention); a
     waiting request is admitted, its tokens prefilled in one pass, as soon as the batch
-    and the pool have room; a finished one leaves at once. When the running requests need more blocks than
-    are free, the most recently admitted one is preempted by recompute: its blocks are
-    freed, and when it is admitted again its prompt and the tokens it had chosen are
-    prefilled again (its random numbers go on where they were: none is drawn twice).
-    Returns (results, counts): each result, in request order, exactly generate.generate's
-    for its request with the exact product and attention, and what serving did. log(step, request
-    index, event), if given, is told each "prefill", "decode", "preempted" and "finished"
-    as it happens. If anything raises (log itself, say), every block serve took goes
-    back to the pool."""
+    and the pool have room; a finished one leaves at once. When the running requests
+    need more blocks than are free, the most recently admitted one is preempted by
+    recompute: its blocks are freed, and when it is admitted again its prompt and the
+    tokens it had chosen are prefilled again (its random numbers go on where they were:
+    none is drawn twice). Returns (results, counts): each result, in request order,
+    exactly generate.generate's for its request with the exact product and attention,
+    and what serving did. log(step, request index, event), if given, is told each
+    "prefill", "decode", "preempted" and "finished" as it happens. If anything raises
+    (log itself, say), every block serve took goes back to the pool."""
     if log is not None and not callable(log):
         raise ValueError(f"log must be a function of (step, request index, event), got {log!r}")
     log = log or (lambda step, index, event: None)

@@ -47,7 +47,8 @@ class Kinds(unittest.TestCase):
 
     def test_the_online_and_split_kinds_stay_within_rounding(self):
         for name, kind in (("online", blockwise.online),
-                           *((f"split {parts}", blockwise.split(parts)) for parts in (1, 2, 5, 16))):
+                           *((f"split {parts}", blockwise.split(parts))
+                             for parts in (1, 2, 5, 16))):
             with self.subTest(kind=name):
                 self.assertIsNone(where_kind_strays(kind, exact_bits=False))
 
