@@ -41,6 +41,7 @@ import lesson
 import lossy
 import model
 import paged
+import pictures
 import prefill
 import serving
 import speculative
@@ -306,18 +307,22 @@ def _dumps(data):
 
 
 def save_records(record, timing, folder=LAB):
-    """Write kv-trace.json and kv-time.json in folder, each atomically, and the figures of
-    the README there (if folder has one) from them: the names of the files written."""
+    """Write kv-trace.json and kv-time.json in folder, each atomically, and the figures and
+    pictures of the README there (if folder has one) from them: the names of what it wrote."""
     readme = os.path.join(folder, figures.README)
-    text = None
-    if os.path.exists(readme):   # rendered first: a mark it cannot fill writes nothing
+    text, drawn = None, {}
+    if os.path.exists(readme):   # drawn first: a mark it cannot fill writes nothing
         with open(readme, encoding="utf-8") as f:
             text = figures.rendered(f.read(), record, timing)
+        drawn = {name: draw(record) for name, draw in pictures.PICTURES.items()}
     write_atomically(os.path.join(folder, TRACE), _dumps(record))
     write_atomically(os.path.join(folder, TIMES), _dumps(timing))
+    for name, svg in drawn.items():
+        write_atomically(os.path.join(folder, name), svg)
     if text is not None:
         write_atomically(readme, text)
-    return [TRACE, TIMES] + ([f"the figures of {figures.README}"] if text is not None else [])
+    return [TRACE, TIMES] + ([f"the figures and pictures of {figures.README}"]
+                             if text is not None else [])
 
 
 def read_record(path):
