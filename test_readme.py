@@ -7,13 +7,18 @@ all, so after a --write on any machine these checks hold; a change of the code o
 retrained model that changes what the README shows fails them until the next --write.
 The other checks: every example prints what is shown, every excerpt is in its function,
 and each Part says its own length. The exactness of the cache is tested elsewhere."""
+import collections
+import doctest
 import inspect
+import io
 import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import unittest
 import unittest.mock
 
@@ -39,9 +44,13 @@ def setUpModule():
     skip_unless_sound("every Part")
 
 
-def readme():
-    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+def lab_file_text(name):
+    with open(os.path.join(HERE, name), encoding="utf-8") as f:
         return f.read()
+
+
+def readme():
+    return lab_file_text("README.md")
 
 
 def lab_json(name):
@@ -89,6 +98,9 @@ def parts(text):
     return list(zip(names, starts, starts[1:] + ["### References"]))
 
 
+EXERCISES = "### Exercises"   # each Part ends with them
+
+
 def prose_words(text, start="### 1. ", end="## Part 2"):
     """The words of the prose from the heading start to the heading end (by default the
     lesson, sections 1 to 14), without code blocks, tables, indented formula blocks,
@@ -97,7 +109,7 @@ def prose_words(text, start="### 1. ", end="## Part 2"):
     part = FIGURE.sub("figure", text[text.index(start):text.index(end)])   # one word each
     part = re.sub(r"^```.*?^```$", "", part, flags=re.M | re.S)
     kept = [line for line in part.splitlines()
-            if not line.startswith(("|", "    ", "<!--"))]
+            if not line.startswith(("|", "    ", "<!--", "!["))]
     prose = re.sub(r"\]\([^)]*\)", "]", "\n".join(kept))
     return [word for word in prose.split() if re.search(r"[A-Za-z0-9]", word)]
 
@@ -174,7 +186,7 @@ def length_problems(text):
     Part takes giving its words of prose, the minutes they take at 200 words a minute,
     and each Part's opening the minutes with its code, as the table does."""
     problems = []
-    words = len(prose_words(text))
+    words = len(prose_words(text, end=EXERCISES))   # the lesson's reading, without its exercises
     if words > 2500:
         problems.append(f"the lesson (sections 1 to 14, without code, tables and formulas) "
                         f"has {words:,} words, more than 2,500")
@@ -193,6 +205,60 @@ def length_problems(text):
                 problems.append(f"{part}'s opening must say \"With its code, {row[2]} "
                                 f"minutes.\", as the table of times does")
     return problems
+
+
+Exercise = collections.namedtuple("Exercise", "part line title edit answer")
+
+
+def exercises(text):
+    """Every exercise of every Part: its Part, the README's line of it, its title, its edit
+    of the code if it asks for one ((file, old, new): "in FILE.py, change `OLD` to `NEW`")
+    and the text of its answer (its <details> block)."""
+    found = []
+    for part, start, end in parts(text)[:-1]:   # the Reference has none
+        begin = text.index(start)
+        section = text[text.index(EXERCISES, begin):text.index(end)]
+        at = text.index(section)
+        for asked in re.finditer(r"^\*\*(\d+\. [^*]+)\*\*(.*?)^<details>(.*?)^</details>",
+                                 section, re.M | re.S):
+            edit = re.search(r"in (\w+\.py),? change `([^`]+)`\s+to `([^`]+)`",
+                             " ".join(asked[2].split()), re.I)
+            found.append(Exercise(part, _line(text, at + asked.start()), asked[1],
+                                  edit.groups() if edit else None, asked[3]))
+    return found
+
+
+def commands(answer):
+    """The fenced blocks of an answer: ("console", its "$ " command, the lines shown) or
+    ("pycon", the session's text, None)."""
+    found = []
+    for kind, body in re.findall(r"^```(console|pycon)\n(.*?)^```$", answer, re.M | re.S):
+        lines = body.splitlines()
+        found.append((kind, lines[0], lines[1:]) if kind == "console" else (kind, body, None))
+    return found
+
+
+def session_problems(session, name, folder=HERE):
+    """Replay a Python session (>>> lines and what they print) in folder, as a learner
+    typing it into python3 there: None, or what doctest reports of its first mismatch."""
+    test = doctest.DocTestParser().get_doctest(session, {}, name, None, 0)
+    report = io.StringIO()
+    runner = doctest.DocTestRunner(optionflags=doctest.REPORT_ONLY_FIRST_FAILURE)
+    before = os.getcwd()
+    os.chdir(folder)
+    try:
+        runner.run(test, out=report.write)
+    finally:
+        os.chdir(before)
+    return report.getvalue() or None
+
+
+def run_shown(command, shown, folder=HERE):
+    """Run a "$ python3 ..." command in folder: None if it prints the lines shown, else
+    the first line that differs."""
+    done = subprocess.run([sys.executable, *shlex.split(command[len("$ python3 "):])],
+                          cwd=folder, capture_output=True, text=True, timeout=120)
+    return mismatch(shown, (done.stdout + done.stderr).splitlines())
 
 
 def digit_problems(text):
@@ -314,20 +380,63 @@ class Examples(unittest.TestCase):
 
     def test_every_example_prints_what_the_readme_shows(self):
         """Each fenced block whose first line is "$ python3 ..." is run from the lab's
-        folder; training logs (python3 train.py) are one real run's and are tied to
-        best.json by test_the_readme_quotes_the_checkpoint_figures instead."""
-        examples = [(line, block[0], block[1:]) for line, _, block in fenced_blocks(readme())
+        folder, but those of the exercises (which run in a copy of it, below); training
+        logs (python3 train.py) are one real run's and are tied to best.json by
+        test_the_readme_quotes_the_checkpoint_figures instead."""
+        text = readme()
+        answers = "".join(exercise.answer for exercise in exercises(text))
+        examples = [(line, block[0], block[1:]) for line, _, block in fenced_blocks(text)
                     if block and block[0].startswith("$ python3 ")
-                    and not block[0].startswith("$ python3 train.py")]
+                    and not block[0].startswith("$ python3 train.py")
+                    and "\n".join(block) not in answers]
         self.assertGreaterEqual(len(examples), 2)
         for line, command, shown in examples:
             with self.subTest(command=command):
-                done = subprocess.run([sys.executable, *shlex.split(command[len("$ python3 "):])],
-                                      cwd=HERE, capture_output=True, text=True, timeout=120)
-                found = mismatch(shown, (done.stdout + done.stderr).splitlines())
+                found = run_shown(command, shown)
                 if found:
                     self.fail(f"README.md line {line}, `{command}`: {found}.\n{ON_PURPOSE}: "
                               f"run the command and copy what it prints.")
+
+    def test_each_part_ends_with_two_or_three_exercises_and_their_answers(self):
+        text = readme()
+        found = exercises(text)
+        for part, start, end in parts(text)[:-1]:
+            with self.subTest(part):
+                section = text[text.index(start):text.index(end)]
+                self.assertEqual(re.findall(r"^### .*", section, re.M)[-1], EXERCISES,
+                                 f"{part} must end with its {EXERCISES}")
+                asked = [exercise for exercise in found if exercise.part == part]
+                self.assertIn(len(asked), (2, 3), f"{part}: 2 or 3 exercises")
+                for exercise in asked:
+                    self.assertTrue(commands(exercise.answer), f"README.md line "
+                                    f"{exercise.line}, {exercise.title!r}: its answer must "
+                                    f"show a command or a session that a test runs")
+
+    def test_every_answer_prints_what_it_shows(self):
+        """Each exercise's answer is run as a learner would: its commands in a copy of the
+        lab's folder (with the exercise's edit of the code made there, if it asks for
+        one), one after another, and its Python sessions replayed there."""
+        for exercise in exercises(readme()):
+            where = f"README.md line {exercise.line}, exercise {exercise.title!r}"
+            with self.subTest(exercise.title), tempfile.TemporaryDirectory() as folder:
+                for name in os.listdir(HERE):
+                    if os.path.isfile(os.path.join(HERE, name)):
+                        shutil.copy(os.path.join(HERE, name), folder)
+                if exercise.edit:   # made for its commands: a session imports the lab's
+                    self.assertNotIn("pycon", [kind for kind, _, _ in commands(exercise.answer)],
+                                     f"{where}: an edit of the code is tried by commands")
+                    name, old, new = exercise.edit
+                    code = lab_file_text(name)
+                    self.assertEqual(code.count(old), 1, f"{where}: `{old}` must be in "
+                                     f"{name} once, to be changed")
+                    with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+                        f.write(code.replace(old, new))
+                for kind, command, shown in commands(exercise.answer):
+                    found = (run_shown(command, shown, folder) if kind == "console"
+                             else session_problems(command, exercise.title, folder))
+                    if found:
+                        self.fail(f"{where}: {found}\n{ON_PURPOSE}: run it and copy what it "
+                                  f"prints.")
 
     def test_the_readme_shows_the_real_code(self):
         excerpts = re.findall(r"<!-- excerpt: (\w+)\.(\w+) -->\n```python\n(.*?)```", readme(),
