@@ -100,11 +100,15 @@ def _prefix_cache(r, t):
 
 def _many_requests(r, t):
     m = r["many_requests"]
-    return _table(["pool of blocks of 4", "steps", "rows", "rows recomputed", "preemptions",
-                   "peak blocks", "prefix hits", "identical", "gap of the choosing rows"],
+    return _table(["pool of blocks of 4", "steps", "requests choosing a token, mean a step",
+                   "rows", "rows recomputed", "preemptions", "peak blocks", "evictions",
+                   "prefix hits: at a first admission / at a readmission", "identical",
+                   "gap of the choosing rows"],
                   [[f"{run.split()[0]} ({shown(c['blocks'])} blocks)", c["steps"],
-                    shown(c["rows"]), c["recomputed_rows"], c["preemptions"],
-                    c["peak_blocks"], c["prefix_hits"],
+                    shown(c["mean_requests_per_step"]), shown(c["rows"]),
+                    c["recomputed_rows"], c["preemptions"], c["peak_blocks"],
+                    c["evictions"],
+                    f"{c['first_admission_prefix_hits']} / {c['readmitted_prefix_hits']}",
                     _bold(f"{c['identical']} of {m['requests']}"),
                     _bold(shown(c["largest_logit_gap_of_choosing_rows"]))]
                    for run, c in ((run, m[run]) for run in ("small pool", "ample pool"))])

@@ -118,6 +118,8 @@ class TheRecord(unittest.TestCase):
                                       record[name][pool]["largest_logit_gap_of_choosing_rows"]),
                                      (served, 0.0))
         self.assertGreater(record["many_requests"]["small pool"]["preemptions"], 0)
+        extra = record["many_requests"]["small_pool_extra_rows"]   # recompute, sharing lost
+        self.assertEqual(extra["in_all"], extra["recomputed"] + extra["prefix_sharing_lost"])
         for run in record["speculative_decoding"]:
             self.assertEqual((run["identical"], run["largest_logit_gap_of_choosing_rows"]),
                              (120, 0.0), run)
