@@ -69,6 +69,20 @@ def _slots(r, t):
                     f"{p['wasted_share'][way]:.1%}"] for way, slots in p["slots_reserved"].items()])
 
 
+def _parallel_sampling(r, t):
+    p = r["parallel_sampling"]
+    forks = p["continuations_each"]
+    return _table(["opening", "prompt tokens", f"distinct continuations (of {forks})",
+                   f"blocks held at the end: forks / {forks} caches of their own",
+                   f"prompt rows: forks / {forks} caches of their own",
+                   "identical to `generate`'s"],
+                  [[f"`{o['prompt']}`", o["prompt_tokens"], o["distinct_continuations"],
+                    f"{o['blocks_held_with_forks']} / {o['blocks_held_by_caches_of_their_own']}",
+                    f"{o['prompt_rows_with_forks']} / "
+                    f"{o['prompt_rows_with_caches_of_their_own']}",
+                    _bold(f"{o['identical_to_generate']} of {forks}")] for o in p["openings"]])
+
+
 def _ladder(r, t):
     rows = [["exact, in lists (the reference)",
              f"{t['cache_bytes_per_position']:,} as CPython objects", "all", "0.0", 0, 0]]
@@ -318,7 +332,8 @@ def _indented(stories):
 
 BLOCKS = {
     "work": _work, "cost_by_length": _cost_by_length,
-    "cost_chart": _cost_chart, "slots": _slots, "ladder": _ladder,
+    "cost_chart": _cost_chart, "slots": _slots, "parallel_sampling": _parallel_sampling,
+    "ladder": _ladder,
     "prefix_cache": _prefix_cache, "many_requests": _many_requests, "kernels": _kernels,
     "speculative": _speculative, "deep_shapes": _deep_shapes,
     "latent_shapes": _latent_shapes, "latent_work": _latent_work,
