@@ -44,10 +44,8 @@ def both_generators(lab, index):
         with reusing(params, greedy_passes), recording(model, "forward") as full_passes:
             uncached = generate.generate(params, tok, prompt, **settings)
         middle = time.perf_counter()
-        if kind == "greedy":   # pass n read the prompt and the first n chosen tokens
-            story = story_ids(tok, prompt, uncached)
-            greedy_passes.update((tuple(story[:len(story) - len(full_passes) + n]), call.result)
-                                 for n, call in enumerate(full_passes))
+        if kind == "greedy":
+            greedy_passes.update(passes_by_input(story_ids(tok, prompt, uncached), full_passes))
         with recording(kv_cache, "forward_step") as steps:
             cached = generate_cached(params, tok, prompt, **settings)
         end = time.perf_counter()
@@ -79,6 +77,13 @@ def reusing(params, passes):
             return real(given, ids, *rest, **named) if found is None else found
         return forward
     return replaced(model, "forward", stand_in)
+
+
+def passes_by_input(story, full_passes):
+    """The recorded full passes of one uncached generation of story (its token IDs), by
+    the token IDs each read (reusing's passes): pass n, the prompt and n chosen tokens."""
+    return {tuple(story[:len(story) - len(full_passes) + n]): call.result
+            for n, call in enumerate(full_passes)}
 
 
 Runs = namedtuple("Runs", [f"{kind}{what}" for what in ("", "_identical", "_positions",

@@ -7,12 +7,17 @@ write). To forward_step a paged sequence is a cache like any other.
 import math
 from collections import OrderedDict
 
+import generate
+import kv_cache
+import lesson
 import model
+from instruments import recording
 from kv_cache import KVCache, feed, generate_cached
 from stories import story_ids
 
 BLOCK_SIZES = (4, 8, 16)   # the experiment's block sizes, positions per block
 MAX_BLOCKS = 100_000       # a pool makes its blocks at once: a billion would fill the memory
+FORKED_OPENINGS, FORKS = 3, 4   # parallel sampling: the first openings, continuations each
 
 
 class Block:
@@ -330,7 +335,32 @@ class PagedSequence(KVCache):
             self.freed = True
 
 
-# ---- the experiment (a stage of trace_kv.py) ---------------------------------------
+def sample_from_forks(params, tok, prompt, seeds, pool):
+    """Parallel sampling by copy on write: the prompt prefilled once into a new sequence
+    of pool, forked (seq.copy()) once per seed, and each fork continued at temperature
+    1.0 with that seed, its first token chosen from the prompt's last row (computed once
+    for all of them). Returns the results and how many blocks the pool had taken when
+    the last one ended (the forks all held theirs until then); on the way out, normally
+    or not, every block goes back to the pool."""
+    ids = generate.check_request(tok, prompt, 60, 1.0, None, 0)
+    seq, forks, results = pool.sequence(), [], []
+    try:
+        last = feed(params, seq, ids)[-1]
+        forks = [seq.copy() for _ in seeds]   # no block taken: every one is shared
+        seq.free()   # the forks hold its blocks; the last to write needs no copy
+        for seed, fork in zip(seeds, forks):
+            # The first call feeds nothing (the fork holds the prompt): the prompt's last row.
+            def next_logits(ids, fork=fork):
+                return (feed(params, fork, ids) or [last])[-1]
+            results.append(generate.generate_with(next_logits, tok, list(ids), 60, 1.0, None,
+                                                  seed))
+        return results, len(pool.blocks) - pool.free_blocks()
+    finally:
+        for sequence in (seq, *forks):
+            sequence.free()
+
+
+# ---- the experiments (stages of trace_kv.py) ---------------------------------------
 
 def experiment(lab, runs):
     """Slots a cache reserves for the 60 greedy stories: one per position held, a whole
@@ -358,3 +388,35 @@ def experiment(lab, runs):
             "prefix_sharing_blocks_of_4": {
                 "blocks_shared": shared, "prompt_rows_without_sharing": rows_without,
                 "prompt_rows_with_sharing": rows_with, "greedy_identical": identical}}
+
+
+def parallel_sampling(lab):
+    """FORKS sampled continuations (seeds 0 to FORKS - 1) of each of the first
+    FORKED_OPENINGS openings, from forks of one prefill in a pool of blocks of 4
+    (sample_from_forks), against FORKS caches of their own: the blocks held when all have
+    ended, the prompt rows computed, and how many continuations are generate.generate's
+    for their seed (given, as in lesson.reusing, the full passes an earlier seed's run
+    made on the same tokens)."""
+    params, tok = lab.params, lab.tok
+    openings = []
+    for prompt in lab.prompts[:FORKED_OPENINGS]:
+        pool = BlockPool(params, FORKS * model.CONTEXT // 4, 4)   # a context for each fork
+        with recording(kv_cache, "forward_step") as rows:
+            results, held = sample_from_forks(params, tok, prompt, range(FORKS), pool)
+        prompt_tokens = len(tok.encode(prompt))
+        positions = [len(story_ids(tok, prompt, result)) - 1 for result in results]
+        passes, identical = {}, 0
+        for seed, result in enumerate(results):
+            with lesson.reusing(params, passes), recording(model, "forward") as full_passes:
+                expected = generate.generate(params, tok, prompt, temperature=1.0, seed=seed)
+            passes.update(lesson.passes_by_input(story_ids(tok, prompt, expected), full_passes))
+            identical += result == expected
+        openings.append({
+            "prompt": prompt, "prompt_tokens": prompt_tokens,
+            "distinct_continuations": len({result["text"] for result in results}),
+            "blocks_held_with_forks": held,
+            "blocks_held_by_caches_of_their_own": sum(map(pool.blocks_to_hold, positions)),
+            "prompt_rows_with_forks": len(rows) - sum(n - prompt_tokens for n in positions),
+            "prompt_rows_with_caches_of_their_own": FORKS * prompt_tokens,
+            "identical_to_generate": identical})
+    return {"continuations_each": FORKS, "openings": openings}

@@ -35,13 +35,15 @@ def serve(params, tok, requests, pool, max_batch, log=None, product=exact,
     waiting request is admitted, its tokens prefilled in one pass, as soon as the batch
     and the pool have room; a finished one leaves at once. When the running requests
     need more blocks than are free, the most recently admitted one is preempted by
-    recompute: its blocks are freed, and when it is admitted again its prompt and the
-    tokens it had chosen are prefilled again (its random numbers go on where they were:
-    none is drawn twice). Returns (results, counts): each result, in request order,
-    exactly generate.generate's for its request with the exact product and attention,
-    and what serving did. log(step, request index, event), if given, is told each
-    "prefill", "decode", "preempted" and "finished" as it happens. If anything raises
-    (log itself, say), every block serve took goes back to the pool."""
+    recompute: its blocks are freed, and when it is admitted again it takes back the full
+    blocks of its tokens that the pool still caches and prefills the rest again (its
+    random numbers go on where they were: none is drawn twice). Returns (results,
+    counts): each result, in request order, exactly generate.generate's for its request
+    with the exact product and attention, and what serving did (among it, the positions
+    readmitted requests had held, the blocks they found again, and the requests that
+    chose a token, summed over the steps). log(step, request index, event), if given,
+    is told each "prefill", "decode", "preempted" and "finished" as it happens. If
+    anything raises (log itself, say), every block serve took goes back to the pool."""
     if log is not None and not callable(log):
         raise ValueError(f"log must be a function of (step, request index, event), got {log!r}")
     log = log or (lambda step, index, event: None)
@@ -61,8 +63,9 @@ def serve(params, tok, requests, pool, max_batch, log=None, product=exact,
               for index, request in enumerate(requests)]    # every request checked first
     waiting = deque(request for request in served if not request.generation.stopped)
     running = []
-    counts = dict.fromkeys(("steps", "rows", "recomputed_rows", "preemptions", "peak_blocks",
-                            "prefix_hits"), 0)
+    counts = dict.fromkeys(("steps", "request_steps", "rows", "recomputed_rows",
+                            "readmitted_positions", "readmitted_prefix_hits", "preemptions",
+                            "peak_blocks", "prefix_hits"), 0)
 
     def note_peak():   # after every admission and every decode row
         counts["peak_blocks"] = max(counts["peak_blocks"], len(pool.blocks) - pool.free_blocks())
@@ -77,6 +80,7 @@ def serve(params, tok, requests, pool, max_batch, log=None, product=exact,
                 raise ValueError(f"request {waiting[0].index} cannot be admitted and nothing "
                                  f"runs: {waiting[0].seq_room()}")
             counts["steps"] += 1
+            counts["request_steps"] += len(running)
             for request in list(running):
                 request.generation.choose(request.logits)
                 if request.generation.stopped:
@@ -144,13 +148,16 @@ class _Served:
         if not self.pool.room_for_sequence(ids[:-1], len(ids), kernel):
             return False
         self.seq = self.pool.sequence(ids[:-1], kernel)
-        counts["prefix_hits"] += len(self.seq.table)   # the full blocks it found cached
-        start = len(self.seq)
+        found, start = len(self.seq.table), len(self.seq)   # the full blocks found cached
+        counts["prefix_hits"] += found
+        if self.computed:   # readmitted: it held every position but its last token's
+            counts["readmitted_positions"] += self.computed
+            counts["readmitted_prefix_hits"] += found
+            counts["recomputed_rows"] += self.computed - start
         self.logits = forward_rows(self.params, [(self.seq, token_id, position) for position,
                                                  token_id in enumerate(ids[start:], start)],
                                    product, attention)[-1]
         counts["rows"] += len(ids) - start
-        counts["recomputed_rows"] += max(0, self.computed - start)
         self.computed = max(self.computed, len(ids))
         return True
 
@@ -228,17 +235,29 @@ def _all_openings(lab):
 def many_requests(lab, runs):
     """The 60 greedy and the 60 sampled openings as 120 requests, served in that order
     with batches of up to MAX_BATCH: from a pool of SMALL_POOL blocks of 4, which forces
-    preemptions, and from an ample one; and the steps static batching takes for the same
-    requests (each batch of MAX_BATCH starts together and waits for its longest)."""
+    preemptions, and from an ample one; the small pool's extra rows, split into those
+    readmitted requests recompute and the prefix sharing between requests it loses; and
+    the steps static batching takes for the same requests (each batch of MAX_BATCH
+    starts together and waits for its longest)."""
     requests = _all_openings(lab)
     results = runs.greedy + runs.sampled
     record = {"requests": len(requests), "max_batch": MAX_BATCH}
     for name, blocks in (("small pool", SMALL_POOL), ("ample pool", len(requests) * 16)):
+        pool = BlockPool(lab.params, blocks, 4)
         counts, identical, gap = serve_and_compare(
-            lab, requests, results, runs.greedy_rows + runs.sampled_rows,
-            BlockPool(lab.params, blocks, 4), MAX_BATCH)
-        record[name] = dict(counts, blocks=blocks, identical=identical,
-                            largest_logit_gap_of_choosing_rows=gap)
+            lab, requests, results, runs.greedy_rows + runs.sampled_rows, pool, MAX_BATCH)
+        record[name] = dict(counts, blocks=blocks, evictions=pool.evictions,
+                            mean_requests_per_step=round(counts["request_steps"]
+                                                         / counts["steps"], 3),
+                            first_admission_prefix_hits=counts["prefix_hits"]
+                            - counts["readmitted_prefix_hits"],
+                            identical=identical, largest_logit_gap_of_choosing_rows=gap)
+    small, ample = record["small pool"], record["ample pool"]
+    record["small_pool_extra_rows"] = {
+        "in_all": small["rows"] - ample["rows"],
+        "recomputed": small["recomputed_rows"] - ample["recomputed_rows"],
+        "prefix_sharing_lost": 4 * (ample["first_admission_prefix_hits"]
+                                    - small["first_admission_prefix_hits"])}
     lengths = [len(result["steps"]) for result in results]
     record["static_batching_steps"] = sum(max(lengths[first:first + MAX_BATCH])
                                           for first in range(0, len(lengths), MAX_BATCH))

@@ -69,6 +69,20 @@ def _slots(r, t):
                     f"{p['wasted_share'][way]:.1%}"] for way, slots in p["slots_reserved"].items()])
 
 
+def _parallel_sampling(r, t):
+    p = r["parallel_sampling"]
+    forks = p["continuations_each"]
+    return _table(["opening", "prompt tokens", f"distinct continuations (of {forks})",
+                   f"blocks held at the end: forks / {forks} caches of their own",
+                   f"prompt rows: forks / {forks} caches of their own",
+                   "identical to `generate`'s"],
+                  [[f"`{o['prompt']}`", o["prompt_tokens"], o["distinct_continuations"],
+                    f"{o['blocks_held_with_forks']} / {o['blocks_held_by_caches_of_their_own']}",
+                    f"{o['prompt_rows_with_forks']} / "
+                    f"{o['prompt_rows_with_caches_of_their_own']}",
+                    _bold(f"{o['identical_to_generate']} of {forks}")] for o in p["openings"]])
+
+
 def _ladder(r, t):
     rows = [["exact, in lists (the reference)",
              f"{t['cache_bytes_per_position']:,} as CPython objects", "all", "0.0", 0, 0]]
@@ -100,11 +114,15 @@ def _prefix_cache(r, t):
 
 def _many_requests(r, t):
     m = r["many_requests"]
-    return _table(["pool of blocks of 4", "steps", "rows", "rows recomputed", "preemptions",
-                   "peak blocks", "prefix hits", "identical", "gap of the choosing rows"],
+    return _table(["pool of blocks of 4", "steps", "requests choosing a token, mean a step",
+                   "rows", "rows recomputed", "preemptions", "peak blocks", "evictions",
+                   "prefix hits: at a first admission / at a readmission", "identical",
+                   "gap of the choosing rows"],
                   [[f"{run.split()[0]} ({shown(c['blocks'])} blocks)", c["steps"],
-                    shown(c["rows"]), c["recomputed_rows"], c["preemptions"],
-                    c["peak_blocks"], c["prefix_hits"],
+                    shown(c["mean_requests_per_step"]), shown(c["rows"]),
+                    c["recomputed_rows"], c["preemptions"], c["peak_blocks"],
+                    c["evictions"],
+                    f"{c['first_admission_prefix_hits']} / {c['readmitted_prefix_hits']}",
                     _bold(f"{c['identical']} of {m['requests']}"),
                     _bold(shown(c["largest_logit_gap_of_choosing_rows"]))]
                    for run, c in ((run, m[run]) for run in ("small pool", "ample pool"))])
@@ -314,7 +332,8 @@ def _indented(stories):
 
 BLOCKS = {
     "work": _work, "cost_by_length": _cost_by_length,
-    "cost_chart": _cost_chart, "slots": _slots, "ladder": _ladder,
+    "cost_chart": _cost_chart, "slots": _slots, "parallel_sampling": _parallel_sampling,
+    "ladder": _ladder,
     "prefix_cache": _prefix_cache, "many_requests": _many_requests, "kernels": _kernels,
     "speculative": _speculative, "deep_shapes": _deep_shapes,
     "latent_shapes": _latent_shapes, "latent_work": _latent_work,

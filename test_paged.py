@@ -10,11 +10,12 @@ from unittest import mock
 
 import layers
 import batched
+import kv_cache
 import model
 import paged
 import prefill
 import support
-from instruments import plant, replacing
+from instruments import plant, recording, replacing
 from kv_cache import feed, forward_step, generate_cached
 from stories import story_ids
 from support import (OPENINGS, PARAMS, STORIES, TOK, assert_equal, assert_same_generation,
@@ -117,6 +118,24 @@ class Paged(unittest.TestCase):
         assert_same_rows(self, rows, cached_rows(PARAMS, self.ids)[10:])
         assert_equal(self, snapshot(fork),
                      snapshot(filled_cache(self.ids[:10] + TOK.encode(" tom ran"))), "the fork")
+
+    def test_sampled_continuations_from_forks_share_the_prompt_s_blocks(self):
+        """Parallel sampling (paged.sample_from_forks): the prompt is computed once, its
+        full blocks are held once for all the continuations, its partly filled last block
+        is copied by every fork but the last to write, and each continuation is
+        generate's for its seed."""
+        pool, prompt, seeds = paged.BlockPool(PARAMS, 48, 4), OPENINGS[4], (0, 1, 2)
+        prompt_tokens = len(TOK.encode(prompt))   # 14: 3 full blocks and 2 positions
+        with recording(kv_cache, "forward_step") as rows:
+            results, held = paged.sample_from_forks(PARAMS, TOK, prompt, seeds, pool)
+        for seed, result in zip(seeds, results):
+            assert_equal(self, result, generate_cached(PARAMS, TOK, prompt, temperature=1.0,
+                                                       seed=seed), f"seed {seed}")
+        positions = [len(story_ids(TOK, prompt, result)) - 1 for result in results]
+        full = prompt_tokens // 4
+        self.assertEqual(held, full + sum(math.ceil(n / 4) - full for n in positions))
+        self.assertEqual(len(rows), prompt_tokens + sum(n - prompt_tokens for n in positions))
+        self.assertEqual((pool.free_blocks(), pool.ref_counts), (48, [0] * 48))
 
     def test_crop_into_a_shared_block_copies_it_only_when_it_writes(self):
         pool = paged.BlockPool(PARAMS, 40, 4)

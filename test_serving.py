@@ -131,12 +131,22 @@ class Serve(unittest.TestCase):
         pool = paged.BlockPool(PARAMS, 16, 4)
         results, counts = serving.serve(PARAMS, TOK, requests, pool, 9)
         self.assertGreater(counts["preemptions"], 0)
+        self.assertGreater(counts["readmitted_prefix_hits"], 0)   # some blocks found again
         self.assertGreater(counts["recomputed_rows"], 0)
         for request, result in zip(requests, results):
             expected = generate_cached(PARAMS, TOK, **request)
             if result != expected:
                 self.fail(f"{request} came back as {result['text']!r}, where generate "
                           f"writes {expected['text']!r}")
+        # What readmitted requests had held is found again or recomputed; every other
+        # row is a position computed once, less the blocks first admissions found.
+        self.assertEqual(counts["recomputed_rows"], counts["readmitted_positions"]
+                         - 4 * counts["readmitted_prefix_hits"])
+        fed = sum(len(TOK.encode(r["prompt"])) + len(result["steps"]) - 1
+                  for r, result in zip(requests, results))
+        self.assertEqual(counts["rows"], fed + counts["recomputed_rows"] - 4 * (
+            counts["prefix_hits"] - counts["readmitted_prefix_hits"]))
+        self.assertEqual(counts["request_steps"], sum(len(r["steps"]) for r in results))
 
     def test_counts_add_up(self):
         requests = self.requests(6, 3)

@@ -118,6 +118,16 @@ class TheRecord(unittest.TestCase):
                                       record[name][pool]["largest_logit_gap_of_choosing_rows"]),
                                      (served, 0.0))
         self.assertGreater(record["many_requests"]["small pool"]["preemptions"], 0)
+        extra = record["many_requests"]["small_pool_extra_rows"]   # recompute, sharing lost
+        self.assertEqual(extra["in_all"], extra["recomputed"] + extra["prefix_sharing_lost"])
+        sampling = record["parallel_sampling"]
+        for opening in sampling["openings"]:
+            self.assertEqual(opening["identical_to_generate"], sampling["continuations_each"])
+            self.assertEqual(opening["prompt_rows_with_forks"], opening["prompt_tokens"])
+            self.assertEqual(opening["blocks_held_by_caches_of_their_own"]
+                             - opening["blocks_held_with_forks"],
+                             (sampling["continuations_each"] - 1)
+                             * (opening["prompt_tokens"] // 4), opening)   # its full blocks
         for run in record["speculative_decoding"]:
             self.assertEqual((run["identical"], run["largest_logit_gap_of_choosing_rows"]),
                              (120, 0.0), run)

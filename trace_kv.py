@@ -81,6 +81,7 @@ STAGES = (
     Stage(1, "sums_in_another_order", lesson.reordered_sums),
     Stage(2, "one_pass_prefill", prefill.experiment, ("runs",)),
     Stage(2, "paged", paged.experiment, ("runs",)),
+    Stage(2, "parallel_sampling", paged.parallel_sampling),
     Stage(2, "ladder", lossy.ladder_rung, ("runs",), cases=range(len(lossy.RUNGS)),
           gather=lossy.ladder),
     Stage(3, "prefix_cache", serving.prefix_cache, ("runs",)),
