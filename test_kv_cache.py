@@ -211,7 +211,6 @@ EMBEDDINGS_SWAPPED = replacing(
     lambda node: call("add", node.args[1], node.args[0]))
 
 
-
 def mix_added_left_to_right(tree):
     """The statement mixed = [dot(weights, column) for column in zip(*values)] written as
     loops that add each column's products one by one, from position 0 on: an attention
@@ -587,10 +586,18 @@ class Reuse(BuiltOnTheLesson):
         in_order = filled_cache(self.ids[:n])
         reversed_ = support.stored_in_reverse(self.ids[:n])
 
-        def next_logits(cache, position=n):
-            return kv_cache.forward_step(PARAMS, cache.copy(), self.ids[position], position)
+        def next_logits(cache, kept=n):   # of a copy cropped to kept positions
+            fork = cache.copy()
+            fork.crop(kept)
+            return kv_cache.forward_step(PARAMS, fork, self.ids[kept], kept)
         assert_same_rows(self, next_logits(reversed_), next_logits(in_order),
                          "the next logits of a reversed cache and of the cache in order")
+        assert_changed(self, next_logits(reversed_, 3), next_logits(in_order, 3),
+                       "the logits after a crop of the reversed cache")
+        with self.assertRaisesRegex(ValueError, f"holds {n} tokens that do not begin ids"):
+            feed(PARAMS, reversed_, self.ids)
+        with self.assertRaisesRegex(ValueError, "the cache is not a prefix of the prompt"):
+            generate_cached(PARAMS, TOK, self.prompt, cache=reversed_)
         planted = plant(kv_cache, "forward_step", mix_added_left_to_right)
         if planted is None:
             self.skipTest("the mix of the values is gone from kv_cache.forward_step: an edit "
@@ -598,14 +605,6 @@ class Reuse(BuiltOnTheLesson):
         with mock.patch.object(kv_cache, "forward_step", planted):
             assert_changed(self, next_logits(reversed_), next_logits(in_order),
                            "a reversed cache's next logits, the values mixed left to right")
-        for cache in (in_order, reversed_):
-            cache.crop(3)
-        assert_changed(self, next_logits(reversed_, 3), next_logits(in_order, 3),
-                       "the logits after a crop of the reversed cache")
-        with self.assertRaisesRegex(ValueError, "holds 3 tokens that do not begin ids"):
-            feed(PARAMS, reversed_, self.ids)
-        with self.assertRaisesRegex(ValueError, "the cache is not a prefix of the prompt"):
-            generate_cached(PARAMS, TOK, self.prompt, cache=reversed_)
 
     def test_generation_from_a_cache_equals_a_fresh_run(self):
         """An empty cache, one holding part of the prompt, and one holding all of it (the
