@@ -55,28 +55,29 @@ def _continued(params, reused, references, first):
 
 
 def _shift(layers, kv_heads, seed, elsewhere):
-    """A random rotary model of this shape (4 query heads, the lab's width) fed SEQUENCE
-    random tokens: its cached rows against the full pass; its cache, the oldest DROPPED
-    dropped and the kept keys rotated back, against those keys unrotated and rotated once
-    (rounding alone), and against a recompute of the kept tokens. elsewhere: also the
-    recompute's keys rotated on by DROPPED, with nothing before them or after the
-    dropped tokens, and the model with a learned table instead, its old keys kept."""
-    rng = random.Random(f"tokens {seed}")
-    ids = [rng.randrange(VOCAB_SIZE) for _ in range(SEQUENCE + 1)]
+    """One random rotary model of this shape (4 query heads, the lab's width), in steps:
+    1. feed it SEQUENCE random tokens, and compare its cached rows with the full pass;
+    2. shift its cache: drop the oldest DROPPED positions and turn each kept key back by
+       DROPPED (_turned_back); beside it, the same keys turned once, from the vectors
+       forward_step turned, to their new positions (_turned_once): rounding apart, the
+       same keys;
+    3. feed the kept tokens again into a new cache (the recompute);
+    4. continue the shifted cache, against the turned-once one (what rounding changes)
+       and the recompute (what the dropped tokens left in the kept keys);
+    5. elsewhere: also a block of keys reused at another offset (_block_elsewhere), and
+       the model with a learned table instead, its old keys kept (_learned_table)."""
+    ids = _random_tokens(seed)
     kept, first = ids[DROPPED:SEQUENCE], ids[SEQUENCE]
     params = init_params(layers, 4, kv_heads, WIDTH, seed, "rotary")
+    # 1. fed, each call of rotate recorded
     original = DeepCache(params)
     with recording(deep_model, "rotate") as turns:
         rows = _fed(params, original, ids[:SEQUENCE])
     thetas = turns[0].args[2]
-
-    def unturned(key):   # the vector forward_step turned into this cached key
-        return next(call.args[0] for call in turns if call.result == key)
-    once = [[rotate(unturned(k), p - DROPPED, thetas) for p, k in
-             enumerate(layer["keys"][DROPPED:], DROPPED)] for layer in original.layers]
-    back = [[rotate(k, -DROPPED, thetas) for k in layer["keys"][DROPPED:]]
-            for layer in original.layers]
+    # 2. shifted, and turned once
+    back, once = _turned_back(original, thetas), _turned_once(original, turns, thetas)
     values = [layer["values"][DROPPED:] for layer in original.layers]
+    # 3. recomputed (its keys and values copied before step 4 feeds it more)
     recomputed = DeepCache(params)
     _fed(params, recomputed, kept)
     fresh = [(list(layer["keys"]), list(layer["values"])) for layer in recomputed.layers]
@@ -86,29 +87,75 @@ def _shift(layers, kv_heads, seed, elsewhere):
             "key_gap_rotated_back_vs_rotated_once": _key_gap(back, once),
             "layer_1_keys_rotated_once_equal_recomputed": once[0] == fresh[0][0],
             "key_gap_rotated_once_vs_recomputed": _key_gap(once, [k for k, _ in fresh])}
+    # 4. continued
+    shifted = _held(params, kept, zip(back, values))
+    turned_once = _held(params, kept, zip(once, values))
     case["rounding"], case["against_recompute"] = _continued(
-        params, _held(params, kept, zip(back, values)),
-        [_held(params, kept, zip(once, values)), recomputed], first)
+        params, shifted, [turned_once, recomputed], first)
+    # 5. elsewhere
     if elsewhere:
-        moved = [([rotate(k, DROPPED, thetas) for k in keys], vs) for keys, vs in fresh]
-        blank, later = [None] * DROPPED, lambda i: range(DROPPED, i + 1)
-        alone = _held(params, blank + kept, [(blank + k, blank + v) for k, v in moved], later)
-        alone_recomputed = _held(params, blank, [(blank, blank)] * layers, later)
-        _fed(params, alone_recomputed, kept)
-        after = _held(params, ids[:SEQUENCE], [(layer["keys"][:DROPPED] + k,
-                                                layer["values"][:DROPPED] + v)
-                                               for layer, (k, v) in zip(original.layers, moved)])
-        case["offset_with_nothing_before"], = _continued(params, alone, [alone_recomputed], first)
-        case["offset_after_other_tokens"], = _continued(params, after, [original], first)
-        learned = init_params(layers, 4, kv_heads, WIDTH, seed)
-        table, table_recomputed = DeepCache(learned), DeepCache(learned)
-        _fed(learned, table, ids[:SEQUENCE])
-        _fed(learned, table_recomputed, kept)
-        old = _held(learned, kept, [(layer["keys"][DROPPED:], layer["values"][DROPPED:])
-                                    for layer in table.layers])
-        case["learned_old_keys_against_recompute"], = _continued(learned, old,
-                                                                 [table_recomputed], first)
+        case.update(_block_elsewhere(params, original, fresh, thetas, first))
+        case["learned_old_keys_against_recompute"] = _learned_table(layers, kv_heads, seed,
+                                                                    ids)
     return case
+
+
+def _random_tokens(seed):
+    """SEQUENCE random tokens to feed, and one more to continue from."""
+    rng = random.Random(f"tokens {seed}")
+    return [rng.randrange(VOCAB_SIZE) for _ in range(SEQUENCE + 1)]
+
+
+def _turned_back(cache, thetas):
+    """The shift: each layer's keys from position DROPPED on, turned back by DROPPED."""
+    return [[rotate(k, -DROPPED, thetas) for k in layer["keys"][DROPPED:]]
+            for layer in cache.layers]
+
+
+def _turned_once(cache, turns, thetas):
+    """The same keys turned once to their new positions, from the vectors forward_step
+    turned into them (found in turns, the recorded calls of rotate)."""
+    def unturned(key):
+        return next(call.args[0] for call in turns if call.result == key)
+    return [[rotate(unturned(k), position - DROPPED, thetas)
+             for position, k in enumerate(layer["keys"][DROPPED:], DROPPED)]
+            for layer in cache.layers]
+
+
+def _block_elsewhere(params, original, fresh, thetas, first):
+    """A block reused at another offset, as a prefix cache would: the kept tokens' keys
+    as the recompute made them (fresh: at positions 0 on), turned on by DROPPED. With
+    nothing before them (the first DROPPED positions held as blanks nobody attends to),
+    against the kept tokens fed there; and after the dropped tokens, against the
+    original cache."""
+    moved = [([rotate(k, DROPPED, thetas) for k in keys], values) for keys, values in fresh]
+    kept = original.tokens[DROPPED:]
+    blank, later = [None] * DROPPED, lambda i: range(DROPPED, i + 1)
+    alone = _held(params, blank + kept, [(blank + k, blank + v) for k, v in moved], later)
+    alone_recomputed = _held(params, blank, [(blank, blank)] * len(moved), later)
+    _fed(params, alone_recomputed, kept)
+    after = _held(params, original.tokens, [(layer["keys"][:DROPPED] + k,
+                                             layer["values"][:DROPPED] + v)
+                                            for layer, (k, v) in zip(original.layers, moved)])
+    nothing_before, = _continued(params, alone, [alone_recomputed], first)
+    after_other_tokens, = _continued(params, after, [original], first)
+    return {"offset_with_nothing_before": nothing_before,
+            "offset_after_other_tokens": after_other_tokens}
+
+
+def _learned_table(layers, kv_heads, seed, ids):
+    """The same shape with a learned position table, fed the same tokens: its old keys
+    kept after the oldest DROPPED are dropped (no turn can move them), continued against
+    a recompute of the kept tokens."""
+    params = init_params(layers, 4, kv_heads, WIDTH, seed)
+    kept = ids[DROPPED:SEQUENCE]
+    original, recomputed = DeepCache(params), DeepCache(params)
+    _fed(params, original, ids[:SEQUENCE])
+    _fed(params, recomputed, kept)
+    old = _held(params, kept, [(layer["keys"][DROPPED:], layer["values"][DROPPED:])
+                               for layer in original.layers])
+    against_recompute, = _continued(params, old, [recomputed], ids[SEQUENCE])
+    return against_recompute
 
 
 def experiment(lab):

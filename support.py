@@ -44,6 +44,15 @@ def filled_cache(ids, params=PARAMS):
     return cache
 
 
+def stored_in_reverse(ids, params=PARAMS):
+    """A new cache holding the keys and values of ids, stored last position first: its
+    tokens, keys and values reversed together (each key and value keeps its position)."""
+    cache = filled_cache(ids, params)
+    for kept in (cache.tokens, cache.keys, cache.values):
+        kept.reverse()
+    return cache
+
+
 def cached_rows(params, ids):
     """The logits of every position of ids, fed one at a time through a new cache."""
     return feed(params, KVCache(params), ids)

@@ -137,8 +137,8 @@ class CacheFiles(unittest.TestCase):
             with self.subTest(path=path), self.assertRaisesRegex(ValueError, fragment):
                 cache_files.save_cache(filled_cache([5]), path)
         nowhere = os.path.join(self.folder.name, "no such folder", "cache.json")
-        with self.assertRaisesRegex(FileNotFoundError, f"cannot write .*the folder .* does "
-                                                       f"not exist"):
+        with self.assertRaisesRegex(FileNotFoundError, "cannot write .*the folder .* does "
+                                                       "not exist"):
             cache_files.save_cache(filled_cache([5]), nowhere)
 
     def test_a_file_edited_with_its_signature_computed_again_is_refused(self):
@@ -156,6 +156,30 @@ class CacheFiles(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "the key or value of position 3 is not what "
                                                 "these weights compute for its token there"):
             cache_files.load_cache(PARAMS, self.path)
+
+    def test_a_file_of_positions_out_of_order_is_refused(self):
+        """A file holds no positions, only rows in order. What refuses rows out of order
+        is load_cache computing each key and value again from its token and its place in
+        the file: a reversed cache saves, and its file is refused; a good file's rows
+        reordered are refused by the content signature and, signed again, by that same
+        recomputation."""
+        ids = TOK.encode(OPENINGS[1])
+        refused = "the key or value of position 0 is not what these weights compute"
+        cache_files.save_cache(support.stored_in_reverse(ids), self.path)
+        with self.assertRaisesRegex(ValueError, refused):
+            cache_files.load_cache(PARAMS, self.path)
+        cache_files.save_cache(filled_cache(ids), self.path)
+        with open(self.path, encoding="utf-8") as f:
+            record = json.load(f)
+        rows = record["tokens"], record["keys"], record["values"]
+        for part in rows:
+            part.insert(0, part.pop())          # the last position first
+        for fragment, content in (("not the ones it was saved with", record["content"]),
+                                  (refused, cache_files.content_signature(*rows))):
+            with open(self.path, "w", encoding="utf-8") as f:
+                json.dump(dict(record, content=content), f)
+            with self.subTest(fragment=fragment), self.assertRaisesRegex(ValueError, fragment):
+                cache_files.load_cache(PARAMS, self.path)
 
     def test_a_randomly_corrupted_file_loads_exactly_or_is_refused_naming_it(self):
         """Case n changes the saved file with random.Random(n): one character replaced,

@@ -211,6 +211,29 @@ EMBEDDINGS_SWAPPED = replacing(
     lambda node: call("add", node.args[1], node.args[0]))
 
 
+def mix_added_left_to_right(tree):
+    """The statement mixed = [dot(weights, column) for column in zip(*values)] written as
+    loops that add each column's products one by one, from position 0 on: an attention
+    whose result depends on the order in which the cache holds its positions."""
+    body = tree.body[0].body
+    mixes = [at for at, node in enumerate(body) if isinstance(node, ast.Assign)
+             and isinstance(node.value, ast.ListComp) and call_to(node.value.elt, "dot")
+             and call_to(node.value.generators[0].iter, "zip")]
+    if len(mixes) != 1:
+        return 0
+    mix = body[mixes[0]]
+    mixed = ast.unparse(mix.targets[0])
+    weights, column = map(ast.unparse, mix.value.elt.args)
+    body[mixes[0]:mixes[0] + 1] = ast.parse(textwrap.dedent(f"""\
+        {mixed} = []
+        for {column} in {ast.unparse(mix.value.generators[0].iter)}:
+            total = 0.0
+            for weight, number in zip({weights}, {column}):
+                total += weight * number
+            {mixed}.append(total)""")).body
+    return 1
+
+
 class Teeth(BuiltOnTheLesson):
     """Each one-line mistake, planted in the real source of kv_cache.forward_step or
     model.forward (by its syntax tree), is caught by the lab's comparison of every cached
@@ -550,6 +573,38 @@ class Reuse(BuiltOnTheLesson):
                     cache.crop(length)
                 assert_equal(self, snapshot(cache), before,
                              "the cache (length, tokens, keys, values)")
+
+    def test_a_reversed_cache_gives_the_same_logits_until_order_matters(self):
+        """A cache holding its positions last first: forward_step's attention sums over the
+        positions with fsum, correctly rounded in any order, and each key and value
+        carries its position, so the next logits are the same bits (with the mix of the
+        values added left to right, planted in forward_step, they are not). Where the
+        order is used, it shows: a crop keeps the first positions held, here the last
+        ones, and the continuation differs; feed and generate_cached compare the cache's
+        tokens with the prompt's, and refuse it."""
+        n = len(self.ids) - 1
+        in_order = filled_cache(self.ids[:n])
+        reversed_ = support.stored_in_reverse(self.ids[:n])
+
+        def next_logits(cache, kept=n):   # of a copy cropped to kept positions
+            fork = cache.copy()
+            fork.crop(kept)
+            return kv_cache.forward_step(PARAMS, fork, self.ids[kept], kept)
+        assert_same_rows(self, next_logits(reversed_), next_logits(in_order),
+                         "the next logits of a reversed cache and of the cache in order")
+        assert_changed(self, next_logits(reversed_, 3), next_logits(in_order, 3),
+                       "the logits after a crop of the reversed cache")
+        with self.assertRaisesRegex(ValueError, f"holds {n} tokens that do not begin ids"):
+            feed(PARAMS, reversed_, self.ids)
+        with self.assertRaisesRegex(ValueError, "the cache is not a prefix of the prompt"):
+            generate_cached(PARAMS, TOK, self.prompt, cache=reversed_)
+        planted = plant(kv_cache, "forward_step", mix_added_left_to_right)
+        if planted is None:
+            self.skipTest("the mix of the values is gone from kv_cache.forward_step: an edit "
+                          "removed it, so the order-dependent attention is not tried")
+        with mock.patch.object(kv_cache, "forward_step", planted):
+            assert_changed(self, next_logits(reversed_), next_logits(in_order),
+                           "a reversed cache's next logits, the values mixed left to right")
 
     def test_generation_from_a_cache_equals_a_fresh_run(self):
         """An empty cache, one holding part of the prompt, and one holding all of it (the

@@ -151,6 +151,33 @@ class Paged(unittest.TestCase):
         self.assertNotEqual(fork.table[1], parent.table[1])
         self.assertEqual(parent.tokens, self.ids[:8])
 
+    def test_a_block_table_out_of_order_gives_the_same_logits_until_a_fork_is_cropped(self):
+        """A sequence whose block table lists its blocks last first gives forward_step the
+        same next logits, bit for bit (attention reads the positions in any order). A
+        fork (copy) keeps the table's order, so cropping it keeps the wrong blocks and
+        the continuation differs; generate_cached, which forks it, refuses it first: its
+        tokens do not begin the prompt."""
+        ids = TOK.encode(OPENINGS[0])
+        pool = paged.BlockPool(PARAMS, 20, 4)
+        in_order = pool.sequence()
+        feed(PARAMS, in_order, ids[:12])           # three full blocks
+        out_of_order = in_order.copy()
+        out_of_order.table.reverse()
+
+        def next_logits(sequence, kept):
+            fork = sequence.copy()
+            fork.crop(kept)
+            logits = forward_step(PARAMS, fork, ids[kept], kept)
+            fork.free()
+            return logits
+        assert_same_rows(self, next_logits(out_of_order, 12), next_logits(in_order, 12),
+                         "the next logits of a table out of order and of one in order")
+        self.assertEqual(out_of_order.copy().tokens, ids[8:12] + ids[4:8] + ids[:4])
+        support.assert_changed(self, next_logits(out_of_order, 4), next_logits(in_order, 4),
+                               "the logits after a crop of a fork out of order")
+        with self.assertRaisesRegex(ValueError, "the cache is not a prefix of the prompt"):
+            generate_cached(PARAMS, TOK, OPENINGS[0], cache=out_of_order)
+
     def test_a_cut_block_left_to_one_sequence_is_cut_before_it_writes(self):
         """The fork crops into a block it shares; the parent then frees it, so the fork
         holds it alone, longer than its own positions: it must not write after them."""

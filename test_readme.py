@@ -9,6 +9,7 @@ The other checks: every example prints what is shown, every excerpt is in its fu
 and each Part says its own length. The exactness of the cache is tested elsewhere."""
 import collections
 import doctest
+import importlib
 import inspect
 import io
 import json
@@ -261,6 +262,57 @@ def run_shown(command, shown, folder=HERE):
     return mismatch(shown, (done.stdout + done.stderr).splitlines())
 
 
+MENTION = re.compile(r"\]\((\w+)\.py\)|`(?:(\w+)\.)?(\w+)(?:\([^`]*\))?`")   # a link, a name
+
+
+def _is_lab_module(name):
+    return not name.startswith("test_") and os.path.isfile(os.path.join(HERE, f"{name}.py"))
+
+
+def _lab_object(module, name):
+    """The function or class name defined in the lab's module (not imported there), or
+    None."""
+    found = getattr(importlib.import_module(module), name, None)
+    return found if ((inspect.isfunction(found) or inspect.isclass(found))
+                     and found.__module__ == module) else None
+
+
+def code_lines(text):
+    """{Part: lines of code} by the table of times' rule: the source lines (inspect) of
+    every function and class of the lab a Part names in backticks, as `name`, `name(...)`
+    or `module.name` (a bare name is the one in the module linked or named last before
+    it that defines one), each counted once, in the first Part that names it."""
+    counted, lines = set(), {}
+    for part, start, end in parts(text)[:-1]:   # the Reference walks through no code
+        modules, lines[part] = [], 0     # the lab's modules linked or named so far, in order
+        for link, module, name in MENTION.findall(text[text.index(start):text.index(end)]):
+            if _is_lab_module(link or module):
+                modules = [m for m in modules if m != (link or module)] + [link or module]
+            if link or (module and module not in modules):   # `math.fsum`, `cache.crop`
+                continue
+            owner = next((m for m in ([module] if module else reversed(modules))
+                          if _lab_object(m, name)), None)
+            if owner and (owner, name) not in counted:
+                counted.add((owner, name))
+                lines[part] += len(inspect.getsourcelines(_lab_object(owner, name))[0])
+    return lines
+
+
+def code_line_problems(text):
+    """Each Part's "about N lines" in the table of times: its code_lines to the nearest
+    10."""
+    problems = []
+    for part, lines in code_lines(text).items():
+        wanted = f"about {int(lines / 10 + 0.5) * 10} lines"
+        row = re.search(rf"\n\| {re.escape(part)}[^|\n]* \|[^\n]*?(about [\d,]+ lines)", text)
+        if not row or row[1] != wanted:
+            problems.append(f"the table of times must give {part} {wanted!r} ({lines} lines of "
+                            f"the functions and classes it names first), not "
+                            f"{row[1] if row else 'nothing'!r}, and its minutes by the rule "
+                            f"above the table")
+    return problems
+
+
 def digit_problems(text):
     """Decimal figures of the prose and tables before the Reference (not what a command
     prints) with more than 6 significant digits: a reader gets them rounded."""
@@ -325,6 +377,9 @@ class Figures(unittest.TestCase):
 
     def test_the_lesson_and_each_part_give_their_own_length(self):
         self.assert_none(length_problems(readme()), f"lengths are wrong. {ON_PURPOSE}")
+
+    def test_each_part_gives_the_lines_of_code_it_names(self):
+        self.assert_none(code_line_problems(readme()), f"lines are wrong. {ON_PURPOSE}")
 
     def test_no_figure_in_the_text_has_more_than_6_significant_digits(self):
         self.assert_none(digit_problems(readme()), "figures are too long")
@@ -453,6 +508,18 @@ class Examples(unittest.TestCase):
                 "| a | table |\n    a formula\n<!-- a comment -->\n- a list `item`\n## Part 2\n")
         self.assertEqual(prose_words(text),
                          ["1.", "One", "Two", "words,", "[a", "link].", "a", "list", "`item`"])
+
+    def test_a_part_counts_the_lines_of_the_lab_s_code_it_names_first(self):
+        import deep_model
+        import kv_cache
+        text = ("### 1. One\n[kv_cache.py](kv_cache.py): `forward_step`, `feed(ids)`, "
+                "`math.fsum`, `cache.crop`\n## Part 2\n`forward_step` again, "
+                "`deep_model.forward_step`, [deep_model.py](deep_model.py), `DeepCache`\n"
+                "## Reference\n`work`\n### References\n")
+        lines = [len(inspect.getsourcelines(named)[0]) for named in (
+            kv_cache.forward_step, kv_cache.feed, deep_model.forward_step, deep_model.DeepCache)]
+        self.assertEqual(code_lines(text), {"the lesson (Part 1)": lines[0] + lines[1],
+                                            "Part 2": lines[2] + lines[3]})
 
     def test_a_line_shown_must_match_except_times_and_elided_lines(self):
         printed = ["uncached: 198 rows, 0.067 s", "a", "b", "c", "identical: yes"]
