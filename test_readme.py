@@ -217,9 +217,8 @@ def exercises(text):
     and the text of its answer (its <details> block)."""
     found = []
     for part, start, end in parts(text)[:-1]:   # the Reference has none
-        begin = text.index(start)
-        section = text[text.index(EXERCISES, begin):text.index(end)]
-        at = text.index(section)
+        at = text.index(EXERCISES, text.index(start))
+        section = text[at:text.index(end)]
         for asked in re.finditer(r"^\*\*(\d+\. [^*]+)\*\*(.*?)^<details>(.*?)^</details>",
                                  section, re.M | re.S):
             edit = re.search(r"in (\w+\.py),? change `([^`]+)`\s+to `([^`]+)`",
