@@ -6,10 +6,13 @@ How a matrix product adds its terms is the product's business, passed in as prod
 
 - exact, the lab's: each output one correctly rounded fsum, whatever the batch, so
   every row is forward_step's, bit for bit;
-- by_batch, as a GPU library's kernel does it: each dot product cut into more pieces the
-  fewer rows the product has (split-K: the pieces keep every processor busy), each
-  piece's sum rounded to a 16-bit float and then the pieces' total too, so what a row
-  gets depends on how many rows came with it;
+- by_batch, a GPU library's kernel with its rounding exaggerated: each dot product cut
+  into more pieces the fewer rows the product has (split-K: the pieces keep every
+  processor busy), each piece's sum rounded to a 16-bit float and then the pieces'
+  total too, so what a row gets depends on how many rows came with it;
+- by_batch_float32, the same kernel as engines run it (they add in 32 bits): the same
+  pieces, each piece's sum and their total rounded to a 32-bit float, and the output
+  once to a 16-bit float;
 - batch_invariant: the pieces of by_batch for a full batch, whatever the batch, so a
   row gets the same numbers in every batch, though not the exact ones.
 """
@@ -23,6 +26,7 @@ from kv_cache import check_cache
 from model import SCALE, add, dot, layernorm, linear, relu, softmax_row
 
 PROCESSORS = 4   # by_batch cuts each dot product so that rows x pieces fills them
+FORMATS = {16: ("e", 65504.0), 32: ("f", 3.4028234663852886e38)}   # struct's code, largest
 
 
 def exact(rows, cols):
@@ -30,27 +34,45 @@ def exact(rows, cols):
     return [linear(x, cols) for x in rows]
 
 
-def in_pieces(rows, cols, pieces):
-    """rows times the matrix given by its columns as a 16-bit kernel with split-K
-    computes it: each dot product cut into pieces runs of consecutive terms, each run's
-    sum rounded to the nearest 16-bit float, and their total rounded again."""
-    if pieces == 1:                        # one run: its sum, rounded once
-        return [_half(linear(x, cols)) for x in rows]
+def in_pieces(rows, cols, pieces, bits=16):
+    """rows times the matrix given by its columns as a kernel with split-K computes it:
+    each dot product cut into pieces runs of consecutive terms, each run's sum (an fsum)
+    rounded to the nearest float of bits (16 or 32), the runs' total (an fsum of those)
+    rounded to it again, and that output, once, to the nearest 16-bit float."""
+    if pieces == 1:                        # one run: its sum is the total, rounded once
+        return [_output(_rounded(linear(x, cols), bits), bits) for x in rows]
     terms = len(cols[0])
     size = -(-terms // pieces)
     cuts = [slice(first, first + size) for first in range(0, terms, size)]
     cut_cols = [[col[cut] for col in cols] for cut in cuts]
     out = []
     for x in rows:
-        sums = [_half([fsum(map(mul, x[cut], col)) for col in piece])
+        sums = [_rounded([fsum(map(mul, x[cut], col)) for col in piece], bits)
                 for cut, piece in zip(cuts, cut_cols)]
-        out.append(_half([fsum(run) for run in zip(*sums)]))
+        out.append(_output(_rounded([fsum(run) for run in zip(*sums)], bits), bits))
     return out
 
 
+def _output(totals, bits):
+    """A row's outputs from its totals (rounded to bits): rounded to 16 bits, which
+    16-bit totals already are."""
+    return totals if bits == 16 else _rounded(totals, 16)
+
+
+def _pieces(rows):
+    """How many pieces by_batch cuts a dot product into for rows: PROCESSORS // rows, at
+    least one (fewer rows, more pieces)."""
+    return max(1, PROCESSORS // len(rows))
+
+
 def by_batch(rows, cols):
-    """in_pieces with PROCESSORS // len(rows) pieces (at least one): fewer rows, more."""
-    return in_pieces(rows, cols, max(1, PROCESSORS // len(rows)))
+    """in_pieces with _pieces(rows) pieces, every sum rounded to 16 bits."""
+    return in_pieces(rows, cols, _pieces(rows))
+
+
+def by_batch_float32(rows, cols):
+    """in_pieces with by_batch's pieces, every sum rounded to 32 bits, the output to 16."""
+    return in_pieces(rows, cols, _pieces(rows), bits=32)
 
 
 def batch_invariant(rows, cols):
@@ -58,14 +80,15 @@ def batch_invariant(rows, cols):
     return in_pieces(rows, cols, 1)
 
 
-def _half(numbers):
-    """Each number rounded to the nearest 16-bit float (IEEE half precision)."""
+def _rounded(numbers, bits):
+    """Each number rounded to the nearest float of bits (IEEE half or single precision)."""
+    code, largest = FORMATS[bits]
     try:
-        return list(struct.unpack(f"{len(numbers)}e", struct.pack(f"{len(numbers)}e",
-                                                                   *numbers)))
+        return list(struct.unpack(f"{len(numbers)}{code}",
+                                  struct.pack(f"{len(numbers)}{code}", *numbers)))
     except OverflowError:
-        raise ValueError(f"a sum beyond 65504, the largest 16-bit float: {max(numbers, key=abs)}"
-                         ) from None
+        raise ValueError(f"a sum beyond {largest:g}, the largest {bits}-bit float: "
+                         f"{max(numbers, key=abs)}") from None
 
 
 def exact_attention(q, keys, values, rows=1):

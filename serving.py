@@ -2,15 +2,16 @@
 preemption by recompute, and a prefix cache that outlives requests. Each step computes the
 running requests' rows together (batched.forward_rows). With the lab's exact product each
 request's result is exactly generate.generate's: the pool and the batch change the work
-and the memory, never a token. With an engine's kernel (batched.by_batch) they change it.
+and the memory, never a token. With an engine's kernel (batched.by_batch, by_batch_float32)
+they change it.
 """
-import hashlib
 from collections import deque
 
 import blockwise
 import generate
 import model
-from batched import batch_invariant, by_batch, exact, exact_attention, forward_rows
+from batched import (batch_invariant, by_batch, by_batch_float32, exact, exact_attention,
+                     forward_rows)
 from instruments import chosen_rows, largest_gap, recording
 from paged import BlockPool
 from stories import story_ids
@@ -18,12 +19,15 @@ from stories import story_ids
 PREFIX_CACHE_BLOCKS = 64          # the experiment: a pool far smaller than the 60 stories
 MAX_BATCH, SMALL_POOL = 8, 24     # the experiment: 120 requests, preempting in a small pool
 KERNELS = {"batch-dependent": {"product": by_batch},              # serve's keywords
+           "32-bit batch-dependent": {"product": by_batch_float32},
            "batch-invariant": {"product": batch_invariant},
            "split-KV attention": {"attention": blockwise.heuristic}}
 KERNEL_RUNS = (*(("batch-dependent", batch, "ample") for batch in (1, 2, 8)),
                ("batch-dependent", 8, "small"),
+               *(("32-bit batch-dependent", batch, "ample") for batch in (1, 2, 8)),
                *(("batch-invariant", batch, "ample") for batch in (1, 8)),
                *(("split-KV attention", batch, "ample") for batch in (1, 2, 4, 8)))
+GREEDY_TOO = (("batch-dependent", 1), ("32-bit batch-dependent", 1))   # see kernel_run
 
 
 def serve(params, tok, requests, pool, max_batch, log=None, product=exact,
@@ -269,14 +273,23 @@ def kernel_run(lab, case, runs):
     every matrix product or every row's attention (prefill and decode rows alike): what
     serving did, each story's token IDs, how many are generate's, the largest gap between
     a logit a token was chosen with and the uncached full pass's for the same tokens, and
-    a digest of all those logits (equal digests: bit-identical logits). Sampled stories only: a greedy
-    one changes only where the drift exceeds the lead of its best token."""
+    every such choosing row (its tokens, its logits). A run whose kernel and batch size
+    are in GREEDY_TOO then serves the 60 greedy openings the same way, from the same pool
+    (their prompts' blocks are found there): how many of those stories are generate's
+    (None for the other runs)."""
     kernel, max_batch, pool = KERNEL_RUNS[case]
-    requests = _all_openings(lab)[len(lab.prompts):]
+    openings = _all_openings(lab)
+    requests = openings[len(lab.prompts):]
     blocks = SMALL_POOL if pool == "small" else len(requests) * 16
+    pool_of_blocks = BlockPool(lab.params, blocks, 4)
     with recording(generate.Generation, "choose") as choices:
-        served, counts = serve(lab.params, lab.tok, requests, BlockPool(lab.params, blocks, 4),
-                               max_batch, **KERNELS[kernel])
+        served, counts = serve(lab.params, lab.tok, requests, pool_of_blocks, max_batch,
+                               **KERNELS[kernel])
+    greedy = None
+    if (kernel, max_batch) in GREEDY_TOO:
+        served_greedy, _ = serve(lab.params, lab.tok, openings[:len(lab.prompts)],
+                                 pool_of_blocks, max_batch, **KERNELS[kernel])
+        greedy = sum(a == b for a, b in zip(served_greedy, runs.greedy))
     exact_stories = [story_ids(lab.tok, request["prompt"], result)
                      for request, result in zip(requests, runs.sampled)]
     exact_rows = {tuple(ids[:position + 1]): row
@@ -291,16 +304,18 @@ def kernel_run(lab, case, runs):
             "prefix_hits": counts["prefix_hits"], "stories": stories,
             "stories_identical_to_generate": sum(a == b for a, b in zip(stories,
                                                                         exact_stories)),
+            "greedy_stories_identical_to_generate": greedy,
             "largest_logit_gap_against_exact": max(largest_gap([logits], [exact_rows[ids]])
                                                    for ids, logits in chosen
                                                    if ids in exact_rows),
-            "logits_digest": hashlib.sha256(repr(chosen).encode()).hexdigest()}
+            "chosen": chosen}
 
 
 def kernel_table(lab, runs_of_kernels):
     """Each kernel run against the same kernel's run with batches of 1, and against the
-    uncached generator: stories identical, the first position where a story parts, and
-    whether every logit is bit for bit the same."""
+    uncached generator: stories identical, the first position where a story parts, how
+    many choosing rows for the same tokens have other logits, and whether every choosing
+    row is bit for bit the same."""
     alone = {run["kernel"]: run for run in runs_of_kernels if run["max_batch"] == 1}
     table = []
     for run in runs_of_kernels:
@@ -309,11 +324,17 @@ def kernel_table(lab, runs_of_kernels):
                                                                        other + [None]))
                        if a != b)
                   for story, other in zip(run["stories"], first["stories"]) if story != other]
+        rows_alone = {}   # tokens -> the logits batches of 1 chose with (openings may repeat)
+        for ids, logits in first["chosen"]:
+            rows_alone.setdefault(ids, []).append(logits)
+        compared = [(ids, logits) for ids, logits in run["chosen"] if ids in rows_alone]
         table.append({**{key: value for key, value in run.items()
-                         if key not in ("stories", "logits_digest")},
+                         if key not in ("stories", "chosen")},
                       "stories_identical_to_batches_of_1": sum(
                           a == b for a, b in zip(run["stories"], first["stories"])),
                       "first_position_parting_from_batches_of_1": min(parted, default=None),
-                      "logits_as_with_batches_of_1": run["logits_digest"]
-                      == first["logits_digest"]})
+                      "choosing_rows_compared_with_batches_of_1": len(compared),
+                      "choosing_rows_unlike_batches_of_1": sum(
+                          logits not in rows_alone[ids] for ids, logits in compared),
+                      "logits_as_with_batches_of_1": run["chosen"] == first["chosen"]})
     return {"requests": len(runs_of_kernels[0]["stories"]), "runs": table}

@@ -1,7 +1,8 @@
 """Batched rows (batched.py): with the lab's exact product every row of a batch is
-forward_step's, whatever rides with it; an engine's kernel makes a row depend on its
-batch, and a batch-invariant one does not; three mistakes planted in the real
-forward_rows are caught; a bad batch is refused before anything changes."""
+forward_step's, whatever rides with it; an engine's kernel, with 16-bit or 32-bit sums,
+makes a row depend on its batch, and a batch-invariant one does not; each kernel rounds
+exactly what it says; mistakes planted in the real forward_rows and in_pieces are caught;
+a bad batch is refused before anything changes."""
 import ast
 import random
 import unittest
@@ -108,6 +109,12 @@ class Kernels(unittest.TestCase):
                 rows = self.rows_with(batched.by_batch, companions)
                 assert_changed(self, rows, alone[:len(rows)], "the rows in a larger batch")
 
+    def test_the_32_bit_kernel_s_rows_depend_on_the_batch_too(self):
+        """Alone (four pieces) and with 3 other rows (one piece)."""
+        rows = self.rows_with(batched.by_batch_float32, 3)
+        assert_changed(self, rows, self.rows_with(batched.by_batch_float32, 0)[:len(rows)],
+                       "the rows in a batch of 4")
+
     def test_a_batch_invariant_kernel_gives_the_same_row_in_any_batch(self):
         alone = self.rows_with(batched.batch_invariant, 0)
         assert_changed(self, alone, feed(PARAMS, KVCache(PARAMS), IDS[0])[:len(alone)],
@@ -116,6 +123,59 @@ class Kernels(unittest.TestCase):
             with self.subTest(companions=companions):
                 rows = self.rows_with(batched.batch_invariant, companions)
                 assert_same_rows(self, rows, alone[:len(rows)])
+
+
+class WhatTheKernelsRound(unittest.TestCase):
+    """Two dot products of 16 terms, which a row alone cuts into four pieces of four
+    terms and three rows leave in one, their terms chosen so that every rounding shows.
+    Column A: pieces adding to 1 + 2**-24 + 2**-26 and -1, so a first piece rounded to
+    32 bits (1 + 2**-23) leaves 2**-23, rounded to 16 bits (1.0) nothing; in one piece
+    the sum is 2**-24 + 2**-26, which a 16-bit output makes 2**-24. Column B: pieces
+    adding to 1 + 2**-11 and 2**-40, a total just above halfway between the 16-bit
+    floats 1 and 1 + 2**-10, and exactly halfway once rounded to 32 bits (a tie goes to
+    the even one, 1.0)."""
+
+    ROW = [1.0] * 16
+    COLUMNS = [[1.0, 2 ** -24, 2 ** -26, 0.0, -1.0] + [0.0] * 11,
+               [1.0, 2 ** -11, 0.0, 0.0, 2 ** -40] + [0.0] * 11]
+    WANTED = {   # (kernel, rows): each row's two outputs
+        ("exact", 1): [2 ** -24 + 2 ** -26, 1 + 2 ** -11 + 2 ** -40],
+        ("by_batch", 1): [0.0, 1.0],                 # each piece, and the total, to 16 bits
+        ("by_batch", 3): [2 ** -24, 1 + 2 ** -10],   # one piece: the sum rounded once
+        ("by_batch_float32", 1): [2 ** -23, 1.0],    # pieces and total to 32 bits, then 16
+        ("by_batch_float32", 3): [2 ** -24, 1.0],
+        ("batch_invariant", 1): [2 ** -24, 1 + 2 ** -10],
+    }
+
+    def differences(self):
+        """The first kernel and batch whose outputs are not WANTED's, or None."""
+        for (kernel, rows), wanted in self.WANTED.items():
+            got = getattr(batched, kernel)([self.ROW] * rows, self.COLUMNS)
+            if got != [wanted] * rows:
+                return f"{kernel} on {rows} rows gives {got[0]}, not {wanted}"
+        return None
+
+    def test_each_kernel_rounds_what_its_docstring_says(self):
+        self.assertIsNone(self.differences())
+
+    def test_each_mistake_in_the_kernels_rounding_is_caught(self):
+        def rounded_call(node, first=None):
+            return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id == "_rounded"
+                    and (first is None or isinstance(node.args[0], first)))
+        assert_each_mistake_is_caught(self, batched, "in_pieces", {
+            "every sum rounded to 16 bits, whatever bits says":
+                replacing(lambda node: rounded_call(node) and isinstance(node.args[1], ast.Name),
+                          lambda node: ast.Call(node.func, [node.args[0], ast.Constant(16)], [])),
+            "the pieces' total not rounded to bits (only the output)":
+                replacing(lambda node: rounded_call(node, ast.ListComp)
+                          and "zip" in ast.unparse(node.args[0]),
+                          lambda node: node.args[0]),
+            "the output left in 32 bits":
+                replacing(lambda node: isinstance(node, ast.Call)
+                          and isinstance(node.func, ast.Name) and node.func.id == "_output",
+                          lambda node: node.args[0]),
+        }, self.differences)
 
 
 class Teeth(unittest.TestCase):
@@ -177,7 +237,9 @@ class Refusals(unittest.TestCase):
         large_keys = dict(PARAMS, Wk=[[w * 1e6 for w in row] for row in PARAMS["Wk"]])
         large_out = dict(PARAMS, W_out=[[w * 1e6 for w in row] for row in PARAMS["W_out"]])
         for params, product, fragment in ((large_keys, batched.exact, "beyond float16"),
-                                          (large_out, batched.by_batch, "beyond 65504")):
+                                          (large_out, batched.by_batch, "beyond 65504"),
+                                          (large_out, batched.by_batch_float32,
+                                           "beyond 65504, the largest 16-bit")):
             pool = paged.BlockPool(params, 8, 4)
             caches = [KVCache(params), QuantizedCache(params, "float16"), pool.sequence()]
             for cache in caches[::2]:

@@ -237,10 +237,11 @@ class Serve(unittest.TestCase):
         self.assertEqual(pool.free_blocks(), 10)   # only the log's sequence holds blocks
 
     def test_kernels_that_share_a_pool_never_share_its_blocks(self):
-        """Batch-dependent, exact and batch-invariant traffic served in turns through one
-        pool, whose prefix index holds every kernel's blocks of the same prompts: every
-        exact result is generate's, and every batch-invariant run gives what it gives on
-        a fresh pool, at every batch size (blocks were found by their tokens alone)."""
+        """Batch-dependent (16-bit and 32-bit sums), exact and batch-invariant traffic
+        served in turns through one pool, whose prefix index holds every kernel's blocks
+        of the same prompts: every exact result is generate's, and every batch-invariant
+        run gives what it gives on a fresh pool, at every batch size (blocks were found by
+        their tokens alone)."""
         requests = [{"prompt": prompt, "max_new_tokens": 10, "temperature": 1.0, "seed": seed}
                     for seed, prompt in enumerate(OPENINGS[:3] * 2)]
         expected = [generate_cached(PARAMS, TOK, **request) for request in requests]
@@ -248,12 +249,13 @@ class Serve(unittest.TestCase):
                                      product=batched.batch_invariant)
         pool = paged.BlockPool(PARAMS, 60, 4)
         for max_batch in (1, 3):
-            for product in (batched.by_batch, batched.exact, batched.batch_invariant):
+            for product in (batched.by_batch, batched.by_batch_float32, batched.exact,
+                            batched.batch_invariant):
                 results, counts = serving.serve(PARAMS, TOK, requests, pool, max_batch,
                                                 product=product)
                 with self.subTest(max_batch=max_batch, product=product.__name__):
                     self.assertGreater(counts["prefix_hits"], 0)   # the pool did share
-                    if product is not batched.by_batch:
+                    if product in (batched.exact, batched.batch_invariant):
                         assert_equal(self, results, expected if product is batched.exact
                                      else invariant, "the results")
 

@@ -20,6 +20,7 @@ from unittest import mock
 import generate
 import kv_cache
 import model
+import serving
 import support
 import trace_kv
 from generate import never_ending
@@ -139,10 +140,15 @@ class TheRecord(unittest.TestCase):
                 self.assertEqual((run["logits_as_with_batches_of_1"],
                                   run["stories_identical_to_batches_of_1"]),
                                  (True, batched["requests"]), run)
-        for kernel in ("batch-dependent", "split-KV attention"):
+        for kernel in ("batch-dependent", "32-bit batch-dependent", "split-KV attention"):
             self.assertIn(False, [run["logits_as_with_batches_of_1"] for run in batched["runs"]
                                   if run["kernel"] == kernel],
                           f"the {kernel} kernel must give other logits in larger batches")
+        greedy = {(run["kernel"], run["max_batch"]): run["greedy_stories_identical_to_generate"]
+                  for run in batched["runs"]
+                  if run["greedy_stories_identical_to_generate"] is not None}
+        self.assertEqual(greedy, dict.fromkeys(serving.GREEDY_TOO, batched["requests"]),
+                         "the README says no greedy story changes with these kernels")
         for kind in record["blockwise"]["kinds"]:   # exact partials, or the same math reordered
             if kind["kind"] == "exact":
                 self.assertEqual(kind["largest_logit_gap"], 0.0, kind)
