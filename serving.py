@@ -27,7 +27,8 @@ KERNEL_RUNS = (*(("batch-dependent", batch, "ample") for batch in (1, 2, 8)),
                *(("32-bit batch-dependent", batch, "ample") for batch in (1, 2, 8)),
                *(("batch-invariant", batch, "ample") for batch in (1, 8)),
                *(("split-KV attention", batch, "ample") for batch in (1, 2, 4, 8)))
-GREEDY_TOO = (("batch-dependent", 1), ("32-bit batch-dependent", 1))   # see kernel_run
+GREEDY_TOO = tuple((kernel, batch, "ample") for batch in (1, 8)   # kernel_run says why
+                   for kernel in ("batch-dependent", "32-bit batch-dependent"))
 
 
 def serve(params, tok, requests, pool, max_batch, log=None, product=exact,
@@ -273,9 +274,9 @@ def kernel_run(lab, case, runs):
     every matrix product or every row's attention (prefill and decode rows alike): what
     serving did, each story's token IDs, how many are generate's, the largest gap between
     a logit a token was chosen with and the uncached full pass's for the same tokens, and
-    every such choosing row (its tokens, its logits). A run whose kernel and batch size
-    are in GREEDY_TOO then serves the 60 greedy openings the same way, from the same pool
-    (their prompts' blocks are found there): how many of those stories are generate's
+    every such choosing row (its tokens, its logits). A run that is in GREEDY_TOO then
+    serves the 60 greedy openings the same way, from the same pool (their prompts'
+    blocks are found there): how many of those stories are generate's
     (None for the other runs)."""
     kernel, max_batch, pool = KERNEL_RUNS[case]
     openings = _all_openings(lab)
@@ -286,7 +287,7 @@ def kernel_run(lab, case, runs):
         served, counts = serve(lab.params, lab.tok, requests, pool_of_blocks, max_batch,
                                **KERNELS[kernel])
     greedy = None
-    if (kernel, max_batch) in GREEDY_TOO:
+    if KERNEL_RUNS[case] in GREEDY_TOO:
         served_greedy, _ = serve(lab.params, lab.tok, openings[:len(lab.prompts)],
                                  pool_of_blocks, max_batch, **KERNELS[kernel])
         greedy = sum(a == b for a, b in zip(served_greedy, runs.greedy))

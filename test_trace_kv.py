@@ -144,7 +144,8 @@ class TheRecord(unittest.TestCase):
             self.assertIn(False, [run["logits_as_with_batches_of_1"] for run in batched["runs"]
                                   if run["kernel"] == kernel],
                           f"the {kernel} kernel must give other logits in larger batches")
-        greedy = {(run["kernel"], run["max_batch"]): run["greedy_stories_identical_to_generate"]
+        greedy = {(run["kernel"], run["max_batch"], run["pool"]):
+                  run["greedy_stories_identical_to_generate"]
                   for run in batched["runs"]
                   if run["greedy_stories_identical_to_generate"] is not None}
         self.assertEqual(greedy, dict.fromkeys(serving.GREEDY_TOO, batched["requests"]),
