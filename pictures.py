@@ -65,6 +65,7 @@ class _Panel:
         """The frame, grid lines at the ticks, their labels (by _tick, or the functions
         given) and the axes' names."""
         right, bottom = self.left + self.width, self.top + self.height
+        away = 18 + 6 * max((len((ylabels or _tick)(value)) for value in yticks), default=0)
         parts = [f'<rect x="{self.left}" y="{self.top}" width="{self.width}" '
                  f'height="{self.height}" fill="none" stroke="#444"/>']
         for value in xticks:
@@ -76,8 +77,8 @@ class _Panel:
             parts += [f'<line x1="{self.left}" y1="{y}" x2="{right}" y2="{y}" stroke="#ddd"/>',
                       _text(self.left - 6, float(y) + 4, (ylabels or _tick)(value), 11, "end")]
         parts += [_text(self.left + self.width / 2, bottom + 34, xlabel, 12, "middle"),
-                  _text(self.left - 48, self.top + self.height / 2, ylabel, 12, "middle",
-                        transform=f"rotate(-90 {_number(self.left - 48)} "
+                  _text(self.left - away, self.top + self.height / 2, ylabel, 12, "middle",
+                        transform=f"rotate(-90 {_number(self.left - away)} "
                                   f"{_number(self.top + self.height / 2)})")]
         return parts
 
@@ -184,9 +185,10 @@ def cache_bytes(record):
                                          f"position{'s' * (n > 1)}") for n in (1, last)],
                            color, dashed=real)
         legend.append((f"{name}: {per:,.0f} B", color))
-    notes = ["a position's bytes after each name;", "solid: 8 bytes a number, to 64 positions;",
-             "dashed: 2 bytes a number, to the", "model's context window;",
-             "4 layers of multi-query: the lesson's line"]
+    notes = ["after each name, its bytes a position;", "solid: the lab's, 8 bytes a number, to",
+             "its 64 positions (sections 23 to 25);", "dashed: real models, 2 bytes a number,",
+             "to each one's context window;", "4 layers of multi-query: 256 B, hidden",
+             "under the lesson's line; 1 kB = 1,000 B"]
     return _svg("The cache grows with the sequence; the design sets by how much",
                 body + _legend(450, 70, legend, 11)
                 + [_text(450, 70 + 18 * (len(legend) + i) + 4, note, 11)
@@ -206,7 +208,7 @@ def ladder(record):
     rungs = [{"cache": "exact lists", "bytes_per_position": exact, "positions_kept": None,
               "largest_logit_gap": 0.0, "greedy_stories_changed": 0}] + record["ladder"]["rungs"]
     memory = _Panel((215, 50, 160, 290), (0, exact * 64), (len(rungs), 0))
-    gaps = _Panel((420, 50, 240, 290), (FLOOR, 1e3), (len(rungs), 0), xlog=True)
+    gaps = _Panel((440, 50, 200, 290), (FLOOR, 1e3), (len(rungs), 0), xlog=True)
     body = (memory.axes([0, exact * 32, exact * 64], [], "bytes held for 64 positions", "",
                         xlabels=_bytes)
             + gaps.axes([FLOOR, 1e-12, 1e-8, 1e-4, 1], [], "largest logit gap (log scale)", ""))
@@ -223,8 +225,8 @@ def ladder(record):
             body.append(gaps.bar(FLOOR, i + 0.2, gap, i + 0.8, color,
                                  f"{what}; largest gap {gap:.4g}"))
     return _svg(f"The ladder: what a cache keeps, and what it costs ({stories} openings)",
-                body + _legend(180, 384, [("no greedy story changed", COLORS[2])])
-                + _legend(400, 384, [("some greedy stories changed", COLORS[0])]))
+                body + _legend(180, 393, [("no greedy story changed", COLORS[2])])
+                + _legend(420, 393, [("some greedy stories changed", COLORS[0])]))
 
 
 def batched_stories(record):
@@ -248,16 +250,19 @@ def batched_stories(record):
             for k, kernel in enumerate(kernels):
                 run = next((run for run in runs if (run["kernel"], run["max_batch"]) ==
                             (kernel, batch)), None)
-                if run is None:
-                    continue
                 x = b + 0.1 + 0.8 * k / len(kernels)
+                if run is None:   # a cross at the axis, not an empty place
+                    body.append(_text(panel.x(x + 0.4 / len(kernels)), panel.y(0) - 3, "×",
+                                      12, "middle", fill="#888"))
+                    continue
                 count = requests - run[key]
                 body.append(panel.bar(x, 0, x + 0.8 / len(kernels), max(count, 0.04),
                                       COLORS[k], f"{kernel}, batches of up to {batch}: "
                                       f"{run[key]} of {requests} stories {kept}"))
     return _svg(f"Batched decode: the stories a kernel changes ({requests} sampled openings)",
                 body + _legend(90, 370, list(zip(kernels, COLORS))[:2])
-                + _legend(440, 370, list(zip(kernels, COLORS))[2:]))
+                + _legend(440, 370, list(zip(kernels, COLORS))[2:])
+                + [_text(620, 388, "× not run", 12, fill="#888")])
 
 
 PICTURES = {"kv-rows.svg": rows_and_scores, "kv-cache-bytes.svg": cache_bytes,
