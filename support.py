@@ -72,6 +72,12 @@ def snapshot(cache):
             [list(v) for v in cache.values])
 
 
+def deep_snapshot(cache):
+    """What a deep_model.DeepCache holds: its tokens and each layer's lists (copies)."""
+    return (list(cache.tokens), [{part: list(vectors) for part, vectors in layer.items()}
+                                 for layer in cache.layers])
+
+
 def pool_snapshot(pool):
     """What a pool holds: each block's positions, count and index key, the prefix index,
     the free list in order, and the counts of hits and evictions."""
@@ -124,6 +130,17 @@ ROW = ("x0", "h1", "q", "k", "v", "scores", "weights", "mixed", "x1", "h2", "a",
 
 
 @contextlib.contextmanager
+def assert_each_refused(test, refusals, state):
+    """Each (call, message fragment) of refusals raises a ValueError with that fragment
+    and leaves state() as it was before the first."""
+    before = state()
+    for call, fragment in refusals:
+        with test.subTest(fragment=fragment):
+            with test.assertRaisesRegex(ValueError, fragment):
+                call()
+            test.assertEqual(state(), before)
+
+
 def locals_of(function):
     """For a failure message only: inside this block, every call of function is recorded
     as it ends, as a dict of its local variables and "returned". It names the row's values

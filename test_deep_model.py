@@ -12,8 +12,8 @@ import model
 from generate import load_trained
 from instruments import replacing
 from layers import deep_rows, set_up, where_deep_rows_differ
-from support import (assert_each_mistake_is_caught, check_random_cases, random_tokens,
-                     tear_down)
+from support import (assert_each_mistake_is_caught, assert_each_refused, check_random_cases,
+                     deep_snapshot, random_tokens, tear_down)
 
 SHAPES = [(layers, heads, kv_heads) for layers in (1, 2, 3, 4)
           for heads, kv_heads in ((1, 1), (4, 4), (4, 2), (4, 1))]   # MHA, GQA, MQA
@@ -187,17 +187,12 @@ class Refusals(unittest.TestCase):
         _, full = deep_rows(params, random_tokens(model.CONTEXT))
         with self.assertRaisesRegex(ValueError, "beyond the 64 positions"):
             deep_model.forward_step(params, full, 5, model.CONTEXT)
-        for call, fragment in ((lambda: deep_model.forward_step(other, cache, 5, 3),
-                                "different parameters"),
-                               (lambda: deep_model.forward_step(params, cache, 5, 0),
-                                "expected position 3, got 0"),
-                               (lambda: deep_model.forward_step(params, cache, 96, 3),
-                                "outside the vocabulary")):
-            with self.subTest(fragment=fragment):
-                with self.assertRaisesRegex(ValueError, fragment):
-                    call()
-                self.assertEqual(len(cache), 3)
-                self.assertEqual([len(layer["keys"]) for layer in cache.layers], [3, 3])
+        self.assertEqual([len(layer["keys"]) for layer in cache.layers], [3, 3])
+        assert_each_refused(self, (
+            (lambda: deep_model.forward_step(other, cache, 5, 3), "different parameters"),
+            (lambda: deep_model.forward_step(params, cache, 5, 0), "expected position 3, got 0"),
+            (lambda: deep_model.forward_step(params, cache, 96, 3), "outside the vocabulary")),
+            lambda: deep_snapshot(cache))
 
 
     def test_params_of_another_shape_or_model_and_bad_ids_are_refused(self):

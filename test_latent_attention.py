@@ -10,7 +10,8 @@ import deep_model
 import latent_attention
 from instruments import recording, replacing
 from layers import set_up, where_absorbed_strays, where_deep_rows_differ
-from support import assert_each_mistake_is_caught, random_tokens, tear_down
+from support import (assert_each_mistake_is_caught, assert_each_refused, deep_snapshot,
+                     random_tokens, tear_down)
 
 
 def setUpModule():
@@ -140,22 +141,15 @@ class Refusals(unittest.TestCase):
         folded, cache = latent_attention.fold(params), deep_model.DeepCache(params)
         for position, token_id in enumerate(random_tokens(3)):
             latent_attention.absorbed_step(folded, cache, token_id, position)
-        before = (list(cache.tokens), [{part: list(vectors) for part, vectors in layer.items()}
-                                       for layer in cache.layers])
         other = latent_attention.fold(deep_model.init_params(2, 4, 4, 16, 0, "rotary", 8))
-        for call, fragment in ((lambda: latent_attention.absorbed_step(params, cache, 5, 3),
-                                "needs latent_attention.fold"),
-                               (lambda: latent_attention.absorbed_step(other, cache, 5, 3),
-                                "different parameters"),
-                               (lambda: latent_attention.absorbed_step(folded, cache, 5, 2),
-                                "expected position 3, got 2"),
-                               (lambda: latent_attention.absorbed_step(folded, cache, 96, 3),
-                                "outside the vocabulary")):
-            with self.subTest(fragment=fragment):
-                with self.assertRaisesRegex(ValueError, fragment):
-                    call()
-                self.assertEqual((cache.tokens, cache.layers), before)
-
+        assert_each_refused(self, (
+            (lambda: latent_attention.absorbed_step(params, cache, 5, 3),
+             "needs latent_attention.fold"),
+            (lambda: latent_attention.absorbed_step(other, cache, 5, 3), "different parameters"),
+            (lambda: latent_attention.absorbed_step(folded, cache, 5, 2),
+             "expected position 3, got 2"),
+            (lambda: latent_attention.absorbed_step(folded, cache, 96, 3),
+             "outside the vocabulary")), lambda: deep_snapshot(cache))
 
 if __name__ == "__main__":
     unittest.main()
