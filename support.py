@@ -129,7 +129,6 @@ ROW = ("x0", "h1", "q", "k", "v", "scores", "weights", "mixed", "x1", "h2", "a",
        "logits")
 
 
-@contextlib.contextmanager
 def assert_each_refused(test, refusals, state):
     """Each (call, message fragment) of refusals raises a ValueError with that fragment
     and leaves state() as it was before the first."""
@@ -141,6 +140,7 @@ def assert_each_refused(test, refusals, state):
             test.assertEqual(state(), before)
 
 
+@contextlib.contextmanager
 def locals_of(function):
     """For a failure message only: inside this block, every call of function is recorded
     as it ends, as a dict of its local variables and "returned". It names the row's values
