@@ -10,8 +10,10 @@ its own cache. floats_read counts a step's reads by formula for any deep_model s
 lesson's model is the shape LESSON); the tests count them in the real steps with
 instruments.count_reads. The bound for real models comes from their published sizes.
 """
+import svg
 from deep_model import DEEP_SHAPES, heads_of, init_params
-from latent_attention import LATENT_SHAPES, cache_floats
+from documents import shown, table
+from latent_attention import LATENT_SHAPES, cache_floats, real_cache_bytes
 from model import CONTEXT, VOCAB_SIZE, WIDTH
 
 LESSON = {"layers": 1, "heads": 1, "kv_heads": 1, "width": WIDTH, "positions": "learned",
@@ -111,3 +113,113 @@ def experiment(lab):
             "lesson_cache_outweighs_weights_from_batch": entry(LESSON, "cached")[
                 "cache_outweighs_weights_from_batch"],
             "shapes": deep + latent}
+
+
+# ---- what Part 4 shows of it (documents.py fills its marks) --------------------------
+
+def bytes_read_table(record, timing):
+    shapes, lesson = record["bytes_read"]["shapes"], record["bytes_read"]["lesson"][-1]
+    rows = [["the lesson's model (1 layer, 1 head)", shown(lesson["weights"]),
+             shown(lesson["cache"]),
+             record["bytes_read"]["lesson_cache_outweighs_weights_from_batch"]]]
+    for s in shapes:
+        kind = ({4: "multi-head", 2: "grouped-query (2)", 1: "multi-query"}[s["kv_heads"]]
+                if s["path"] == "cached" else f"latent 8 + rotary key 2, {s['path']}")
+        if (s["layers"] in (1, 4) and s["path"] == "cached"
+                or (s["latent"], s["positions"], s["layers"]) == (8, "rotary", 1)):
+            rows.append([f"{kind}, {s['layers']} layer{'s' * (s['layers'] > 1)}",
+                         shown(s["weights"]), shown(s["cache_full_context"]),
+                         s["cache_outweighs_weights_from_batch"]])
+    return table(["model (4 heads of 4, but the lesson's)", "weights read a step",
+                  f"cache read, {lesson['held']} positions held",
+                  "batch from which the cache outweighs each request's share of the weights"],
+                 rows)
+
+
+def bound_table(record, timing):
+    rows = []
+    for label, design in DESIGNS:
+        shape = {**LLAMA_2_7B, "kv_heads": None, **design}
+        rows.append([label, f"{cache_bytes_per_token(shape) // 1024:,} KiB",
+                     f"{bound(shape, 0):.0f} / {bound(shape, 4096):.0f}",
+                     f"{bound(shape, 4096, 16):,.0f}",
+                     f"{cache_outweighs_weights(shape, 16):,} tokens"])
+    return table([f"Llama-2-7B's weights ({LLAMA_2_7B['weight_bytes'] / 1e9:.2f} GB) "
+                  f"with this cache", "cache a token",
+                  "tokens/s, batch 1: a short context / 4,096",
+                  "tokens/s in all, batch 16 of 4,096", "cache outweighs the weights, batch 16"],
+                 rows)
+
+
+def _times(ratio):
+    """A ratio in words: "more than twice", "nearly twice" and so on."""
+    return ("more than three times" if ratio > 3 else "more than twice" if ratio > 2
+            else "nearly twice" if ratio > 1.8 else f"{ratio:.1f} times")
+
+
+def share_lost_at_4096(record, timing):
+    return format(1 - bound(LLAMA_2_7B, 4096) / bound(LLAMA_2_7B, 0), ".0%")
+
+
+def cache_outweighs_at_batch_16(record, timing):
+    return cache_outweighs_weights(LLAMA_2_7B, 16)
+
+
+def grouped_query_over_multi_head_at_batch_16(record, timing):
+    return _times(bound({**LLAMA_2_7B, "kv_heads": 8}, 4096, 16) / bound(LLAMA_2_7B, 4096, 16))
+
+
+def llama_70b_bound(record, timing):
+    return round(bound(LLAMA_2_70B_8_BIT, 0), 1)
+
+
+# Where each real model's line ends: its context window in tokens (Llama 2: 4,096;
+# Llama 3: 8,192; DeepSeek-V3: 128K).
+CONTEXT = {"Llama-2-7B": 4096, "Llama-3-70B": 8192, "DeepSeek-V3": 131072}
+
+
+def _models(record):
+    """(name, bytes a position, positions the line runs to, real) for the lesson's model,
+    the 4-layer ones of Part 4 (8-byte floats, 64 positions) and the real models (2 bytes
+    a number, to their context windows), DeepSeek-V3 also as if it cached its heads' own
+    keys and values."""
+    positions = record["deep_models"]["positions"]
+    models = [("the lesson's model (1 layer)", record["cache_floats_per_position"] * 8,
+               positions, False)]
+    for shape in record["deep_models"]["shapes"]:
+        if shape["layers"] == 4 and shape["kv_heads"] > 1:
+            kind = {4: "multi-head", 2: "grouped-query 2"}[shape["kv_heads"]]
+            models.append((f"4 layers, {kind}", shape["bytes_per_position_as_8_byte_floats"],
+                           positions, False))
+    kept, plain = real_cache_bytes()["DeepSeek-V3"]
+    return models + [
+        ("Llama-2-7B, multi-head", cache_bytes_per_token(LLAMA_2_7B), CONTEXT["Llama-2-7B"],
+         True),
+        ("Llama-3-70B, grouped-query 8", real_cache_bytes()["Llama-3-70B"][0],
+         CONTEXT["Llama-3-70B"], True),
+        ("DeepSeek-V3, latent", kept, CONTEXT["DeepSeek-V3"], True),
+        ("DeepSeek-V3 as multi-head", plain, CONTEXT["DeepSeek-V3"], True)]
+
+
+def cache_bytes_picture(record, timing):
+    """Sections 9 and 23 to 25: a sequence's cache in bytes against the positions it holds,
+    for the lab's models (to their 64 positions) and real ones (to their context windows),
+    on log scales: every line is straight, of slope one, and the design moves it up or down."""
+    panel = svg.Panel((100, 50, 330, 290), (1, 2 ** 17), (100, 1e12), xlog=True, ylog=True)
+    body = panel.axes([1, 64, 4096, 2 ** 17], [1e3, 1e6, 1e9, 1e12],
+                      "positions (tokens) held", "bytes of one sequence's cache",
+                      ylabels=svg.bytes_label)
+    legend = []
+    for (name, per, last, real), color in zip(_models(record), svg.COLORS):
+        body += panel.line([(n, per * n, f"{name}: {svg.bytes_label(per * n)} at {n:,} "
+                                         f"position{'s' * (n > 1)}") for n in (1, last)],
+                           color, dashed=real)
+        legend.append((f"{name}: {per:,.0f} B", color))
+    notes = ["after each name, its bytes a position;", "solid: the lab's, 8 bytes a number, to",
+             "its 64 positions (sections 23 to 25);", "dashed: real models, 2 bytes a number,",
+             "to each one's context window;", "4 layers of multi-query: 256 B, hidden",
+             "under the lesson's line; 1 kB = 1,000 B"]
+    return svg.page("The cache grows with the sequence; the design sets by how much",
+                    body + svg.legend(450, 70, legend, 11)
+                    + [svg.text(450, 70 + 18 * (len(legend) + i) + 4, note, 11)
+                       for i, note in enumerate(notes)])

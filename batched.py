@@ -22,6 +22,8 @@ from math import fsum
 from operator import mul
 
 import model
+import svg
+from documents import shown, table
 from kv_cache import check_cache
 from model import SCALE, add, dot, layernorm, linear, relu, softmax_row
 
@@ -164,3 +166,75 @@ def _check_items(params, items):
         owners.setdefault(id(owner), (owner, []))[1].append((cache, earlier[id(cache)]))
     for owner, demands in owners.values():
         owner.check_room(demands)
+
+
+# ---- what Part 3 shows of it (documents.py fills its marks; serving.kernel_run records it)
+
+def kernels_table(record, timing):
+    k = record["batched_decode"]
+    of = f" of {k['requests']}"
+    return table(["kernel", "batches of up to", "pool", "steps", "preemptions",
+                  "stories as with batches of 1",
+                  "first position (prompt included) where one parts",
+                  "choosing rows unlike batches of 1 (same tokens)", "stories as `generate`'s",
+                  "largest logit gap against the exact rows"],
+                 [[run["kernel"], run["max_batch"], f"{run['pool']} ({shown(run['blocks'])} blocks)",
+                   run["steps"], run["preemptions"],
+                   f"{run['stories_identical_to_batches_of_1']}{of}",
+                   shown(run["first_position_parting_from_batches_of_1"]),
+                   f"{run['choosing_rows_unlike_batches_of_1']} of "
+                   f"{shown(run['choosing_rows_compared_with_batches_of_1'])}",
+                   f"{run['stories_identical_to_generate']}{of}",
+                   shown(run["largest_logit_gap_against_exact"])] for run in k["runs"]])
+
+
+def _split_kv_runs(record):
+    return [run for run in record["batched_decode"]["runs"] if run["kernel"] == "split-KV attention"]
+
+
+def split_kv_as_generate(record, timing):
+    """How many of the split-KV runs' stories are generate's, batch by batch, in words."""
+    requests = record["batched_decode"]["requests"]
+    same = [run["stories_identical_to_generate"] for run in _split_kv_runs(record)]
+    return (f"all {requests}" if set(same) == {requests}
+            else ", ".join(map(str, same)) + f" of {requests}")
+
+
+def split_kv_largest_gap(record, timing):
+    return max(run["largest_logit_gap_against_exact"] for run in _split_kv_runs(record))
+
+
+def stories_picture(record, timing):
+    """Section 20: for the 60 sampled openings in the ample pool, the stories each kernel
+    makes other than generate's, and other than its own with batches of 1, by batch."""
+    runs = [run for run in record["batched_decode"]["runs"] if run["pool"] == "ample"]
+    kernels = list(dict.fromkeys(run["kernel"] for run in runs))
+    requests = record["batched_decode"]["requests"]
+    batches = sorted({run["max_batch"] for run in runs})
+    top = max(4, *(requests - run["stories_identical_to_generate"] for run in runs))
+    body = []
+    for left, key, label, kept in (
+            (80, "stories_identical_to_generate", "not generate's", "are generate's"),
+            (440, "stories_identical_to_batches_of_1", "not as with batches of 1",
+             "are as with batches of 1")):
+        panel = svg.Panel((left, 50, 250, 270), (0, len(batches)), (0, top))
+        body += panel.axes([], range(top + 1), "batches of up to", f"stories {label} "
+                           f"(of {requests})")
+        for b, batch in enumerate(batches):
+            body.append(svg.text(panel.x(b + 0.5), panel.y(0) + 16, str(batch), 11, "middle"))
+            for k, kernel in enumerate(kernels):
+                run = next((run for run in runs if (run["kernel"], run["max_batch"]) ==
+                            (kernel, batch)), None)
+                x = b + 0.1 + 0.8 * k / len(kernels)
+                if run is None:   # a cross at the axis, not an empty place
+                    body.append(svg.text(panel.x(x + 0.4 / len(kernels)), panel.y(0) - 3, "×",
+                                         12, "middle", fill="#888"))
+                    continue
+                count = requests - run[key]
+                body.append(panel.bar(x, 0, x + 0.8 / len(kernels), max(count, 0.04),
+                                      svg.COLORS[k], f"{kernel}, batches of up to {batch}: "
+                                      f"{run[key]} of {requests} stories {kept}"))
+    return svg.page(f"Batched decode: the stories a kernel changes ({requests} sampled openings)",
+                    body + svg.legend(90, 370, list(zip(kernels, svg.COLORS))[:2])
+                    + svg.legend(440, 370, list(zip(kernels, svg.COLORS))[2:])
+                    + [svg.text(620, 388, "× not run", 12, fill="#888")])

@@ -21,6 +21,7 @@ import random
 from math import exp, fsum
 
 from batched import exact_attention, forward_rows
+from documents import bold, shown, table
 from generate import next_token_probs
 from instruments import largest_gap
 from model import SCALE, add, check_int, dot, layernorm, linear, relu
@@ -239,3 +240,27 @@ def kinds_table(lab, per_story):
                       "scores_held": len(parts_of(longest, parts)[0]) if parts
                       else min(BLOCK, longest)})
     return {"stories": len(per_story), "longest_row": longest, "kinds": table}
+
+
+# ---- what Part 3 shows of it (documents.py fills its marks) --------------------------
+
+def reads_table(record, timing):
+    b = record["blockwise"]
+    return table(["attention read", "parts", "largest logit gap", "greedy stories changed",
+                  "sampled stories changed",
+                  f"scores held at once, longest row ({b['longest_row']} positions)"],
+                 [[k["kind"], k["parts"] or "—", bold(shown(k["largest_logit_gap"]))
+                   if k["kind"] == "exact" else shown(k["largest_logit_gap"]),
+                   f"{k['greedy_stories_changed']} of {b['stories']}",
+                   f"{k['sampled_stories_changed']} of {b['stories']}", k["scores_held"]]
+                  for k in b["kinds"]])
+
+
+def split_counts(record, timing):
+    """FlashAttention-2's split counts for batches of 1, 2, 4 and 8 rows of 64 positions."""
+    return "{}, {}, {} and {}".format(*(split_count(rows, 64) for rows in (1, 2, 4, 8)))
+
+
+def stories_changed(record, timing):
+    return sum(k["greedy_stories_changed"] + k["sampled_stories_changed"]
+               for k in record["blockwise"]["kinds"])

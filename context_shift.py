@@ -11,6 +11,7 @@ import random
 
 import deep_model
 from deep_model import BASE, DEEP_SHAPES, DeepCache, forward, forward_step, init_params, rotate
+from documents import shown
 from instruments import largest_gap, recording
 from model import VOCAB_SIZE, WIDTH, causal
 
@@ -182,3 +183,43 @@ def experiment(lab):
             "offset_with_nothing_before": over("offset_with_nothing_before", grouped),
             "learned_old_keys_against_recompute":
                 over("learned_old_keys_against_recompute", grouped)}
+
+
+# ---- what Part 4 shows of it (documents.py fills its marks) --------------------------
+
+def _deeper_grouped(record):
+    """The recorded grouped-query shapes of two layers or more."""
+    return [s for s in record["rotary"]["shapes"] if s["kv_heads"] == 2 and s["layers"] > 1]
+
+
+def largest_shift_gap(record, timing):
+    return max(s["largest_logit_gap"] for s in record["rotary"]["shapes"])
+
+
+def later_layers_gaps(record, timing):
+    return ", ".join(shown(e["largest_logit_gap"])
+                     for e in record["rotary"]["against_recompute_by_layers"][1:])
+
+
+def later_layers_changed(record, timing):
+    return ", ".join(str(e["continuations_changed"])
+                     for e in record["rotary"]["against_recompute_by_layers"][1:])
+
+
+def offset_gaps(record, timing):
+    return ", ".join(shown(s["offset_after_other_tokens"]["largest_logit_gap"])
+                     for s in _deeper_grouped(record))
+
+
+def offset_changed(record, timing):
+    deeper = _deeper_grouped(record)
+    changed = sum(s["offset_after_other_tokens"]["continuation_changed"] for s in deeper)
+    return f"{changed} of {len(deeper)}"
+
+
+def last_dropped_position(record, timing):
+    return record["rotary"]["dropped"] - 1
+
+
+def last_position(record, timing):
+    return record["rotary"]["positions"] - 1

@@ -27,8 +27,8 @@ pass's order; latent_attention.py reads the latents directly instead.
 """
 import math
 import random
-import sys
 
+from documents import bold, shown, table
 from instruments import largest_gap
 from model import (CONTEXT, VOCAB_SIZE, WIDTH, add, band, causal, check_ids, check_int,
                    check_mask, check_shape, check_token_id, check_values, dot, is_int,
@@ -434,17 +434,21 @@ def experiment(lab):
     return {"positions": len(ids), "shapes": shapes, "window_through_layers": window}
 
 
-def cache_bytes(lab):
-    """Bytes CPython uses per position for each deep_model shape's cache of deep_ids():
-    the lists and every float object (it depends on the Python, so it is timing's)."""
-    ids = deep_ids(lab)
-    measured = []
-    for layers, kv_heads in DEEP_SHAPES:
-        _, _, cache = _deep_cache(layers, kv_heads, ids)
-        objects = sum(sys.getsizeof(vectors) + sum(sys.getsizeof(vector)
-                                                    + sum(map(sys.getsizeof, vector))
-                                                    for vector in vectors)
-                      for layer in cache.layers for vectors in layer.values())
-        measured.append({"layers": layers, "kv_heads": kv_heads,
-                         "bytes_per_position": round(objects / len(ids), 2)})
-    return measured
+# ---- what Part 4 shows of it (documents.py fills its marks) --------------------------
+
+def shapes_table(record, timing):
+    objects = {(m["layers"], m["kv_heads"]): m["bytes_per_position"]
+               for m in timing["deep_model_cache_bytes_as_cpython_objects"]}
+    rows = []
+    for kv_heads, kind in ((4, "multi-head (4 key-value heads)"),
+                           (2, "grouped-query (2 key-value heads)"),
+                           (1, "multi-query (1 key-value head)")):
+        shapes = [s for s in record["deep_models"]["shapes"] if s["kv_heads"] == kv_heads]
+        rows.append([kind, bold(" / ".join(shown(s["largest_logit_gap"]) for s in shapes)),
+                     " / ".join(f"{s['floats_per_position']:g}" for s in shapes),
+                     f"{shapes[0]['bytes_per_position_as_8_byte_floats']:g}",
+                     f"{objects[1, kv_heads]:,}"])
+    return table(["attention", "largest gap, cached against full pass, 1 / 2 / 3 / 4 layers",
+                  "numbers per position, 1 / 2 / 3 / 4 layers",
+                  "bytes per position, one layer, as 8-byte floats",
+                  "the same as CPython objects"], rows)

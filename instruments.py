@@ -8,7 +8,8 @@ of the model a plain left-to-right one, last term first; plant(owner, name, mist
 compiles a function of the lab again from its real source with a mistake planted in its
 syntax tree, which is how the tests show they have teeth; where_raised names the lines
 of the lab an exception came through, for a message of one line; count_reads counts the
-distinct numbers a step reads from memory (the weights and the cache).
+distinct numbers a step reads from memory (the weights and the cache); reusing hands
+model.forward's recorded results back for inputs it has already run (passes_by_input).
 """
 import ast
 import contextlib
@@ -69,6 +70,30 @@ def recording(module, *names):
 def results(calls):
     """What each recorded call returned, in order."""
     return [call.result for call in calls]
+
+
+def reusing(params, passes):
+    """Inside this block (a context manager), model.forward on params and token IDs that
+    passes holds (a tuple of token IDs -> forward's result) gives that result instead of
+    computing it again; with passes empty, nothing changes. forward's result depends on
+    its arguments alone (test_model), so the sampled run, wherever its story has chosen
+    the greedy one's tokens so far, is given the very full passes the greedy run made."""
+    if not passes:
+        return contextlib.nullcontext()
+
+    def stand_in(real):
+        def forward(given, ids, *rest, **named):
+            found = passes.get(tuple(ids)) if given is params and not (rest or named) else None
+            return real(given, ids, *rest, **named) if found is None else found
+        return forward
+    return replaced(model, "forward", stand_in)
+
+
+def passes_by_input(story, full_passes):
+    """The recorded full passes of one uncached generation of story (its token IDs), by
+    the token IDs each read (reusing's passes): pass n, the prompt and n chosen tokens."""
+    return {tuple(story[:len(story) - len(full_passes) + n]): call.result
+            for n, call in enumerate(full_passes)}
 
 
 def largest_gap(rows, other_rows):

@@ -10,7 +10,7 @@ new row, appends its key and value to the cache, and attends over the cache.
     (--help lists the flags)
 
 The lesson's experiment, the stages that trace_kv.py runs on the 60 test openings, is
-lesson.py's.
+trace_lesson.py's.
 """
 import os
 import sys

@@ -19,6 +19,7 @@ from collections import namedtuple
 
 from deep_model import (BASE, DeepCache, check_params, check_step, compressed, deep_ids,
                         forward, forward_step, heads_of, init_params, latent_query)
+from documents import bold, shown, table
 from instruments import largest_gap
 from model import VOCAB_SIZE, WIDTH, add, dot, layernorm, linear, relu, softmax_row
 
@@ -231,3 +232,111 @@ def experiment(lab):
             for t in WORK_AT]
     return {"prompt": len(prompt), "continued": len(prompt), "shapes": shapes,
             "work_per_step": {"shape": shape, "steps": work}}
+
+
+# ---- what Part 4 shows of it (documents.py fills its marks) --------------------------
+
+def shapes_table(record, timing):
+    rows = []
+    for positions, latent, rotary_key in (("learned", 4, 0), ("learned", 8, 0), ("rotary", 4, 2),
+                                          ("rotary", 8, 2), ("rotary", 8, 0)):
+        shapes = [s for s in record["latent_attention"]["shapes"]
+                  if (s["positions"], s["latent"], s["rotary_key"]) == (positions, latent,
+                                                                        rotary_key)]
+        against = shapes[0]["against"]
+        rows.append([f"{positions} positions, latent {latent}"
+                     + (f", rotary key {rotary_key}" if rotary_key else
+                        ", rebuilt keys turned (the control)" if positions == "rotary" else ""),
+                     " / ".join(f"{s['floats_per_position']:g}" for s in shapes),
+                     f"{against['multi-head']} / {against['grouped-query']} / "
+                     f"{against['multi-query']}",
+                     bold(" / ".join(shown(s["largest_gap_rebuilt"]) for s in shapes)),
+                     " / ".join(shown(s["largest_gap_absorbed"]) for s in shapes),
+                     " / ".join("the same" if s["continuation_parts_at"] is None else
+                                f"parts at token {s['continuation_parts_at'] + 1}"
+                                for s in shapes)])
+    return table(["latent model (4 heads of 4)", "numbers cached per position, 1 / 2 layers",
+                  "multi-head / grouped-query (2) / multi-query, 1 layer",
+                  "rebuilt keys: largest gap, 1 / 2 layers",
+                  "absorbed: largest gap, 1 / 2 layers",
+                  f"absorbed greedy continuation ({record['latent_attention']['continued']} "
+                  f"tokens)"], rows)
+
+
+def work_table(record, timing):
+    work = record["latent_attention"]["work_per_step"]
+    shape, steps = work["shape"], work["steps"]
+    latent = (f"latent {shape['latent']} + rotary key {shape['rotary_key']} "
+              f"({cache_floats(1, 4, 4, shape['latent'], shape['rotary_key'])})")
+    return table(["one decode step, 1 layer, 4 heads", *(f"attending to {s['attended']}"
+                                                          for s in steps)],
+                 [[label, *(shown(s[path]) for s in steps)]
+                  for path, label in (("multi-head", f"multi-head cache ({cache_floats(1, 4, 4)} "
+                                                     f"numbers a position)"),
+                                      ("multi-query", f"multi-query cache ({cache_floats(1, 1, 4)})"),
+                                      ("rebuilt", f"{latent}, keys rebuilt"),
+                                      ("absorbed", f"{latent}, absorbed"))])
+
+
+def real_cache_bytes():
+    """Each real model of REAL_MODELS: bytes a token, 2 a number, and for a latent model
+    the bytes of its heads' own keys and values."""
+    return {m["model"]: (2 * cache_floats(m["layers"], m.get("kv_heads"), m["head_width"],
+                                          m.get("latent"), m.get("rotary_key", 0)),
+                         m.get("latent") and 2 * cache_floats(m["layers"], m["heads"],
+                                                              m["head_width"], None,
+                                                              m["rotary_key"]))
+            for m in REAL_MODELS}
+
+
+def real_models_table(record, timing):
+    rows = []
+    for m in REAL_MODELS:
+        kept, plain = real_cache_bytes()[m["model"]]
+        rows.append([m["model"], m["layers"], f"latent {m['latent']} + rotary key "
+                     f"{m['rotary_key']}" if plain else f"{m['kv_heads']} key-value heads",
+                     f"{kept:,}", f"{plain:,} ({plain / kept:.0f}x)" if plain else "—"])
+    return table(["model", "layers", "cache", "bytes a token (2-byte numbers)",
+                  "its heads' keys and values cached instead"], rows)
+
+
+def _shapes_of(record, coupled):
+    """The recorded shapes: the coupled controls (rotary, no rotary key), or the rest."""
+    return [s for s in record["latent_attention"]["shapes"]
+            if (s["positions"] == "rotary" and not s["rotary_key"]) == coupled]
+
+
+def absorbed_largest_gap(record, timing):
+    return max(s["largest_gap_absorbed"] for s in _shapes_of(record, coupled=False))
+
+
+def control_gaps(record, timing):
+    return " and ".join(shown(s["largest_gap_absorbed"]) for s in _shapes_of(record, coupled=True))
+
+
+def control_parts_at(record, timing):
+    return " and ".join(str(s["continuation_parts_at"] + 1)
+                        for s in _shapes_of(record, coupled=True))
+
+
+def _per_position(record, path):
+    """What one more attended position adds to a decode step's products on path."""
+    first, *_, last = record["latent_attention"]["work_per_step"]["steps"]
+    return (last[path] - first[path]) // (last["attended"] - first["attended"])
+
+
+def rebuilt_per_position(record, timing):
+    return _per_position(record, "rebuilt")
+
+
+def absorbed_per_position(record, timing):
+    return _per_position(record, "absorbed")
+
+
+def multi_head_per_position(record, timing):
+    return _per_position(record, "multi-head")
+
+
+def deepseek_v3_ratio(record, timing):
+    kept, plain = real_cache_bytes()["DeepSeek-V3"]
+    return round(plain / kept)

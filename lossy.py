@@ -9,6 +9,8 @@ import struct
 from array import array
 
 import model
+import svg
+from documents import shown, table
 from instruments import largest_gap, sums_in_another_order
 from kv_cache import KVCache, feed, generate_cached
 from stories import story_ids
@@ -235,3 +237,53 @@ def ladder_rung(lab, rung, runs):
 def ladder(lab, rungs):
     """The ladder's record: every rung, and on how many openings."""
     return {"stories": len(lab.prompts), "rungs": rungs}
+
+
+# ---- what Part 2 shows of it (documents.py fills its marks) --------------------------
+
+def ladder_table(record, timing):
+    rows = [["exact, in lists (the reference)",
+             f"{timing['cache_bytes_per_position']:,} as CPython objects", "all", "0.0", 0, 0]]
+    rows += [[rung["cache"], shown(rung["bytes_per_position"], "g")
+              if rung["bytes_per_position"] is not None else "—",
+              "all" if rung["positions_kept"] is None else rung["positions_kept"],
+              shown(rung["largest_logit_gap"]), rung["greedy_stories_changed"],
+              rung["sampled_stories_changed"]] for rung in record["ladder"]["rungs"]]
+    stories = record["ladder"]["stories"]
+    return table(["the cache", "bytes per position", "positions kept", "largest logit gap",
+                  f"greedy stories changed (of {stories})",
+                  f"sampled stories changed (of {stories})"], rows)
+
+
+FLOOR = 1e-16   # where the picture's log scale of gaps starts: a gap of 0.0 has no bar
+
+
+def ladder_picture(record, timing):
+    """Section 17: each rung of the ladder, as in its table, with the bytes it holds for a
+    full context of 64 positions (its measured bytes a position, or the positions it keeps
+    as the exact lists' 8-byte numbers) and the largest logit gap it gives (a log scale);
+    red where it changed a greedy story."""
+    exact = record["cache_floats_per_position"] * 8
+    stories = record["ladder"]["stories"]
+    rungs = [{"cache": "exact lists", "bytes_per_position": exact, "positions_kept": None,
+              "largest_logit_gap": 0.0, "greedy_stories_changed": 0}] + record["ladder"]["rungs"]
+    memory = svg.Panel((215, 50, 160, 290), (0, exact * 64), (len(rungs), 0))
+    gaps = svg.Panel((440, 50, 200, 290), (FLOOR, 1e3), (len(rungs), 0), xlog=True)
+    body = (memory.axes([0, exact * 32, exact * 64], [], "bytes held for 64 positions", "",
+                        xlabels=svg.bytes_label)
+            + gaps.axes([FLOOR, 1e-12, 1e-8, 1e-4, 1], [], "largest logit gap (log scale)", ""))
+    for i, rung in enumerate(rungs):
+        size = (rung["bytes_per_position"] or exact) * (rung["positions_kept"] or 64)
+        gap, changed = rung["largest_logit_gap"], rung["greedy_stories_changed"]
+        color = svg.COLORS[0] if changed else svg.COLORS[2]
+        what = f"{rung['cache']}: {changed} of {stories} greedy stories changed"
+        body += [memory.bar(0, i + 0.2, size, i + 0.8, color, f"{what}; {size:,.0f} bytes"),
+                 svg.text(memory.left - 6, memory.y(i + 0.5) + 4, rung["cache"], 11, "end"),
+                 svg.text(gaps.x(max(gap, FLOOR)) + 4, gaps.y(i + 0.5) + 4,
+                          f"{changed} changed" if gap else "exact", 10)]
+        if gap:
+            body.append(gaps.bar(FLOOR, i + 0.2, gap, i + 0.8, color,
+                                 f"{what}; largest gap {gap:.4g}"))
+    return svg.page(f"The ladder: what a cache keeps, and what it costs ({stories} openings)",
+                    body + svg.legend(180, 393, [("no greedy story changed", svg.COLORS[2])])
+                    + svg.legend(420, 393, [("some greedy stories changed", svg.COLORS[0])]))

@@ -9,9 +9,9 @@ from collections import OrderedDict
 
 import generate
 import kv_cache
-import lesson
 import model
-from instruments import recording
+from documents import bold, shown, table
+from instruments import passes_by_input, recording, reusing
 from kv_cache import KVCache, feed, generate_cached
 from stories import story_ids
 
@@ -395,7 +395,7 @@ def parallel_sampling(lab):
     FORKED_OPENINGS openings, from forks of one prefill in a pool of blocks of 4
     (sample_from_forks), against FORKS caches of their own: the blocks held when all have
     ended, the prompt rows computed, and how many continuations are generate.generate's
-    for their seed (given, as in lesson.reusing, the full passes an earlier seed's run
+    for their seed (given, as in instruments.reusing, the full passes an earlier seed's run
     made on the same tokens)."""
     params, tok = lab.params, lab.tok
     openings = []
@@ -407,9 +407,9 @@ def parallel_sampling(lab):
         positions = [len(story_ids(tok, prompt, result)) - 1 for result in results]
         passes, identical = {}, 0
         for seed, result in enumerate(results):
-            with lesson.reusing(params, passes), recording(model, "forward") as full_passes:
+            with reusing(params, passes), recording(model, "forward") as full_passes:
                 expected = generate.generate(params, tok, prompt, temperature=1.0, seed=seed)
-            passes.update(lesson.passes_by_input(story_ids(tok, prompt, expected), full_passes))
+            passes.update(passes_by_input(story_ids(tok, prompt, expected), full_passes))
             identical += result == expected
         openings.append({
             "prompt": prompt, "prompt_tokens": prompt_tokens,
@@ -420,3 +420,53 @@ def parallel_sampling(lab):
             "prompt_rows_with_caches_of_their_own": FORKS * prompt_tokens,
             "identical_to_generate": identical})
     return {"continuations_each": FORKS, "openings": openings}
+
+
+# ---- what Part 2 shows of it (documents.py fills its marks) --------------------------
+
+def slots_table(record, timing):
+    labels = {"static, 64 per story": "a whole 64-position context per story (a static cache)"}
+    p = record["paged"]
+    return table(["how the cache reserves memory", "slots reserved", "wasted"],
+                 [[labels.get(way, f"{way} positions"), shown(slots),
+                   f"{p['wasted_share'][way]:.1%}"] for way, slots in p["slots_reserved"].items()])
+
+
+def forks_table(record, timing):
+    p = record["parallel_sampling"]
+    forks = p["continuations_each"]
+    return table(["opening", "prompt tokens", f"distinct continuations (of {forks})",
+                  f"blocks held at the end: forks / {forks} caches of their own",
+                  f"prompt rows: forks / {forks} caches of their own",
+                  "identical to `generate`'s"],
+                 [[f"`{o['prompt']}`", o["prompt_tokens"], o["distinct_continuations"],
+                   f"{o['blocks_held_with_forks']} / {o['blocks_held_by_caches_of_their_own']}",
+                   f"{o['prompt_rows_with_forks']} / "
+                   f"{o['prompt_rows_with_caches_of_their_own']}",
+                   bold(f"{o['identical_to_generate']} of {forks}")] for o in p["openings"]])
+
+
+def block_tables(record=None, timing=None):
+    """Section 16's picture, from a real pool of blocks of 4 (not from the record): one
+    prompt fed, then a second that begins like it."""
+    params, tok = generate.load_trained()
+    pool = BlockPool(params, 64, 4)
+    prompts = ("mia was sad. tom gave her a hug.", "mia was tired.")
+    sequences = []
+    for prompt in prompts:
+        ids = tok.encode(prompt)
+        sequences.append(pool.sequence(ids))
+        feed(params, sequences[-1], ids)
+
+    def tokens(block):
+        return ", ".join("space" if tok.vocab[t] == " " else tok.vocab[t]
+                         for t in pool.blocks[block].tokens)
+    lines = ["block tables (sequences)", *(f"  {name}: {prompt!r}  ->  blocks "
+                                          f"{', '.join(map(str, seq.table))}"
+                                          for name, prompt, seq in zip("AB", prompts, sequences)),
+             "BlockPool: blocks of 4 positions"]
+    for block in sorted(set(sequences[0].table) | set(sequences[1].table)):
+        held_by = " and ".join(name for name, seq in zip("AB", sequences) if block in seq.table)
+        lines.append(f"  block {block}: {tokens(block):<24} refs {pool.ref_counts[block]}  "
+                     f"(held by {held_by})")
+    return ["```text", *lines, "```"]

@@ -5,6 +5,7 @@ request's result is exactly generate.generate's: the pool and the batch change t
 and the memory, never a token. With an engine's kernel (batched.by_batch, by_batch_float32)
 they change it.
 """
+import os
 from collections import deque
 
 import blockwise
@@ -12,9 +13,11 @@ import generate
 import model
 from batched import (batch_invariant, by_batch, by_batch_float32, exact, exact_attention,
                      forward_rows)
+from checkpoint import LAB
+from documents import bold, shown, table
 from instruments import chosen_rows, largest_gap, recording
 from paged import BlockPool
-from stories import story_ids
+from stories import openings, split_stories, story_ids
 
 PREFIX_CACHE_BLOCKS = 64          # the experiment: a pool far smaller than the 60 stories
 MAX_BATCH, SMALL_POOL = 8, 24     # the experiment: 120 requests, preempting in a small pool
@@ -339,3 +342,60 @@ def kernel_table(lab, runs_of_kernels):
                           logits not in rows_alone[ids] for ids, logits in compared),
                       "logits_as_with_batches_of_1": run["chosen"] == first["chosen"]})
     return {"requests": len(runs_of_kernels[0]["stories"]), "runs": table}
+
+
+# ---- what Part 3 shows of it (documents.py fills its marks) --------------------------
+
+def prefix_cache_table(record, timing):
+    c = record["prefix_cache"]
+    labels = {"small pool": f"small: far less than the 60 stories hold "
+                            f"({shown(c['positions_held_in_all'])} positions)",
+              "ample pool": "ample: nothing is evicted"}
+    return table(["pool of blocks of 4", "blocks", "prefix hits (blocks)", "rows saved",
+                  "rows computed", "evictions", "stories identical",
+                  "gap of the choosing rows"],
+                 [[label, shown(c[run]["blocks"]), c[run]["prefix_hits"],
+                   shown(c[run]["rows_saved"]), shown(c[run]["rows"]), c[run]["evictions"],
+                   bold(f"{c[run]['identical']} of 60"),
+                   bold(shown(c[run]["largest_logit_gap_of_choosing_rows"]))]
+                  for run, label in labels.items()])
+
+
+def many_requests_table(record, timing):
+    m = record["many_requests"]
+    return table(["pool of blocks of 4", "steps", "requests choosing a token, mean a step",
+                  "rows", "rows recomputed", "preemptions", "peak blocks", "evictions",
+                  "prefix hits: at a first admission / at a readmission", "identical",
+                  "gap of the choosing rows"],
+                 [[f"{run.split()[0]} ({shown(c['blocks'])} blocks)", c["steps"],
+                   shown(c["mean_requests_per_step"]), shown(c["rows"]),
+                   c["recomputed_rows"], c["preemptions"], c["peak_blocks"], c["evictions"],
+                   f"{c['first_admission_prefix_hits']} / {c['readmitted_prefix_hits']}",
+                   bold(f"{c['identical']} of {m['requests']}"),
+                   bold(shown(c["largest_logit_gap_of_choosing_rows"]))]
+                  for run, c in ((run, m[run]) for run in ("small pool", "ample pool"))])
+
+
+def timeline(record=None, timing=None):
+    """Section 19's picture, from a real run of serve (not from the record): four
+    openings, batches of up to four, a pool of 16 blocks of 4. One line per request, one
+    character per step: P admitted (its tokens prefilled), . a decode row, x preempted,
+    - waiting, * finished."""
+    params, tok = generate.load_trained()
+    with open(os.path.join(LAB, "corpus.txt"), encoding="utf-8") as f:
+        prompts = openings(split_stories(f.read())[2])[:4]
+    events = {}
+    _, counts = serve(params, tok, [{"prompt": p} for p in prompts], BlockPool(params, 16, 4),
+                      4, lambda step, index, event: events.setdefault(
+                          (index, step), set()).add(event))
+    lines = []
+    for index, prompt in enumerate(prompts):
+        marks, finished = "", False
+        for step in range(1, counts["steps"] + 1):
+            happened = events.get((index, step), set())
+            marks += ("*" if "finished" in happened else "x" if "preempted" in happened
+                      else "P" if "prefill" in happened else "." if happened
+                      else " " if finished else "-")
+            finished = finished or "finished" in happened
+        lines.append(f"{prompt:<{max(map(len, prompts))}}  {marks.rstrip()}")
+    return ["```text", *lines, "```"]

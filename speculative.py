@@ -11,6 +11,7 @@ from collections import Counter
 import generate
 import model
 import prefill
+from documents import bold, shown, table
 from instruments import chosen_rows, largest_gap, recording
 from kv_cache import KVCache, check_cache, fork_for_prompt
 from stories import split_stories, story_ids
@@ -203,3 +204,17 @@ def experiment(lab, draft, runs):
             counts["rows_one_per_token"] += len(result["steps"])
     counts["largest_logit_gap_of_choosing_rows"] = gap
     return counts
+
+
+# ---- what Part 3 shows of it (documents.py fills its marks) --------------------------
+
+def runs_table(record, timing):
+    return table(["drafter", "lookahead", "model calls", "rows computed",
+                  "drafted tokens accepted", "identical", "gap of the choosing rows"],
+                 [[run["drafter"], run["lookahead"], shown(run["model_calls"]),
+                   shown(run["rows"]),
+                   f"{shown(run['accepted'])} of {shown(run['drafted'])} "
+                   f"({run['accepted'] / run['drafted']:.0%})",
+                   bold(f"{run['identical']} of 120"),
+                   bold(shown(run["largest_logit_gap_of_choosing_rows"]))]
+                  for run in record["speculative_decoding"]])

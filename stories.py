@@ -10,6 +10,7 @@ from itertools import accumulate
 from math import fsum
 
 from checkpoint import CONFIG
+from documents import bold, indented, shown, table
 
 
 def split_stories(text):
@@ -189,3 +190,51 @@ def attention_on_the_name(tok, ids, scores, weights):
 def rounded_mean(values):
     """The mean of values to 4 places; None for no values."""
     return round(fsum(values) / len(values), 4) if values else None
+
+
+# ---- what the Reference shows of it (documents.py fills its marks) -------------------
+
+def quality_table(record, timing):
+    greedy, sampled = record["story_quality"]["greedy"], record["story_quality"]["sampled"]
+
+    def both(pick):
+        return [pick(greedy), pick(sampled)]
+
+    def of(counts):
+        return f"{counts['agreeing']} of {counts['pronouns']}"
+    return table(["the 60 test openings, continued", "greedy", "sampled at temperature 1.0"], [
+        ["pronouns that refer to the name and agree with its gender", *both(
+            lambda q: f"{q['agreeing']} of {q['pronouns_referring_to_the_name']} "
+                      f"({q['agreeing_share']:.1%})")],
+        ["of those, after an opening with a pronoun in it too (`mia lost her green shell.`)",
+         *both(lambda q: of(q["agreeing_by_opening"]["with a pronoun"]))],
+        ["after an opening where only the name tells the gender (`emma went to the park.`)",
+         *both(lambda q: of(q["agreeing_by_opening"]["with only the name"]))],
+        ["pronouns that refer to a person word (`her friend. he`) and agree with its gender",
+         *both(lambda q: of(q["pronouns_referring_to_a_person"]))],
+        ["stories whose continuation uses only words of the corpus",
+         *both(lambda q: f"{q['stories_of_corpus_words_only']} of 60")]])
+
+
+def attention_table(record, timing):
+    rows = []
+    for key, label, strong in (("agreeing", "pronouns that agree", True),
+                               ("wrong", "pronouns with the wrong gender", False)):
+        cells = [label]
+        for kind in ("greedy", "sampled"):
+            w = record["story_quality"][kind]["attention_on_the_name"][key]
+            weight = shown(w["mean_weight_on_the_name"])
+            cells += ([bold(weight) if strong else weight, shown(w["even_share"])]
+                      if w["pronouns"] else ["—", "—"]) + [w["pronouns"]]
+        rows.append(cells)
+    return table(["where a pronoun was chosen", "greedy: weight on the name", "even share",
+                  "pronouns", "sampled: weight on the name", "even share", "pronouns"], rows)
+
+
+def stories_with_a_wrong_pronoun(record, timing):
+    return indented(record["story_quality"]["greedy"]["stories_with_a_wrong_pronoun"])
+
+
+def right_where_only_the_name_tells(record, timing):
+    return indented(record["story_quality"]["greedy"]
+                    ["first_three_right_where_only_the_name_tells"])

@@ -2,7 +2,7 @@
 test stories; comparisons that name the first number that differs instead of printing
 thousands; loops over many cases that fail once, naming the case (a random one by its
 seed, with the command that reruns it alone); and running from another folder. The
-layers of the lab, and the skips they decide, are layers.py's. No test module imports
+layers of the lab, and the skips they decide, are quick_checks.py's. No test module imports
 another; they import these two.
 """
 import contextlib
@@ -33,6 +33,21 @@ def lab_file(name):
     """The text of one of the lab's files."""
     with open(os.path.join(HERE, name), encoding="utf-8") as f:
         return f.read()
+
+
+def recorded(name):
+    """The entry name of the recorded run (kv-trace.json), for a Part's claims about its
+    record: test_trace_kv proves that the file is what python3 trace_kv.py records now,
+    so what holds of the file holds of the run. A missing entry says what to add."""
+    import json
+    record = json.loads(lab_file("kv-trace.json"))
+    if name not in record:
+        raise AssertionError(
+            f"kv-trace.json has no entry {name!r}: no stage of trace_kv.STAGES records it. "
+            f"A new Part's stage needs its line there, for instance\n"
+            f"    Stage(PART, {name!r}, MODULE.experiment, (\"runs\",)),\n"
+            f"then python3 trace_kv.py --write records it")
+    return record[name]
 
 
 # ---- comparisons that name one number -----------------------------------------------
@@ -391,7 +406,7 @@ def enter_another_folder():
 
 
 def tear_down():
-    """A module's tear-down after enter_another_folder (or layers.set_up): back to the
+    """A module's tear-down after enter_another_folder (or quick_checks.set_up): back to the
     lab's folder."""
     os.chdir(HERE)
     _elsewhere.pop().cleanup()

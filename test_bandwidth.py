@@ -10,7 +10,7 @@ import kv_cache
 import latent_attention
 import model
 from instruments import count_reads
-from layers import set_up
+from quick_checks import set_up
 from support import PARAMS, random_tokens, tear_down
 
 

@@ -8,7 +8,7 @@ import random
 import unittest
 
 import batched
-import layers
+import quick_checks
 import model
 import paged
 import support
@@ -22,11 +22,11 @@ IDS = [TOK.encode(story) for story in STORIES[:3]]
 
 
 def setUpModule():
-    """forward_rows' first check (layers.LAYERS["batched"]), before any test of this
+    """forward_rows' first check (quick_checks.LAYERS["batched"]), before any test of this
     module: three stories fed in mixed batches give forward_step's rows. If not, its one
     line names the first number that differs (or why forward_rows refused), and no other
     test runs."""
-    layers.set_up("batched")
+    quick_checks.set_up("batched")
 
 
 tearDownModule = support.tear_down
@@ -40,7 +40,7 @@ class ExactProduct(unittest.TestCase):
         pool = paged.BlockPool(PARAMS, 64, 4)
         for caches in ([KVCache(PARAMS) for _ in IDS], [pool.sequence() for _ in IDS]):
             with self.subTest(cache=type(caches[0]).__name__):
-                self.assertIsNone(layers.where_batches_differ(PARAMS, caches, IDS))
+                self.assertIsNone(quick_checks.where_batches_differ(PARAMS, caches, IDS))
 
     def test_random_models_and_batches(self):
         """Case n draws, from random.Random(n), a model (init_params with a random seed)
@@ -55,7 +55,7 @@ class ExactProduct(unittest.TestCase):
             ids = [[rng.randrange(model.VOCAB_SIZE) for _ in range(rng.randint(1, 20))]
                    for _ in range(rng.randint(1, 5))]
             caches = [KVCache(params) for _ in ids]
-            why = layers.where_batches_differ(params, caches, ids, seed=index)
+            why = quick_checks.where_batches_differ(params, caches, ids, seed=index)
             if why:
                 return why
             flaw = rng.choice(("position", "token", "storage"))
@@ -201,7 +201,7 @@ class Teeth(unittest.TestCase):
     def test_each_mistake_in_forward_rows_is_caught(self):
         """Each makes a row differ; the real forward_rows gives none (setUpModule)."""
         assert_each_mistake_is_caught(self, batched, "forward_rows", self.MISTAKES,
-                                      lambda: layers.where_batches_differ(PARAMS, [KVCache(PARAMS) for _ in IDS], IDS))
+                                      lambda: quick_checks.where_batches_differ(PARAMS, [KVCache(PARAMS) for _ in IDS], IDS))
 
 
 class Refusals(unittest.TestCase):
@@ -251,6 +251,35 @@ class Refusals(unittest.TestCase):
             support.assert_equal(self, ([support.snapshot(cache) for cache in caches],
                                         support.pool_snapshot(pool)), before,
                                  "the caches and the pool")
+
+
+class TheRecord(unittest.TestCase):
+    """What the recorded run (support.recorded) says of batched decode's kernels."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.batched = support.recorded("batched_decode")
+
+    def test_a_batch_invariant_kernel_s_rows_never_see_the_batch(self):
+        for run in self.batched["runs"]:
+            if run["kernel"] == "batch-invariant":
+                with self.subTest(batch=run["max_batch"], pool=run["pool"]):
+                    self.assertEqual((run["logits_as_with_batches_of_1"],
+                                      run["stories_identical_to_batches_of_1"]),
+                                     (True, self.batched["requests"]))
+
+    def test_the_batch_dependent_kernels_give_other_logits_in_larger_batches(self):
+        for kernel in ("batch-dependent", "32-bit batch-dependent", "split-KV attention"):
+            with self.subTest(kernel):
+                self.assertIn(False, [run["logits_as_with_batches_of_1"]
+                                      for run in self.batched["runs"] if run["kernel"] == kernel])
+
+    def test_no_greedy_story_changes_with_the_kernels_the_text_names(self):
+        import serving
+        greedy = {(run["kernel"], run["max_batch"], run["pool"]):
+                  run["greedy_stories_identical_to_generate"] for run in self.batched["runs"]
+                  if run["greedy_stories_identical_to_generate"] is not None}
+        self.assertEqual(greedy, dict.fromkeys(serving.GREEDY_TOO, self.batched["requests"]))
 
 
 if __name__ == "__main__":

@@ -9,9 +9,10 @@ import unittest
 
 import batched
 import blockwise
+import support
 from instruments import replacing
 from kv_cache import KVCache
-from layers import ROUNDING, attention_reads, set_up
+from quick_checks import ROUNDING, attention_reads, set_up
 from support import OPENINGS, PARAMS, STORIES, TOK, assert_each_mistake_is_caught, tear_down
 
 READS = []   # (q, keys, values) of every row of two stories, as forward_rows reads them
@@ -175,6 +176,18 @@ class Teeth(unittest.TestCase):
                 replacing(lambda node: isinstance(node, ast.BinOp) and ast.unparse(node)
                           == "s - top", lambda node: ast.BinOp(node.left, ast.Sub(), own)),
         }, lambda: where_kind_strays(blockwise.exact(4), exact_bits=True))
+
+
+class TheRecord(unittest.TestCase):
+    """What the recorded run (support.recorded) says of attention read block by block."""
+
+    def test_exact_partials_give_the_same_bits_and_the_rest_stay_within_rounding(self):
+        for kind in support.recorded("blockwise")["kinds"]:
+            with self.subTest(kind=kind["kind"], parts=kind["parts"]):
+                if kind["kind"] == "exact":
+                    self.assertEqual(kind["largest_logit_gap"], 0.0)
+                else:   # the same math, reordered
+                    self.assertLess(kind["largest_logit_gap"], ROUNDING)
 
 
 if __name__ == "__main__":

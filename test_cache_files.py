@@ -14,7 +14,7 @@ from unittest import mock
 
 import cache_files
 import generate
-import layers
+import quick_checks
 import lossy
 import paged
 import support
@@ -23,7 +23,7 @@ from support import OPENINGS, PARAMS, TOK, assert_equal, filled_cache, snapshot
 
 
 def setUpModule():
-    layers.set_up("cache_files")   # skips if a layer under it is wrong; runs from elsewhere
+    quick_checks.set_up("cache_files")   # skips if a layer under it is wrong; runs from elsewhere
 
 
 tearDownModule = support.tear_down

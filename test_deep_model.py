@@ -9,9 +9,10 @@ import unittest
 
 import deep_model
 import model
+import support
 from generate import load_trained
 from instruments import replacing
-from layers import deep_rows, set_up, where_deep_rows_differ
+from quick_checks import deep_rows, set_up, where_deep_rows_differ
 from support import (assert_each_mistake_is_caught, assert_each_refused, check_random_cases,
                      deep_snapshot, random_tokens, tear_down)
 
@@ -271,6 +272,16 @@ class Refusals(unittest.TestCase):
                               ([1, 96], r"ids\[1\] = 96 is outside")):
             with self.subTest(ids=ids), self.assertRaisesRegex(ValueError, fragment):
                 deep_model.forward(good, ids)
+
+
+class TheRecord(unittest.TestCase):
+    """What the recorded run (support.recorded) says of the deeper model."""
+
+    def test_every_shape_s_cached_rows_are_its_full_pass_s(self):
+        for shape in support.recorded("deep_models")["shapes"]:
+            with self.subTest(layers=shape["layers"], kv_heads=shape["kv_heads"]):
+                self.assertEqual(shape["largest_logit_gap"], 0.0)
+                self.assertEqual(shape["floats_per_position"], shape["formula"])
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ import unittest
 
 import deep_model
 import latent_attention
+import support
 from instruments import recording, replacing
-from layers import set_up, where_absorbed_strays, where_deep_rows_differ
+from quick_checks import ROUNDING, set_up, where_absorbed_strays, where_deep_rows_differ
 from support import (assert_each_mistake_is_caught, assert_each_refused, deep_snapshot,
                      random_tokens, tear_down)
 
@@ -150,6 +151,23 @@ class Refusals(unittest.TestCase):
              "expected position 3, got 2"),
             (lambda: latent_attention.absorbed_step(folded, cache, 96, 3),
              "outside the vocabulary")), lambda: deep_snapshot(cache))
+
+class TheRecord(unittest.TestCase):
+    """What the recorded run (support.recorded) says of latent attention."""
+
+    def test_rebuilt_rows_are_exact_and_absorbed_ones_within_rounding_but_the_controls(self):
+        for shape in support.recorded("latent_attention")["shapes"]:
+            coupled = shape["positions"] == "rotary" and not shape["rotary_key"]
+            with self.subTest(positions=shape["positions"], latent=shape["latent"],
+                              rotary_key=shape["rotary_key"], layers=shape["layers"]):
+                self.assertEqual(shape["largest_gap_rebuilt"], 0.0)
+                self.assertEqual(shape["floats_per_position"], shape["formula"])
+                if coupled:   # a turn between the query and Wuk cannot be folded
+                    self.assertGreater(shape["largest_gap_absorbed"], 0.1)
+                else:         # the same math in another order
+                    self.assertLess(shape["largest_gap_absorbed"], ROUNDING)
+                    self.assertIsNone(shape["continuation_parts_at"])
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -3,7 +3,7 @@ bytes; a window equals the band-masked full pass; what a format cannot store is 
 import struct
 import unittest
 
-import layers
+import quick_checks
 import lossy
 import model
 import prefill
@@ -14,7 +14,7 @@ from support import (OPENINGS, PARAMS, STORIES, TOK, assert_changed, assert_equa
 
 
 def setUpModule():
-    layers.set_up("lossy")   # skips if a layer under it is wrong; runs from elsewhere
+    quick_checks.set_up("lossy")   # skips if a layer under it is wrong; runs from elsewhere
 
 
 tearDownModule = support.tear_down

@@ -8,7 +8,7 @@ import random
 import unittest
 from unittest import mock
 
-import layers
+import quick_checks
 import batched
 import kv_cache
 import model
@@ -23,13 +23,13 @@ from support import (OPENINGS, PARAMS, STORIES, TOK, assert_equal, assert_same_g
 
 
 def setUpModule():
-    """The paged cache's first check (layers.paged_scenario), before any test of this
+    """The paged cache's first check (quick_checks.paged_scenario), before any test of this
     module: sequences written, forked and found by their prefix, compared slot by slot
     with a KVCache fed the same tokens. If it fails, its one line names the block and the
     position where a mistake in the pool shows, and no other test runs: they use feed and
     generate_cached, which see only a sequence that disagrees with itself (and would blame
     the caller)."""
-    layers.set_up("paged")
+    quick_checks.set_up("paged")
 
 
 tearDownModule = support.tear_down
@@ -63,13 +63,13 @@ class PagedTeeth(unittest.TestCase):
                  WRONG_BLOCK_FOUND)]
 
     def test_each_mistake_names_its_block_and_position(self):
-        self.assertIsNone(layers.paged_scenario())   # the harness itself is right
+        self.assertIsNone(quick_checks.paged_scenario())   # the harness itself is right
         for what, owner, method, mistake in self.MISTAKES:
             with self.subTest(mistake=what):
                 planted = plant(owner, method, mistake)
                 self.assertIsNotNone(planted, f"the planting site of {what!r} is gone")
                 with mock.patch.object(owner, method, planted):
-                    why = layers.paged_scenario()
+                    why = quick_checks.paged_scenario()
                 self.assertRegex(why or "", r"block \d+, slot \d+|holds \d+ positions, where",
                                  why)
 
@@ -524,6 +524,26 @@ class RoomHasOneOwner(unittest.TestCase):
             self.assertEqual(pool.could_hold(positions), holds(pool.sequence()),
                              f"{label}: could_hold({positions})")
         support.check_random_cases(self, 60, trial)
+
+
+class TheRecord(unittest.TestCase):
+    """What the recorded run (support.recorded) says of the paged cache."""
+
+    def test_every_opening_continued_from_a_shared_prefix_is_generate_s(self):
+        self.assertEqual(support.recorded("paged")["prefix_sharing_blocks_of_4"]
+                         ["greedy_identical"], len(OPENINGS))
+
+    def test_forks_sample_generate_s_continuations_and_share_the_prompt_s_blocks(self):
+        sampling = support.recorded("parallel_sampling")
+        for opening in sampling["openings"]:
+            with self.subTest(opening["prompt"]):
+                self.assertEqual(opening["identical_to_generate"],
+                                 sampling["continuations_each"])
+                self.assertEqual(opening["prompt_rows_with_forks"], opening["prompt_tokens"])
+                self.assertEqual(opening["blocks_held_by_caches_of_their_own"]
+                                 - opening["blocks_held_with_forks"],
+                                 (sampling["continuations_each"] - 1)
+                                 * (opening["prompt_tokens"] // 4))   # its full blocks
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
-"""The README's pictures: each file is what pictures.py draws from the recorded
-kv-trace.json, valid SVG, shown in the README with a caption, and drawn to scale."""
+"""The documents' pictures: each file a document marks (<!--picture MODULE.NAME-->) is what
+that function draws from the recorded kv-trace.json, valid SVG, shown once with a
+caption, and drawn to scale."""
 import json
 import re
 import unittest
 import xml.etree.ElementTree as ET
 
-import figures
-import pictures
+import documents
 from support import lab_file
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -24,10 +24,15 @@ class Pictures(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        cls.record = json.loads(lab_file(figures.TRACE))
-        cls.drawn = {name: draw(cls.record) for name, draw in pictures.PICTURES.items()}
+        cls.record = json.loads(lab_file(documents.TRACE))
+        cls.timing = json.loads(lab_file(documents.TIMES))
+        cls.texts = {name: lab_file(name) for name in documents.documents()}
+        cls.drawn = {}
+        for text in cls.texts.values():
+            cls.drawn.update(documents.pictures(text, cls.record, cls.timing))
 
     def test_every_picture_is_what_the_record_draws(self):
+        self.assertGreaterEqual(len(self.drawn), 4)
         for name, svg in self.drawn.items():
             with self.subTest(name):
                 shown = lab_file(name).splitlines()
@@ -35,7 +40,7 @@ class Pictures(unittest.TestCase):
                 first = next((i for i, (a, b) in enumerate(zip(shown, wanted)) if a != b),
                              min(len(shown), len(wanted)))
                 self.assertEqual(shown, wanted, f"{name}, its line {first + 1}, is not what "
-                                 f"pictures.py draws from {figures.TRACE}: run python3 "
+                                 f"its function draws from {documents.TRACE}: run python3 "
                                  f"trace_kv.py --write")
 
     def test_every_picture_is_an_svg_document_with_a_title_and_its_figures(self):
@@ -48,17 +53,19 @@ class Pictures(unittest.TestCase):
                 self.assertTrue(root.find(f"{SVG}title").text)
                 self.assertGreater(len(marks(svg)), 3)
 
-    def test_the_readme_shows_each_picture_once_with_a_caption(self):
-        text = lab_file(figures.README)
-        shown = re.findall(r"^!\[[^\]]+\]\(([^)]+)\)\n\n(.+(?:\n.+)*)", text, re.M)
-        self.assertEqual(sorted(name for name, _ in shown), sorted(pictures.PICTURES),
-                         "each picture once, on a line of its own, its caption after a blank "
-                         "line")
-        for name, caption in shown:
+    def test_each_picture_is_marked_and_shown_once_with_a_caption(self):
+        shown = [found for text in self.texts.values() for found in re.findall(
+            r"^(<!--picture [\w.]+-->\n)?!\[[^\]]+\]\(([^)]+)\)\n\n(.+(?:\n.+)*)", text, re.M)]
+        self.assertEqual(sorted(name for _, name, _ in shown), sorted(self.drawn),
+                         "each picture once, on a line of its own after its mark, its caption "
+                         "after a blank line")
+        for mark, name, caption in shown:
             with self.subTest(name):
+                self.assertTrue(mark, f"{name}: the line before it must be its "
+                                      f"<!--picture MODULE.NAME--> mark")
                 self.assertRegex(caption, r"^\*[^*]+\*$", "the caption: a paragraph in italics")
                 self.assertIn(name, caption, "the caption names the file")
-                self.assertEqual(text.count(f"]({name})"), 1)
+                self.assertEqual(sum(text.count(f"]({name})") for text in self.texts.values()), 1)
 
     def assert_to_scale(self, sizes, name):
         """Drawn sizes (pixels) against the figures they stand for: one scale for all,

@@ -5,7 +5,7 @@ import copy
 import unittest
 from unittest import mock
 
-import layers
+import quick_checks
 import model
 import prefill
 import support
@@ -17,7 +17,7 @@ from support import (OPENINGS, PARAMS, STORIES, TOK, UNCHANGED, assert_changed,
 
 
 def setUpModule():
-    layers.set_up("prefill")   # skips if a layer under it is wrong; runs from elsewhere
+    quick_checks.set_up("prefill")   # skips if a layer under it is wrong; runs from elsewhere
 
 
 tearDownModule = support.tear_down
@@ -135,6 +135,13 @@ class OnePassPrefill(unittest.TestCase):
                     assert_same_rows(self, rows, full)
                 else:
                     assert_changed(self, rows, full, f"the rows with the {name} mask")
+
+
+class TheRecord(unittest.TestCase):
+    """What the recorded run (support.recorded) says of one-pass prefill."""
+
+    def test_one_pass_prefill_gives_forward_step_s_rows_on_every_story(self):
+        self.assertEqual(support.recorded("one_pass_prefill")["largest_logit_gap"], 0.0)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Every figure the README quotes from the record (kv-trace.json, kv-time.json) is marked
 with the entry it comes from, and every table, text block and diagram made by the code
-with the function that makes it (figures.py). python3 trace_kv.py --write rewrites them
+with the function that makes it (documents.py). python3 trace_kv.py --write rewrites them
 all, so after a --write on any machine these checks hold; a change of the code or a
 retrained model that changes what the README shows fails them until the next --write.
 The other checks: every example prints what is shown, every excerpt is in its function,
@@ -23,11 +23,10 @@ import tempfile
 import unittest
 import unittest.mock
 
-import diagrams
-import figures
+import documents
 import trace_kv
-from figures import BLOCK, FIGURE
-from layers import skip_unless_sound
+from documents import BLOCK, FIGURE
+from quick_checks import skip_unless_sound
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ON_PURPOSE = ("If you did not mean to change this, `git diff` shows what did (and `git "
@@ -129,7 +128,7 @@ def figure_problems(text, record, timing):
                 if begun.start() not in starts and text[begun.start() - 1] != "`"]
     for found in marks:
         try:
-            wanted = figures.figure(found[1], record, timing)
+            wanted = documents.figure(found[1], record, timing)
         except (KeyError, IndexError, ValueError, TypeError) as e:
             wanted = f"no figure ({type(e).__name__}: {e})"
         if found[2] != wanted:
@@ -137,10 +136,12 @@ def figure_problems(text, record, timing):
                             f"{found[2]!r}, where the record gives {wanted!r}")
     for found in BLOCK.finditer(text):
         where = f"line {_line(text, found.start())}, block {found[1]}"
-        if found[1] not in figures.BLOCKS:
-            problems.append(f"{where}: figures.BLOCKS has no block of that name")
+        try:
+            draw = documents.drawing(found[1])
+        except ValueError as e:
+            problems.append(f"{where}: {e}")
             continue
-        shown, wanted = found[2].splitlines(), figures.BLOCKS[found[1]](record, timing)
+        shown, wanted = found[2].splitlines(), draw(record, timing)
         if shown != wanted:
             first = next((i for i, (a, b) in enumerate(zip(shown, wanted)) if a != b),
                          min(len(shown), len(wanted)))
@@ -170,7 +171,7 @@ def unmarked_quotes(text, record):
     entries = {}
     for path, number in _leaves(record):
         if number >= 1000 or number != int(number):   # 64 positions: a count of all
-            for shown in {figures.shown(number), f"{number:,}"}:
+            for shown in {documents.shown(number), f"{number:,}"}:
                 entries.setdefault(shown, path)
 
     def blank(found):   # keep the line numbers
@@ -318,7 +319,7 @@ def digit_problems(text):
     text = re.sub(r"^```.*?^```$", "", text[:text.index("## Reference")], flags=re.M | re.S)
     prose = "\n".join(line for line in FIGURE.sub(lambda found: found[2], text).splitlines()
                       if not line.startswith("    "))
-    return [f"README.md prints {figure}: round it (figures.shown does)"
+    return [f"README.md prints {figure}: round it (documents.shown does)"
             for figure in re.findall(r"\d[\d,]*\.\d+(?:e[-+]?\d+)?", prose)
             if len(re.sub(r"e.*|\D", "", figure).lstrip("0")) > 6]
 
@@ -365,7 +366,7 @@ class Figures(unittest.TestCase):
         cached path three and a half): every check of its text still holds."""
         slow = slower(self.timing, 3.0, 3.5)
         self.assertNotEqual(slow["speedup"], self.timing["speedup"])
-        text = figures.rendered(readme(), self.record, slow)
+        text = documents.rendered(readme(), self.record, slow)
         self.assertNotEqual(text, readme())
         for what, problems in (("marks", figure_problems(text, self.record, slow)),
                                ("unmarked", unmarked_quotes(text, self.record)),
@@ -405,11 +406,14 @@ class Figures(unittest.TestCase):
     def test_the_pictures_show_what_their_prose_says(self):
         """Section 5: one line differs in where the keys and values come from; section
         16: the second prompt shares a block; section 19: a request is preempted."""
-        changed = [line for line in diagrams.the_row_side_by_side()[3:] if line[:1] in "+-"]
+        import paged
+        import serving
+        import trace_lesson
+        changed = [line for line in trace_lesson.the_row_side_by_side()[3:] if line[:1] in "+-"]
         self.assertEqual(len([line for line in changed
                               if line[1:].startswith("keys, values =")]), 2)
-        self.assertIn("refs 2  (held by A and B)", "".join(diagrams.block_table_diagram()))
-        self.assertIn("x", "".join(line[32:] for line in diagrams.serving_timeline()[1:-1]))
+        self.assertIn("refs 2  (held by A and B)", "".join(paged.block_tables()))
+        self.assertIn("x", "".join(line[32:] for line in serving.timeline()[1:-1]))
 
     def test_a_mark_names_an_entry_by_its_keys_its_items_and_a_format(self):
         record = {"work": {"rows": 20509}, "runs": [{"kind": "a", "n": 2, "gap": 0.0},
@@ -418,16 +422,19 @@ class Figures(unittest.TestCase):
                             ("runs.kind=a&n=2.gap", "0.0"), ("time.share:.1%", "51.2%"),
                             ("time.ok", "yes")):
             with self.subTest(mark=mark):
-                self.assertEqual(figures.figure(mark, record, {"share": 0.512, "ok": True}),
+                self.assertEqual(documents.figure(mark, record, {"share": 0.512, "ok": True}),
                                  shown)
-        text = "a <!--fig work.rows-->1<!--/--> b\n<!--block x-->\nold\n\nc"
-        with unittest.mock.patch.dict(figures.BLOCKS, x=lambda r, t: ["new", "lines"]):
-            self.assertEqual(figures.rendered(text, record, {}),
-                             "a <!--fig work.rows-->20,509<!--/--> b\n<!--block x-->\nnew\n"
-                             "lines\n\nc")
+        import trace_lesson
+        text = ("a <!--fig work.rows-->1<!--/--> b\n<!--block trace_lesson.greedy_examples-->\n"
+                "old\n\nc")
+        with unittest.mock.patch.object(trace_lesson, "greedy_examples",
+                                        lambda r, t: ["new", "lines"]):
+            self.assertEqual(documents.rendered(text, record, {}),
+                             "a <!--fig work.rows-->20,509<!--/--> b\n"
+                             "<!--block trace_lesson.greedy_examples-->\nnew\nlines\n\nc")
             self.assertEqual(len(figure_problems(text, record, {})), 2)
         with self.assertRaisesRegex(KeyError, "picks 2 items"):
-            figures.figure("runs.n=2.gap", record, {})
+            documents.figure("runs.n=2.gap", record, {})
 
 
 class Examples(unittest.TestCase):

@@ -8,7 +8,7 @@ import unittest
 
 import batched
 import generate
-import layers
+import quick_checks
 import model
 import paged
 import serving
@@ -18,7 +18,7 @@ from support import OPENINGS, PARAMS, STORIES, TOK, assert_equal
 
 
 def setUpModule():
-    layers.set_up("serving")   # skips if a layer under it is wrong; runs from elsewhere
+    quick_checks.set_up("serving")   # skips if a layer under it is wrong; runs from elsewhere
 
 
 tearDownModule = support.tear_down
@@ -287,6 +287,24 @@ class Serve(unittest.TestCase):
         _, counts = serving.serve(PARAMS, TOK, [{"prompt": "mia was sad.", "max_new_tokens": 1}],
                                   pool, 1)
         self.assertEqual(counts["peak_blocks"], 2)   # 7 prompt positions: blocks of 4 and 3
+
+
+class TheRecord(unittest.TestCase):
+    """What the recorded run (support.recorded) says of serving."""
+
+    def test_every_request_served_is_generate_s_in_either_pool(self):
+        for name, served in (("prefix_cache", 60), ("many_requests", 120)):
+            for pool in ("small pool", "ample pool"):
+                with self.subTest(stage=name, pool=pool):
+                    run = support.recorded(name)[pool]
+                    self.assertEqual((run["identical"],
+                                      run["largest_logit_gap_of_choosing_rows"]), (served, 0.0))
+
+    def test_the_small_pool_preempts_and_its_extra_rows_add_up(self):
+        many = support.recorded("many_requests")
+        self.assertGreater(many["small pool"]["preemptions"], 0)
+        extra = many["small_pool_extra_rows"]   # recompute, and prefix sharing lost
+        self.assertEqual(extra["in_all"], extra["recomputed"] + extra["prefix_sharing_lost"])
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ import random
 import unittest
 from unittest import mock
 
-import layers
+import quick_checks
 import lossy
 import model
 import prefill
@@ -18,7 +18,7 @@ from support import OPENINGS, PARAMS, TOK, assert_equal, filled_cache, snapshot
 
 
 def setUpModule():
-    layers.set_up("speculative")   # skips if a layer under it is wrong; runs from elsewhere
+    quick_checks.set_up("speculative")   # skips if a layer under it is wrong; runs from elsewhere
 
 
 tearDownModule = support.tear_down
@@ -214,6 +214,16 @@ class Drafters(unittest.TestCase):
                                (lambda: speculative.NgramDrafter(["mia"]), "stories.0. must be")):
             with self.subTest(fragment=fragment), self.assertRaisesRegex(ValueError, fragment):
                 make()
+
+
+class TheRecord(unittest.TestCase):
+    """What the recorded run (support.recorded) says of speculative decoding."""
+
+    def test_every_drafter_gives_generate_s_stories(self):
+        for run in support.recorded("speculative_decoding"):
+            with self.subTest(drafter=run["drafter"], lookahead=run["lookahead"]):
+                self.assertEqual((run["identical"], run["largest_logit_gap_of_choosing_rows"]),
+                                 (120, 0.0))
 
 
 if __name__ == "__main__":

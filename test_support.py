@@ -1,4 +1,4 @@
-"""The tests' own frame (support.py, layers.py): a failing case names itself and the
+"""The tests' own frame (support.py, quick_checks.py): a failing case names itself and the
 command that reruns it alone; an exception in a case names the lab's lines it came
 through; a layer whose check fails makes the layers built on it skip, saying which."""
 import io
@@ -7,12 +7,12 @@ import unittest
 from contextlib import redirect_stderr
 from unittest import mock
 
-import layers
+import quick_checks
 import model
 import support
-from layers import Layer
+from quick_checks import Layer
 
-REAL_LAYERS = layers.LAYERS   # before the tests below put made-up ones in its place
+REAL_LAYERS = quick_checks.LAYERS   # before the tests below put made-up ones in its place
 
 
 class Cases(unittest.TestCase):
@@ -60,9 +60,9 @@ class Layers(unittest.TestCase):
             "shed": Layer("the shed", (), "python3 -m unittest test_shed", lambda: None)}
 
     def setUp(self):
-        patches = [mock.patch.object(layers, "LAYERS", self.FAKE),
-                   mock.patch.object(layers, "_verdicts", {}),
-                   mock.patch.object(layers, "_told", set())]
+        patches = [mock.patch.object(quick_checks, "LAYERS", self.FAKE),
+                   mock.patch.object(quick_checks, "_verdicts", {}),
+                   mock.patch.object(quick_checks, "_told", set())]
         for patch in patches:
             patch.start()
             self.addCleanup(patch.stop)
@@ -72,7 +72,7 @@ class Layers(unittest.TestCase):
         with redirect_stderr(said):
             for _ in range(2):
                 with self.assertRaises(unittest.SkipTest) as skipped:
-                    layers.set_up("house")
+                    quick_checks.set_up("house")
                 self.assertEqual(str(skipped.exception),
                                  "the ground is wrong, so the tests built on it skip; "
                                  "python3 -m unittest test_ground shows why")
@@ -82,11 +82,11 @@ class Layers(unittest.TestCase):
 
     def test_a_wrong_layer_s_own_module_fails_with_its_verdict(self):
         with self.assertRaises(AssertionError) as failed:
-            layers.set_up("ground")
+            quick_checks.set_up("ground")
         self.assertEqual(str(failed.exception), "the ground is wrong: it cracked")
 
     def test_a_sound_layer_runs_from_another_folder(self):
-        layers.set_up("shed")
+        quick_checks.set_up("shed")
         self.addCleanup(support.tear_down)
         self.assertNotEqual(os.getcwd(), support.HERE)
 

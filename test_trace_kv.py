@@ -1,5 +1,7 @@
 """The record: python3 trace_kv.py's whole run (every Part, on the 60 test openings)
-against kv-trace.json, every claim it proves, and the command's files and output.
+against kv-trace.json, and the command's files and output. What the record proves is
+each Part's claim, in its own test module (support.recorded): they read kv-trace.json,
+which this module proves is this run's record.
 
 The whole run takes about half a minute on two cores. It starts in a process of its own
 as soon as unittest loads this module's tests (load_tests), so that the other test
@@ -17,19 +19,13 @@ import unittest
 from contextlib import redirect_stderr, redirect_stdout
 from unittest import mock
 
-import generate
 import kv_cache
 import model
-import serving
 import support
 import trace_kv
-from generate import never_ending
-from instruments import largest_gap, recording, sums_in_another_order
-from kv_cache import generate_cached
-from layers import ROUNDING, skip_unless_sound
-from support import (HERE, OPENINGS, PARAMS, STORIES, TOK, assert_changed,
-                     assert_same_rows, cached_rows, generation_difference, lab_file,
-                     where_rows_differ)
+from instruments import recording
+from quick_checks import skip_unless_sound
+from support import HERE, lab_file
 
 
 def setUpModule():
@@ -96,85 +92,6 @@ class TheRecord(unittest.TestCase):
             raise
         cls.record = _the_run()
 
-    def test_every_claim_holds_in_this_run(self):
-        record, every_row = self.record, self.record["every_row_of_every_story"]
-        if every_row["largest_logit_gap"] != 0.0:
-            differing = (where_rows_differ(PARAMS, TOK.encode(story)) for story in STORIES)
-            self.fail(f"a cached row differs from the full pass's (largest gap "
-                      f"{every_row['largest_logit_gap']!r}); on the first test story that "
-                      f"shows it, at {next(filter(None, differing), 'no position')}")
-        self.assertEqual(record["largest_logit_gap_first_story"], 0.0)
-        self.assertEqual(every_row["stories"], 2 * record["stories"])   # greedy and sampled
-        self.assertGreater(every_row["positions"], 60 * 2 * 20)
-        self.assertEqual(record["greedy_identical"], record["stories"])
-        self.assertEqual(record["sampled_identical"], record["stories"])
-        sharing = record["prefix_sharing"]
-        self.assertEqual(sharing["identical"], sharing["runs"])
-        self.assertEqual(record["one_pass_prefill"]["largest_logit_gap"], 0.0)
-        self.assertEqual(record["paged"]["prefix_sharing_blocks_of_4"]["greedy_identical"], 60)
-        for name, served in (("prefix_cache", 60), ("many_requests", 120)):
-            for pool in ("small pool", "ample pool"):
-                with self.subTest(stage=name, pool=pool):
-                    self.assertEqual((record[name][pool]["identical"],
-                                      record[name][pool]["largest_logit_gap_of_choosing_rows"]),
-                                     (served, 0.0))
-        self.assertGreater(record["many_requests"]["small pool"]["preemptions"], 0)
-        extra = record["many_requests"]["small_pool_extra_rows"]   # recompute, sharing lost
-        self.assertEqual(extra["in_all"], extra["recomputed"] + extra["prefix_sharing_lost"])
-        sampling = record["parallel_sampling"]
-        for opening in sampling["openings"]:
-            self.assertEqual(opening["identical_to_generate"], sampling["continuations_each"])
-            self.assertEqual(opening["prompt_rows_with_forks"], opening["prompt_tokens"])
-            self.assertEqual(opening["blocks_held_by_caches_of_their_own"]
-                             - opening["blocks_held_with_forks"],
-                             (sampling["continuations_each"] - 1)
-                             * (opening["prompt_tokens"] // 4), opening)   # its full blocks
-        for run in record["speculative_decoding"]:
-            self.assertEqual((run["identical"], run["largest_logit_gap_of_choosing_rows"]),
-                             (120, 0.0), run)
-        for shape in record["deep_models"]["shapes"] + record["rotary"]["shapes"]:
-            self.assertEqual(shape["largest_logit_gap"], 0.0, shape)
-        batched = record["batched_decode"]
-        for run in batched["runs"]:   # a batch-invariant kernel's rows never see the batch
-            if run["kernel"] == "batch-invariant":
-                self.assertEqual((run["logits_as_with_batches_of_1"],
-                                  run["stories_identical_to_batches_of_1"]),
-                                 (True, batched["requests"]), run)
-        for kernel in ("batch-dependent", "32-bit batch-dependent", "split-KV attention"):
-            self.assertIn(False, [run["logits_as_with_batches_of_1"] for run in batched["runs"]
-                                  if run["kernel"] == kernel],
-                          f"the {kernel} kernel must give other logits in larger batches")
-        greedy = {(run["kernel"], run["max_batch"], run["pool"]):
-                  run["greedy_stories_identical_to_generate"]
-                  for run in batched["runs"]
-                  if run["greedy_stories_identical_to_generate"] is not None}
-        self.assertEqual(greedy, dict.fromkeys(serving.GREEDY_TOO, batched["requests"]),
-                         "the README says no greedy story changes with these kernels")
-        for kind in record["blockwise"]["kinds"]:   # exact partials, or the same math reordered
-            if kind["kind"] == "exact":
-                self.assertEqual(kind["largest_logit_gap"], 0.0, kind)
-            else:
-                self.assertLess(kind["largest_logit_gap"], ROUNDING, kind)
-        rotary = record["rotary"]
-        for shape, learned in zip(rotary["shapes"], record["deep_models"]["shapes"]):
-            self.assertEqual(shape["floats_per_position"], learned["floats_per_position"])
-            self.assertTrue(shape["layer_1_keys_rotated_once_equal_recomputed"], shape)
-            if shape["layers"] == 1:   # a recompute differs from the shift by rounding alone
-                self.assertEqual(shape["against_recompute"], shape["rounding"], shape)
-        self.assertEqual(rotary["rounding"]["continuations_changed"], 0)
-        self.assertLess(rotary["rounding"]["largest_logit_gap"], 1e-12)
-        for deeper in rotary["against_recompute_by_layers"][1:]:   # and content from layer 2 on
-            self.assertGreater(deeper["continuations_changed"], 0, deeper)
-        for shape in record["latent_attention"]["shapes"]:
-            coupled = shape["positions"] == "rotary" and not shape["rotary_key"]
-            self.assertEqual(shape["largest_gap_rebuilt"], 0.0, shape)
-            self.assertEqual(shape["floats_per_position"], shape["formula"], shape)
-            if coupled:   # a turn between the query and Wuk cannot be folded
-                self.assertGreater(shape["largest_gap_absorbed"], 0.1, shape)
-            else:         # the same math in another order
-                self.assertLess(shape["largest_gap_absorbed"], ROUNDING, shape)
-                self.assertIsNone(shape["continuation_parts_at"], shape)
-
     def test_recorded_trace(self):
         """kv-trace.json is this run's record, key for key."""
         self.assertEqual(trace_kv.differing_keys(self.record, json.loads(lab_file(trace_kv.TRACE))),
@@ -195,57 +112,6 @@ class TheRecord(unittest.TestCase):
         self.assertIn("prefix_sharing", alone)
         self.assertNotIn("ladder", alone)
         self.assertEqual(set(alone) - set(self.record), set())
-
-
-class RecordedFigures(unittest.TestCase):
-    """The figures in kv-trace.json that the README quotes, against real runs (that the
-    README quotes them is test_readme's part)."""
-
-    @classmethod
-    def setUpClass(cls):
-        skip_unless_sound("lesson")
-        cls.record = json.loads(lab_file(trace_kv.TRACE))
-
-    def test_cost_by_length_matches_instrumented_runs(self):
-        """Every length's counts are the formula's; the rows of the two shortest lengths
-        are counted in real runs too (test_kv_cache's Work tests count a whole story's:
-        the formula is the rows the code computes)."""
-        never_ends = never_ending(PARAMS, TOK)
-        for entry in self.record["cost_by_length"]:
-            self.assertEqual(entry, {"positions": entry["positions"],
-                                     **kv_cache.work(1, entry["positions"] - 1)})
-        for entry in self.record["cost_by_length"][:2]:
-            length, settings = entry["positions"], {"max_new_tokens": entry["positions"] - 1}
-            with recording(model, "forward") as passes, \
-                    recording(kv_cache, "forward_step") as steps:
-                result = generate.generate(never_ends, TOK, "mia", **settings)
-                cached = generate_cached(never_ends, TOK, "mia", **settings)
-            if cached != result:
-                self.fail(generation_difference(never_ends, "mia", settings, cached, result))
-            self.assertEqual(len(TOK.encode("mia")) + len(result["steps"]), length)
-            self.assertEqual(sum(len(call.result[0]) for call in passes), entry["uncached_rows"])
-            self.assertEqual(len(steps), entry["cached_rows"])
-            self.assertEqual(entry, {"positions": length, **kv_cache.work(1, length - 1)})
-
-    def test_prefix_sharing_saves_the_recorded_rows(self):
-        sharing = self.record["prefix_sharing"]
-        self.assertEqual(sharing["identical"], sharing["runs"])
-        lengths = [len(TOK.encode(prompt)) for prompt in OPENINGS]
-        self.assertEqual(sharing["prompt_rows_without_sharing"], 3 * sum(lengths))
-        self.assertEqual(sharing["prompt_rows_with_sharing"], sum(lengths) + 3 * len(lengths))
-
-    def test_sums_in_another_order_change_the_scores_and_only_inside_the_block(self):
-        ids = TOK.encode(STORIES[0])
-        full, _ = model.forward(PARAMS, ids)
-        with sums_in_another_order():
-            reordered = cached_rows(PARAMS, ids)
-        assert_changed(self, reordered, full, "the rows with sums in another order")
-        self.assertEqual(largest_gap(full, reordered),
-                         self.record["sums_in_another_order"]["largest_logit_gap_first_story"])
-        self.assertEqual(self.record["sums_in_another_order"]
-                         ["largest_logit_gap_first_story_in_both_paths"], 0.0,
-                         "with plain sums in both paths the rows must still be equal")
-        assert_same_rows(self, cached_rows(PARAMS, ids), full)
 
 
 class FailingStage(unittest.TestCase):
@@ -371,7 +237,8 @@ class Summary(unittest.TestCase):
         out, err = self.run_main()
         self.assertTrue(out.startswith("Exactness\n"), out)
         self.assertIn("The full record: ", out)
-        self.assertIn(trace_kv.DURATION, err)
+        self.assertIn(trace_kv.last_duration(), err)
+        self.assertIn(" s in ", trace_kv.last_duration())
         out, _ = self.run_main("--json")
         self.assertEqual(json.loads(out), self.record)
         out, _ = self.run_main("--check")

@@ -4,7 +4,8 @@ then every Part's experiments. Each experiment is a stage, declared once in STAG
 Part, its name in the record, its function, what it needs) and run by one small loop
 that the machine's cores share.
 
-    python3 trace_kv.py              runs it (about 40 s on 2 cores): a summary
+    python3 trace_kv.py              runs it (its progress line says how long it took when
+                                     it was last recorded): a summary
     python3 trace_kv.py --part 1     runs only the lesson's stages (Part 1)
     python3 trace_kv.py --json       prints the whole record instead, as JSON
     python3 trace_kv.py --check      also fails if the record differs from kv-trace.json
@@ -35,26 +36,25 @@ import blockwise
 import cache_files
 import context_shift
 import deep_model
-import figures
+import documents
 import latent_attention
-import lesson
+import trace_lesson
 import lossy
 import model
 import paged
-import pictures
 import prefill
 import serving
 import speculative
 from checkpoint import (LAB, add_folder_flag, positive_int, read_json, run_command,
                         write_atomically)
-from figures import FULL_RECORD, TIMES, TRACE, summary   # as trace_kv's, for its users
-from generate import generate, load_trained, never_ending
-from instruments import replaced, where_raised
-from kv_cache import KVCache, feed, generate_cached, work   # trace_kv.work: the contract
-from stories import openings, split_stories, story_ids
+from documents import TIMES, TRACE
+from generate import load_trained
+from instruments import where_raised
+from kv_cache import work   # trace_kv.work: the contract
+from stories import openings, split_stories
+from trace_lesson import FULL_RECORD, summary
 
 MAX_WORKERS = 64   # the largest stage has 60 cases
-DURATION = "about 40 s on 2 cores, 80 s on 1"   # measured on the lab's 2-core machine
 
 
 # ---- the stages of every Part, and the loop that runs them ---------------------------
@@ -74,11 +74,11 @@ def each_opening(lab):
 
 
 STAGES = (
-    Stage(1, "runs", lesson.both_generators, cases=each_opening,
-          gather=lesson.gather_runs, record=None),
-    Stage(1, "lesson", lesson.lesson_figures, ("runs",), record="top"),
-    Stage(1, "prefix_sharing", lesson.share_prefixes, ("runs",)),
-    Stage(1, "sums_in_another_order", lesson.reordered_sums),
+    Stage(1, "runs", trace_lesson.both_generators, cases=each_opening,
+          gather=trace_lesson.gather_runs, record=None),
+    Stage(1, "lesson", trace_lesson.lesson_figures, ("runs",), record="top"),
+    Stage(1, "prefix_sharing", trace_lesson.share_prefixes, ("runs",)),
+    Stage(1, "sums_in_another_order", trace_lesson.reordered_sums),
     Stage(2, "one_pass_prefill", prefill.experiment, ("runs",)),
     Stage(2, "paged", paged.experiment, ("runs",)),
     Stage(2, "parallel_sampling", paged.parallel_sampling),
@@ -148,7 +148,7 @@ def run(full_timing=False, folder=LAB, progress=None, workers=None, stories=None
     timing = generators_timing(done["runs"], record["work"], workers)
     timing["run_seconds"] = round(time.perf_counter() - start, 1)   # every stage, all told
     if full_timing:
-        timing.update(timings(lab, done["runs"]))
+        timing.update(trace_lesson.timings(lab, done["runs"]))
     return record, timing
 
 
@@ -226,81 +226,6 @@ def generators_timing(runs, total, workers):
     }
 
 
-def timings(lab, runs):
-    """What --write also times, in this process alone: a row's share of fsum, each
-    length's seconds, and the bytes CPython uses for the cache and Part 4's caches."""
-    params, tok = lab.params, lab.tok
-    fed = [story_ids(tok, prompt, r)[:-1]              # the last chosen token is never fed
-           for prompt, r in zip(lab.prompts, runs.greedy)]
-    step_seconds, sum_seconds = fsum_share(params, fed)
-    full_context = [t for story in lab.test for t in tok.encode(story)][:model.CONTEXT]
-    memory = cache_bytes(params, full_context)
-    return {
-        "forward_step_over_its_fsum_calls": round(step_seconds / sum_seconds, 2),
-        "cost_by_length": seconds_by_length(params, tok),
-        "cache_bytes_full_context": memory,
-        "cache_bytes_per_position": round(memory / model.CONTEXT, 2),
-        "cache_bytes_as_8_byte_floats": 8 * 2 * model.WIDTH * model.CONTEXT,
-        "deep_model_cache_bytes_as_cpython_objects": deep_model.cache_bytes(lab),
-    }
-
-
-def seconds_by_length(params, tok, repeats=2):
-    """Seconds of both generators from a one-token prompt ("mia") to 8, 16, 32 and 64
-    positions, with a copy of the model that never ends a story: the faster of repeats
-    runs of each, taken in turns, so that a busy moment of the machine counts less."""
-    never_ends = never_ending(params, tok)
-    seconds = []
-    for length in lesson.LENGTHS:
-        uncached = cached = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            generate(never_ends, tok, "mia", max_new_tokens=length - 1)
-            middle = time.perf_counter()
-            generate_cached(never_ends, tok, "mia", max_new_tokens=length - 1)
-            uncached = min(uncached, middle - start)
-            cached = min(cached, time.perf_counter() - middle)
-        seconds.append({"positions": length, "uncached_seconds": round(uncached, 4),
-                        "cached_seconds": round(cached, 4),
-                        "speedup": round(uncached / cached, 1)})
-    return seconds
-
-
-def fsum_share(params, stories):
-    """Seconds for forward_step over every position of the stories (lists of token IDs),
-    and for only the math.fsum calls those steps make, on the same terms: each story is
-    first run once to record its calls' terms, then both are timed, story by story."""
-    step_seconds = sum_seconds = 0.0
-    for ids in stories:
-        calls = []
-
-        def keeping_terms(exact):
-            def wrapper(terms):
-                calls.append(list(terms))
-                return exact(calls[-1])
-            return wrapper
-        with replaced(model, "fsum", keeping_terms):
-            feed(params, KVCache(params), ids)
-        cache = KVCache(params)
-        start = time.perf_counter()
-        feed(params, cache, ids)
-        middle = time.perf_counter()
-        for terms in calls:
-            model.fsum(terms)
-        step_seconds += middle - start
-        sum_seconds += time.perf_counter() - middle
-    return step_seconds, sum_seconds
-
-
-def cache_bytes(params, ids):
-    """Bytes CPython uses for a cache holding ids: the lists and every float object."""
-    cache = KVCache(params)
-    feed(params, cache, ids)
-    rows = cache.keys + cache.values
-    return (sys.getsizeof(cache.keys) + sys.getsizeof(cache.values)
-            + sum(sys.getsizeof(r) + sum(sys.getsizeof(x) for x in r) for r in rows))
-
-
 # ---- what the command prints and writes ----------------------------------------------
 
 def _dumps(data):
@@ -308,22 +233,41 @@ def _dumps(data):
 
 
 def save_records(record, timing, folder=LAB):
-    """Write kv-trace.json and kv-time.json in folder, each atomically, and the figures and
-    pictures of the README there (if folder has one) from them: the names of what it wrote."""
-    readme = os.path.join(folder, figures.README)
-    text, drawn = None, {}
-    if os.path.exists(readme):   # drawn first: a mark it cannot fill writes nothing
-        with open(readme, encoding="utf-8") as f:
-            text = figures.rendered(f.read(), record, timing)
-        drawn = {name: draw(record) for name, draw in pictures.PICTURES.items()}
+    """Write kv-trace.json and kv-time.json in folder, and every document there (its
+    marked figures and blocks, and the pictures it marks), each file atomically, all
+    drawn before any is written: the names of what it wrote."""
+    texts, drawn = {}, {}
+    for name in documents.documents(folder):
+        with open(os.path.join(folder, name), encoding="utf-8") as f:
+            text = f.read()
+        try:
+            texts[name] = documents.rendered(text, record, timing)
+            drawn.update(documents.pictures(text, record, timing))
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise ValueError(f"{name}: a mark cannot be filled from this run "
+                             f"({type(e).__name__}: {e}); nothing was written") from None
     write_atomically(os.path.join(folder, TRACE), _dumps(record))
     write_atomically(os.path.join(folder, TIMES), _dumps(timing))
-    for name, svg in drawn.items():
-        write_atomically(os.path.join(folder, name), svg)
-    if text is not None:
-        write_atomically(readme, text)
-    return [TRACE, TIMES] + ([f"the figures and pictures of {figures.README}"]
-                             if text is not None else [])
+    for name, text in {**drawn, **texts}.items():
+        write_atomically(os.path.join(folder, name), text)
+    return [TRACE, TIMES] + ([f"the figures and pictures of {', '.join(texts)}"]
+                             if texts else [])
+
+
+def unknown_names(folder=LAB):
+    """A line for each mark of folder's documents that names nothing: checked in a moment,
+    before --write's long run (documents.unknown_names)."""
+    try:
+        recorded = read_json(os.path.join(folder, TRACE), None, "a record of trace_kv.py")
+    except (OSError, ValueError):
+        recorded = {}
+    problems = []
+    for name in documents.documents(folder):
+        with open(os.path.join(folder, name), encoding="utf-8") as f:
+            problems += [f"{name} {line}" for line in documents.unknown_names(
+                f.read(), recorded if isinstance(recorded, dict) else {},
+                [stage.name for stage in STAGES])]
+    return problems
 
 
 def read_record(path):
@@ -349,6 +293,17 @@ def _shown(path):
         return path
 
 
+def last_duration(folder=LAB):
+    """How long the whole run took when it was last recorded (kv-time.json), in words for
+    the progress line, as the README quotes it; nothing if there is no such record."""
+    try:
+        timing = read_json(os.path.join(folder, TIMES), None, "a timing of trace_kv.py")
+        return (f" ({timing['run_seconds']:.0f} s in {timing['workers']} processes when it "
+                f"was last recorded)")
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
 def show_progress(stage, done, total):
     """Progress on stderr: on a terminal, one line rewritten as each stage is done;
     elsewhere (a log file), one line a stage."""
@@ -362,8 +317,8 @@ def show_progress(stage, done, total):
 def main(argv=None):
     parser = argparse.ArgumentParser(
         description="Run the uncached and the cached generator on the openings of the 60 "
-                    f"test stories ({DURATION}): prove they agree bit "
-                    "for bit, count the work each does, and print a summary.")
+                    "test stories: prove they agree bit for bit, count the work each does, "
+                    "run every Part's experiments, and print a summary.")
     parser.add_argument("--json", action="store_true",
                         help="print the whole record as JSON instead of the summary")
     mode = parser.add_mutually_exclusive_group()
@@ -386,12 +341,15 @@ def main(argv=None):
     if args.write and args.part != PARTS:
         parser.error(f"--write records every Part: leave out --part {args.part}")
     trace = _shown(os.path.join(args.folder, TRACE))
+    if args.write and unknown_names(args.folder):   # in a moment, not after the long run
+        sys.exit("trace_kv.py: error: marks that name nothing, so nothing was run or "
+                 "written:\n  " + "\n  ".join(unknown_names(args.folder)))
     try:
         # Read the record first, so that a missing one fails before the long run.
         recorded = read_record(os.path.join(args.folder, TRACE)) if args.check else None
         print("Running both generators on the openings of the 60 test stories, greedy and "
               "sampled, and comparing every row's logits, then "
-              + (f"every Part's experiments ({DURATION}):"
+              + (f"every Part's experiments{last_duration(args.folder)}:"
                  if args.part == PARTS else f"the experiments of Parts 1 to {args.part}:"),
               file=sys.stderr)
         record, timing = run(args.write, args.folder, show_progress, args.workers,
@@ -400,7 +358,10 @@ def main(argv=None):
         sys.exit(f"trace_kv.py: error: {e}")
     print(_dumps(record) if args.json else summary(record, timing), end="")
     if args.write:
-        written = save_records(record, timing, args.folder)
+        try:
+            written = save_records(record, timing, args.folder)
+        except (OSError, ValueError) as e:
+            sys.exit(f"trace_kv.py: error: {e}")
         where = "" if args.folder == LAB else f" in {_shown(args.folder)}"
         print(f"wrote {', '.join(written[:-1])} and {written[-1]}{where}")
     elif args.check:

@@ -336,17 +336,29 @@ LAYERS["every Part"] = Layer("every Part", tuple(LAYERS), "python3 -m unittest",
 _verdicts, _told = {}, set()
 
 
+def layer(name):
+    """LAYERS[name], or an error that says the line a new Part's layer needs there."""
+    if name not in LAYERS:
+        raise LookupError(
+            f"quick_checks.LAYERS has no layer {name!r}: a new Part's test module names its "
+            f"layer, so add its line before LAYERS[\"every Part\"], for instance\n"
+            f"LAYERS[{name!r}] = Layer(\"what it is ({name}.py)\", (\"lesson\",), "
+            f"\"python3 -m unittest test_{name}\", _{name})\n"
+            f"with _{name}, its quick check (None if it holds, else why not, in a line)")
+    return LAYERS[name]
+
+
 def verdict(name):
     """None if layer name's own check holds, else why not (checked once in a run)."""
     if name not in _verdicts:
-        check = LAYERS[name].check
+        check = layer(name).check
         _verdicts[name] = check and described(check)
     return _verdicts[name]
 
 
 def wrong_below(name):
     """The first layer under name (foundations first) whose check fails, or None."""
-    for below in LAYERS[name].builds_on:
+    for below in layer(name).builds_on:
         found = wrong_below(below) or (below if verdict(below) else None)
         if found:
             return found
@@ -356,8 +368,8 @@ def wrong_below(name):
 def _wait_for(wrong):
     """Skip, since layer wrong fails its check; the first time, say so on stderr, in one
     line (unittest shows the reasons of skips only with -v)."""
-    layer = LAYERS[wrong]
-    reason = f"{layer.title} is wrong, so the tests built on it skip; {layer.command} shows why"
+    reason = (f"{layer(wrong).title} is wrong, so the tests built on it skip; "
+              f"{layer(wrong).command} shows why")
     if wrong not in _told:
         _told.add(wrong)
         print(f"\n{reason}: {verdict(wrong)}", file=sys.stderr)
@@ -379,5 +391,5 @@ def set_up(name):
     if wrong:
         _wait_for(wrong)
     if verdict(name):
-        raise AssertionError(f"{LAYERS[name].title} is wrong: {verdict(name)}")
+        raise AssertionError(f"{layer(name).title} is wrong: {verdict(name)}")
     enter_another_folder()

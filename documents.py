@@ -1,0 +1,154 @@
+"""The course's documents (README.md and each Part's Markdown file): the figures, tables
+and pictures they quote from the record, each marked with the code that gives it, so that
+every figure lives in one place. python3 trace_kv.py --write fills every mark from
+kv-trace.json and kv-time.json, on any machine; test_readme checks them all in one loop.
+A Part draws its own tables and pictures, in its own module; this module only fills the
+marks, and holds the Markdown helpers they are drawn with (shown, table, bold).
+
+The marks are comments a reader does not see:
+
+    <!--fig PATH-->20,509<!--/-->        one figure, within a line: the entry PATH of
+                                          the record, or a figure computed by the code
+    <!--block MODULE.NAME-->              on a line of its own: the lines after it, up to
+    | ... |                               the next blank line, are NAME(record, timing)'s,
+                                          a function of the lab's module MODULE
+    <!--picture MODULE.NAME-->            on the line before a picture: the SVG file it
+    ![caption](kv-name.svg)               shows is NAME(record, timing)'s
+
+PATH is the record's keys joined by dots (kv-trace.json's; time.KEY for kv-time.json's);
+an item of a list is picked by its number or by its fields (rungs.cache=int4,
+runs.drafter=x&lookahead=4). MODULE.NAME() is the figure NAME(record, timing) computes
+from several entries. PATH:SPEC formats the figure with that format spec (shown says how
+it is printed without one).
+"""
+import importlib
+import os
+import re
+
+LAB = os.path.dirname(os.path.abspath(__file__))
+README, TRACE, TIMES = "README.md", "kv-trace.json", "kv-time.json"
+FIGURE = re.compile(r"<!--fig ([^>\n]*?)-->([^<\n]*)<!--/-->")   # within one line
+BLOCK = re.compile(r"^<!--block ([\w.]+)-->\n(.*?)(?=^$)", re.M | re.S)
+PICTURE = re.compile(r"^<!--picture ([\w.]+)-->\n!\[[^\]\n]*\]\(([\w.-]+\.svg)\)$", re.M)
+COMPUTED = re.compile(r"(\w+)\.(\w+)\(\)$")   # a figure's PATH that names a function
+
+
+def documents(folder=LAB):
+    """The course's documents in folder: its Markdown files, in the order ls shows them."""
+    return sorted(name for name in os.listdir(folder) if name.endswith(".md"))
+
+
+def drawing(name):
+    """The function that MODULE.NAME names: a function defined in the lab's module
+    MODULE. A ValueError says what is missing."""
+    module, _, function = name.rpartition(".")
+    if not module or not os.path.isfile(os.path.join(LAB, f"{module}.py")):
+        raise ValueError(f"{name} names no module of the lab (MODULE.NAME, MODULE a .py file "
+                         f"beside documents.py)")
+    found = getattr(importlib.import_module(module), function, None)
+    if not callable(found):
+        raise ValueError(f"{module}.py has no function {function}")
+    return found
+
+
+def entry(path, record, timing):
+    """The value at PATH (without its :SPEC) in the record or the timing, or the figure
+    MODULE.NAME() computes. A KeyError says which key or item is missing."""
+    computed = COMPUTED.match(path)
+    if computed:
+        return drawing(f"{computed[1]}.{computed[2]}")(record, timing)
+    root, _, rest = path.partition(".")
+    value, keys = (timing, rest.split(".")) if root == "time" else (record, path.split("."))
+    for key in keys:
+        if isinstance(value, list):
+            wanted = dict(pair.split("=", 1) for pair in key.split("&")) if "=" in key else None
+            matches = ([item for item in value if all(str(item.get(field)) == text
+                                                      for field, text in wanted.items())]
+                       if wanted else [value[int(key)]])
+            if len(matches) != 1:
+                raise KeyError(f"{key!r} picks {len(matches)} items of the list, not one")
+            value = matches[0]
+        elif not isinstance(value, dict) or key not in value:
+            raise KeyError(f"{path} has no {key!r}")
+        else:
+            value = value[key]
+    return value
+
+
+def figure(mark, record, timing):
+    """What the mark PATH[:SPEC] stands for, as the documents print it."""
+    path, _, spec = mark.partition(":")
+    return shown(entry(path, record, timing), spec)
+
+
+def rendered(text, record, timing):
+    """text with every marked figure and block written from the record and the timing."""
+    text = FIGURE.sub(lambda m: f"<!--fig {m[1]}-->{figure(m[1], record, timing)}<!--/-->",
+                      text)
+    return BLOCK.sub(lambda m: "".join(line + "\n" for line in (
+        f"<!--block {m[1]}-->", *drawing(m[1])(record, timing))), text)
+
+
+def pictures(text, record, timing):
+    """{file: its SVG text} for every picture text marks, drawn from the record."""
+    return {file: drawing(name)(record, timing) for name, file in PICTURE.findall(text)}
+
+
+def line_of(text, at):
+    return text.count("\n", 0, at) + 1
+
+
+def unknown_names(text, recorded, stages):
+    """A line for each mark of text that names nothing: a function the lab does not have,
+    or a record entry whose first key neither the recorded record (a dict) holds nor a
+    stage of stages (their names) will record. Fast: nothing is run or drawn."""
+    problems = []
+    marks = ([(found, COMPUTED.match(found[1].partition(":")[0]))
+              for found in FIGURE.finditer(text)]
+             + [(found, True) for found in BLOCK.finditer(text)]
+             + [(found, True) for found in PICTURE.finditer(text)])
+    for found, names_code in marks:
+        where = f"line {line_of(text, found.start())}, {found[0].splitlines()[0]}"
+        path = found[1].partition(":")[0]
+        if names_code:
+            try:
+                drawing(path.rstrip("()"))
+            except ValueError as e:
+                problems.append(f"{where}: {e}")
+        elif not path.startswith("time.") and path.split(".")[0] not in (*recorded, *stages):
+            problems.append(f"{where}: no entry {path.split('.')[0]!r} in the record, and no "
+                            f"stage of trace_kv.STAGES is named so (a new Part's stage needs "
+                            f"its line there)")
+    return problems
+
+
+# ---- the Markdown helpers the Parts draw with ----------------------------------------
+
+def shown(figure, spec=""):
+    """A figure as the documents print it: with spec, in that format spec; else an int
+    with its thousands separated (20,509), a float to 4 significant digits (0.0 as 0.0),
+    a bool as yes or no, None as a dash."""
+    if spec:
+        return format(figure, spec)
+    if isinstance(figure, bool):
+        return "yes" if figure else "no"
+    if isinstance(figure, int):
+        return f"{figure:,}"
+    if isinstance(figure, float):
+        return "0.0" if figure == 0 else f"{figure:.4g}"
+    return "—" if figure is None else str(figure)
+
+
+def table(header, rows):
+    """A Markdown table's lines: its header cells, and each row's cells."""
+    return ([f"| {' | '.join(header)} |".replace("|  |", "| |"), "|" + "---|" * len(header)]
+            + [f"| {' | '.join(map(str, cells))} |" for cells in rows])
+
+
+def bold(text):
+    return f"**{text}**"
+
+
+def indented(stories):
+    """Stories as an indented block, a line each."""
+    return [f"    {story.rstrip(chr(10))}" for story in stories]
