@@ -85,6 +85,20 @@ class Layers(unittest.TestCase):
             quick_checks.set_up("ground")
         self.assertEqual(str(failed.exception), "the ground is wrong: it cracked")
 
+    def test_a_layer_missing_from_layers_says_the_line_to_add(self):
+        with self.assertRaises(LookupError) as missing:
+            quick_checks.set_up("eviction")
+        self.assertIn("quick_checks.LAYERS has no layer 'eviction'", str(missing.exception))
+        self.assertIn('LAYERS[\'eviction\'] = Layer("what it is (eviction.py)", ("lesson",), '
+                      '"python3 -m unittest test_eviction", _eviction)', str(missing.exception))
+
+    def test_a_record_entry_no_stage_writes_says_the_line_to_add(self):
+        with self.assertRaises(AssertionError) as missing:
+            support.recorded("eviction")
+        self.assertIn("kv-trace.json has no entry 'eviction'", str(missing.exception))
+        self.assertIn("Stage(PART, 'eviction', MODULE.experiment", str(missing.exception))
+        self.assertEqual(support.recorded("stories"), 60)
+
     def test_a_sound_layer_runs_from_another_folder(self):
         quick_checks.set_up("shed")
         self.addCleanup(support.tear_down)
