@@ -11,10 +11,9 @@ outputs are placed side by side in that order before Wo.
 
 With positions="rotary" there is no position table: in every layer, q and k are turned
 by their position (RoFormer, Su et al., 2021; Llama), base 10,000: pair (2i, 2i + 1) of
-each head by the angle position x 10000^(-2i/d). Adjacent pairs, as RoFormer writes it,
-keep the two numbers that turn together side by side; Hugging Face's Llama turns the
-halves (i, i + d/2) instead, the same model with Wq's and Wk's columns reordered. A query
-turned by i and a key turned by j meet at the angle i - j: only the distance counts.
+each head by the angle position x 10000^(-2i/d) (Hugging Face's Llama turns the halves
+(i, i + d/2): the same model, Wq's and Wk's columns reordered). A query turned by i and a
+key turned by j meet at the angle i - j: only the distance counts.
 
 With latent= (multi-head latent attention, MLA: DeepSeek-V2, 2024, section 2.1) a layer
 keeps per position one latent vector c_kv of that width (h1 times Wdkv, layer-normed) and
@@ -33,7 +32,6 @@ from instruments import largest_gap
 from model import (CONTEXT, VOCAB_SIZE, WIDTH, add, band, causal, check_ids, check_int,
                    check_mask, check_shape, check_token_id, check_values, dot, is_int,
                    layernorm, linear, relu, softmax_row)
-
 
 BASE = 10000.0   # of the rotary angles
 SHAPE = ("layers", "heads", "kv_heads", "width", "positions", "latent", "rotary_key")
@@ -440,15 +438,13 @@ def shapes_table(record, timing):
     objects = {(m["layers"], m["kv_heads"]): m["bytes_per_position"]
                for m in timing["deep_model_cache_bytes_as_cpython_objects"]}
     rows = []
-    for kv_heads, kind in ((4, "multi-head (4 key-value heads)"),
-                           (2, "grouped-query (2 key-value heads)"),
-                           (1, "multi-query (1 key-value head)")):
+    for kv_heads, kind in ((4, "multi-head (4 key-value heads)"), (2, "grouped-query (2 "
+                           "key-value heads)"), (1, "multi-query (1 key-value head)")):
         shapes = [s for s in record["deep_models"]["shapes"] if s["kv_heads"] == kv_heads]
         rows.append([kind, bold(" / ".join(shown(s["largest_logit_gap"]) for s in shapes)),
                      " / ".join(f"{s['floats_per_position']:g}" for s in shapes),
                      f"{shapes[0]['bytes_per_position_as_8_byte_floats']:g}",
                      f"{objects[1, kv_heads]:,}"])
     return table(["attention", "largest gap, cached against full pass, 1 / 2 / 3 / 4 layers",
-                  "numbers per position, 1 / 2 / 3 / 4 layers",
-                  "bytes per position, one layer, as 8-byte floats",
-                  "the same as CPython objects"], rows)
+                  "numbers per position, 1 / 2 / 3 / 4 layers", "bytes per position, one "
+                  "layer, as 8-byte floats", "the same as CPython objects"], rows)

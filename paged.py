@@ -22,12 +22,10 @@ FORKED_OPENINGS, FORKS = 3, 4   # parallel sampling: the first openings, continu
 
 class Block:
     """One block of a pool: the tokens, keys and values of up to block_size positions; how
-    many block tables hold it; and, once it is full, its place in the prefix index: the
-    tokens of every position from 0 to its end (in a model of several layers its keys
-    and values depend on all of them; in the lesson's one-block model, on its own tokens
-    and positions alone); and computed_by, how its keys and values were computed (None:
-    the lab's exact arithmetic; else the product of an engine's kernel, which rounds
-    otherwise), so that a block is found only by a sequence computed the same way."""
+    many block tables hold it; once full, its key in the prefix index: the tokens of every
+    position from 0 to its end (a deeper model's keys depend on them all); and computed_by:
+    None for the lab's exact arithmetic, else the product of the engine's kernel that
+    computed it (it rounds otherwise), so that only a sequence computed alike finds it."""
 
     def __init__(self):
         self.tokens, self.keys, self.values = [], [], []
@@ -38,15 +36,14 @@ class Block:
 
 class BlockPool:
     """Room for the keys and values of a fixed number of blocks of block_size positions
-    each, shared by the sequences made from it, as vLLM's PagedAttention keeps its cache.
-    Each sequence has a block table (the blocks holding its positions, in order) and only
-    asks the pool: the pool alone takes, shares and releases blocks, counts the tables
-    holding each, and keeps the prefix index, where a full block can be found again by
-    the tokens it and every block before it hold. A full block nobody holds stays in the
-    index, on the free list, until a new block is needed: the least recently released
-    goes first (a prefix cache that outlives requests). And it alone says whether blocks
-    are there: for several sequences at once (room_for), for a new sequence
-    (room_for_sequence), for one of so many positions (could_hold)."""
+    each, shared by the sequences made from it (each holds a block table: the blocks of its
+    positions, in order) and asked by them: it alone takes, shares and releases blocks,
+    counts the tables holding each, and keeps the prefix index, where a full block is found
+    again by the tokens of every position up to its end. A full block nobody holds stays
+    there, on the free list, until a new block is needed: the least recently released goes
+    first (a prefix cache that outlives requests). It alone says whether blocks are there:
+    for several sequences at once (room_for), for a new sequence (room_for_sequence), for
+    one of so many positions (could_hold)."""
 
     def __init__(self, params, blocks, block_size):
         model.check_shapes(params)
@@ -245,17 +242,9 @@ class PagedSequence(KVCache):
         return [item for block_id in self.table
                 for item in getattr(self.pool.blocks[block_id], part)][:self.length]
 
-    @property
-    def tokens(self):
-        return self._held("tokens")
-
-    @property
-    def keys(self):
-        return self._held("keys")
-
-    @property
-    def values(self):
-        return self._held("values")
+    tokens = property(lambda self: self._held("tokens"))   # read as lists over positions
+    keys = property(lambda self: self._held("keys"))
+    values = property(lambda self: self._held("values"))
 
     def __len__(self):
         self._check_live()
@@ -336,12 +325,10 @@ class PagedSequence(KVCache):
 
 
 def sample_from_forks(params, tok, prompt, seeds, pool):
-    """Parallel sampling by copy on write: the prompt prefilled once into a new sequence
-    of pool, forked (seq.copy()) once per seed, and each fork continued at temperature
-    1.0 with that seed, its first token chosen from the prompt's last row (computed once
-    for all of them). Returns the results and how many blocks the pool had taken when
-    the last one ended (the forks all held theirs until then); on the way out, normally
-    or not, every block goes back to the pool."""
+    """Parallel sampling by copy on write: the prompt prefilled once into a sequence of
+    pool, forked once per seed, each fork continued at temperature 1.0 with its seed from
+    the prompt's last row (computed once): the results, and the blocks the pool had taken
+    when the last ended. On the way out, normally or not, every block goes back."""
     ids = generate.check_request(tok, prompt, 60, 1.0, None, 0)
     seq, forks, results = pool.sequence(), [], []
     try:
@@ -365,8 +352,7 @@ def sample_from_forks(params, tok, prompt, seeds, pool):
 def experiment(lab, runs):
     """Slots a cache reserves for the 60 greedy stories: one per position held, a whole
     context per story (a static cache), or whole blocks; then the openings prefilled into
-    one pool of blocks of 4, sharing the full blocks of common prefixes, each continued
-    greedily from its sequence."""
+    one pool of blocks of 4, sharing full blocks of common prefixes, continued greedily."""
     params, tok, prompts = lab.params, lab.tok, lab.prompts
     # A story's cache holds every position but the last chosen token, never fed back.
     held = [len(story_ids(tok, p, r)) - 1 for p, r in zip(prompts, runs.greedy)]
@@ -392,11 +378,9 @@ def experiment(lab, runs):
 
 def parallel_sampling(lab):
     """FORKS sampled continuations (seeds 0 to FORKS - 1) of each of the first
-    FORKED_OPENINGS openings, from forks of one prefill in a pool of blocks of 4
-    (sample_from_forks), against FORKS caches of their own: the blocks held when all have
-    ended, the prompt rows computed, and how many continuations are generate.generate's
-    for their seed (given, as in instruments.reusing, the full passes an earlier seed's run
-    made on the same tokens)."""
+    FORKED_OPENINGS openings, from forks of one prefill in a pool of blocks of 4, against
+    FORKS caches of their own: the blocks held when all have ended, the prompt rows, and
+    how many continuations are generate.generate's for their seed (instruments.reusing)."""
     params, tok = lab.params, lab.tok
     openings = []
     for prompt in lab.prompts[:FORKED_OPENINGS]:
@@ -425,16 +409,15 @@ def parallel_sampling(lab):
 # ---- what Part 2 shows of it (documents.py fills its marks) --------------------------
 
 def slots_table(record, timing):
-    labels = {"static, 64 per story": "a whole 64-position context per story (a static cache)"}
-    p = record["paged"]
+    labels, p = {"static, 64 per story": "a whole 64-position context per story (a static "
+                                         "cache)"}, record["paged"]
     return table(["how the cache reserves memory", "slots reserved", "wasted"],
                  [[labels.get(way, f"{way} positions"), shown(slots),
                    f"{p['wasted_share'][way]:.1%}"] for way, slots in p["slots_reserved"].items()])
 
 
 def forks_table(record, timing):
-    p = record["parallel_sampling"]
-    forks = p["continuations_each"]
+    p, forks = record["parallel_sampling"], record["parallel_sampling"]["continuations_each"]
     return table(["opening", "prompt tokens", f"distinct continuations (of {forks})",
                   f"blocks held at the end: forks / {forks} caches of their own",
                   f"prompt rows: forks / {forks} caches of their own",
@@ -450,23 +433,18 @@ def block_tables(record=None, timing=None):
     """Section 16's picture, from a real pool of blocks of 4 (not from the record): one
     prompt fed, then a second that begins like it."""
     params, tok = generate.load_trained()
-    pool = BlockPool(params, 64, 4)
-    prompts = ("mia was sad. tom gave her a hug.", "mia was tired.")
-    sequences = []
-    for prompt in prompts:
-        ids = tok.encode(prompt)
-        sequences.append(pool.sequence(ids))
-        feed(params, sequences[-1], ids)
-
-    def tokens(block):
-        return ", ".join("space" if tok.vocab[t] == " " else tok.vocab[t]
-                         for t in pool.blocks[block].tokens)
+    pool, named = BlockPool(params, 64, 4), {}
+    for name, prompt in zip("AB", ("mia was sad. tom gave her a hug.", "mia was tired.")):
+        named[name] = prompt, pool.sequence(tok.encode(prompt))
+        feed(params, named[name][1], tok.encode(prompt))
     lines = ["block tables (sequences)", *(f"  {name}: {prompt!r}  ->  blocks "
                                           f"{', '.join(map(str, seq.table))}"
-                                          for name, prompt, seq in zip("AB", prompts, sequences)),
+                                          for name, (prompt, seq) in named.items()),
              "BlockPool: blocks of 4 positions"]
-    for block in sorted(set(sequences[0].table) | set(sequences[1].table)):
-        held_by = " and ".join(name for name, seq in zip("AB", sequences) if block in seq.table)
-        lines.append(f"  block {block}: {tokens(block):<24} refs {pool.ref_counts[block]}  "
+    for block in sorted({block for _, seq in named.values() for block in seq.table}):
+        tokens = ", ".join("space" if tok.vocab[t] == " " else tok.vocab[t]
+                           for t in pool.blocks[block].tokens)
+        held_by = " and ".join(name for name, (_, seq) in named.items() if block in seq.table)
+        lines.append(f"  block {block}: {tokens:<24} refs {pool.ref_counts[block]}  "
                      f"(held by {held_by})")
     return ["```text", *lines, "```"]
