@@ -175,7 +175,7 @@ def llama_70b_bound(record, timing):
 
 # Where each real model's line ends: its context window in tokens (Llama 2: 4,096;
 # Llama 3: 8,192; DeepSeek-V3: 128K).
-CONTEXT = {"Llama-2-7B": 4096, "Llama-3-70B": 8192, "DeepSeek-V3": 131072}
+CONTEXT_WINDOWS = {"Llama-2-7B": 4096, "Llama-3-70B": 8192, "DeepSeek-V3": 131072}
 
 
 def _models(record):
@@ -193,12 +193,12 @@ def _models(record):
                            positions, False))
     kept, plain = real_cache_bytes()["DeepSeek-V3"]
     return models + [
-        ("Llama-2-7B, multi-head", cache_bytes_per_token(LLAMA_2_7B), CONTEXT["Llama-2-7B"],
-         True),
+        ("Llama-2-7B, multi-head", cache_bytes_per_token(LLAMA_2_7B),
+         CONTEXT_WINDOWS["Llama-2-7B"], True),
         ("Llama-3-70B, grouped-query 8", real_cache_bytes()["Llama-3-70B"][0],
-         CONTEXT["Llama-3-70B"], True),
-        ("DeepSeek-V3, latent", kept, CONTEXT["DeepSeek-V3"], True),
-        ("DeepSeek-V3 as multi-head", plain, CONTEXT["DeepSeek-V3"], True)]
+         CONTEXT_WINDOWS["Llama-3-70B"], True),
+        ("DeepSeek-V3, latent", kept, CONTEXT_WINDOWS["DeepSeek-V3"], True),
+        ("DeepSeek-V3 as multi-head", plain, CONTEXT_WINDOWS["DeepSeek-V3"], True)]
 
 
 def cache_bytes_picture(record, timing):

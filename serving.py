@@ -13,8 +13,7 @@ import generate
 import model
 from batched import (batch_invariant, by_batch, by_batch_float32, exact, exact_attention,
                      forward_rows)
-from checkpoint import LAB
-from documents import bold, shown, table
+from documents import LAB, bold, shown, table
 from instruments import chosen_rows, largest_gap, recording
 from paged import BlockPool
 from stories import openings, split_stories, story_ids
