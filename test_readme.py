@@ -177,6 +177,52 @@ def link_problems(texts, folder=HERE):
     return problems
 
 
+GLOSSARY = "reference.md"
+
+
+def glossary(texts):
+    """{term: its anchor} for every term of the Reference's glossary (its ### headings)."""
+    text = texts[GLOSSARY]
+    section = text[text.index("## Glossary"):]
+    section = section[:re.search(r"^## (?!Glossary)", section, re.M).start()]
+    return {term: anchor(term) for term in re.findall(r"^### (.+)$", section, re.M)}
+
+
+def first_use(texts, term):
+    """(file, start, end) of the term's first use in the course's prose (the Parts'
+    documents in their order; not in code, headings, comments or a link's address), as
+    written or plural; its case counts only if it holds a capital. None if never used."""
+    pattern = re.compile(rf"\b{re.escape(term)}s?\b", 0 if term != term.lower() else re.I)
+    for name in dict.fromkeys(part.file for part in course(texts)):
+        text = texts[name]
+        hidden = [found.span() for found in BLOCK.finditer(text)] + [
+            found.span() for found in re.finditer(
+            r"^```.*?^```$|^#[^\n]*|^    [^\n]*|<!--[^\n]*?-->|`[^`\n]*`|\]\([^)]*\)", text, re.M | re.S)]
+        for found in pattern.finditer(text):
+            if not any(start <= found.start() < end for start, end in hidden):
+                return name, found.start(), found.end()
+    return None
+
+
+def glossary_problems(texts):
+    """Each glossary term not linked to its entry at its first use in the course."""
+    problems = []
+    for term, wanted in glossary(texts).items():
+        used = first_use(texts, term)
+        if not used:
+            problems.append(f"{term!r} is in the glossary but the course never uses it")
+            continue
+        name, start, end = used
+        link = re.compile(r"\[([^\]]*)\]\(([^)]*)\)")
+        around = next((found for found in link.finditer(texts[name])
+                       if found.start() < start < found.end()), None)
+        if not around or around[2] != f"{GLOSSARY}#{wanted}":
+            problems.append(f"{name} line {_line(texts[name], start)}: the first use of "
+                            f"{term!r} must link to its entry, [{texts[name][start:end]}]"
+                            f"({GLOSSARY}#{wanted})")
+    return problems
+
+
 def sentences(text):
     """The sentences of text's prose (not code, tables, formulas), marks kept."""
     text = re.sub(r"^```.*?^```$", "", text, flags=re.M | re.S)
@@ -542,6 +588,9 @@ class Figures(unittest.TestCase):
 
     def test_every_link_between_documents_finds_its_file_and_heading(self):
         self.assert_none(link_problems(self.texts), "links go nowhere")
+
+    def test_each_glossary_term_is_linked_at_its_first_use(self):
+        self.assert_none(glossary_problems(self.texts), "terms are not linked to the glossary")
 
     def test_a_link_check_finds_a_missing_file_and_a_missing_heading(self):
         texts = {"README.md": "# The lab\n\n## Quick start, again\n\n[a](part9.md) "
