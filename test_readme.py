@@ -479,6 +479,33 @@ def code_line_problems(texts):
     return problems
 
 
+COUNTED = re.compile(r"\b(a|an|\d+) (tables?|diagrams?|pictures?|diffs?|exercises?)\b")
+
+
+def minute_problems(texts):
+    """Each Part's "N to M minutes" in the README's map by the rule under it: the prose's
+    minutes, its lines at 10 and at 5 a minute, a minute for each table, diagram, picture
+    and diff the row counts, 5 for each exercise, each end rounded to 5 minutes."""
+    problems = []
+    asked = collections.Counter(exercise.part for exercise in exercises(texts))
+    for part in course(texts):
+        prose = round(len(prose_words(part.text)) / 200)
+        lines = int(re.search(r"about ([\d,]+) lines", part.time)[1].replace(",", ""))
+        counted = {kind.rstrip("s"): 1 if n in ("a", "an") else int(n)
+                   for n, kind in COUNTED.findall(part.time)}
+        if counted.get("exercise") != asked[part.name]:
+            problems.append(f"the README's map counts {counted.get('exercise')} exercises "
+                            f"for {part.name}, which has {asked[part.name]}")
+        rest = prose + sum(counted.values()) + 4 * asked[part.name]   # 5 an exercise
+        wanted = "{} to {} minutes".format(*(5 * round((rest + lines / pace) / 5)
+                                            for pace in (10, 5)))
+        if not part.time.startswith(wanted):
+            problems.append(f"the README's map must give {part.name} {wanted!r} by its rule "
+                            f"({prose} of prose, {lines} lines, {counted}), not "
+                            f"{part.time.split(',')[0]!r}")
+    return problems
+
+
 def digit_problems(name, text):
     """Decimal figures of a Part's prose and tables (not what a command prints) with more
     than 6 significant digits: a reader gets them rounded."""
@@ -579,6 +606,9 @@ class Figures(unittest.TestCase):
 
     def test_each_part_gives_the_lines_of_code_it_names(self):
         self.assert_none(code_line_problems(self.texts), f"lines are wrong. {ON_PURPOSE}")
+
+    def test_each_part_gives_the_minutes_its_rule_gives(self):
+        self.assert_none(minute_problems(self.texts), f"minutes are wrong. {ON_PURPOSE}")
 
     def test_no_figure_in_the_text_has_more_than_6_significant_digits(self):
         self.assert_none(course_digit_problems(self.texts), "figures are too long")
