@@ -619,6 +619,10 @@ class Figures(unittest.TestCase):
     def test_every_link_between_documents_finds_its_file_and_heading(self):
         self.assert_none(link_problems(self.texts), "links go nowhere")
 
+    def test_the_quick_start_gives_the_run_time_as_the_progress_line_does(self):
+        shown = FIGURE.sub(lambda found: found[2], self.texts[README])
+        self.assertIn(trace_kv.last_duration().strip(), shown)
+
     def test_each_glossary_term_is_linked_at_its_first_use(self):
         self.assert_none(glossary_problems(self.texts), "terms are not linked to the glossary")
 
