@@ -95,7 +95,7 @@ Part = collections.namedtuple("Part", "name file offset text words time")
 MAP_ROW = re.compile(r"^\| \[([^\]]+)\]\(([\w.-]*)(?:#([\w-]+))?\)[^|\n]* \| [^|\n]* \| "
                      r"([^|\n]*) \| ([^|\n]*) \|$", re.M)
 README = documents.README
-EXERCISES = re.compile(r"^#+ Exercises$", re.M)   # each Part ends with them
+EXERCISES = r"^#+ Exercises$"   # each Part ends with them
 SECTION = re.compile(r"^#+ \d+\. ", re.M)        # a numbered section: the course's
 
 
@@ -109,9 +109,9 @@ def parts(texts):
     text (the whole file; for a row that links a heading, from that heading on), with the
     row's prose and time cells."""
     found = []
-    for name, file, anchor, words, time in MAP_ROW.findall(texts[README]):
+    for name, file, heading, words, time in MAP_ROW.findall(texts[README]):
         text = texts[file or README]
-        offset = heading_offsets(text)[anchor] if anchor else 0
+        offset = heading_offsets(text)[heading] if heading else 0
         found.append(Part(name, file or README, offset, text[offset:], words, time))
     return found
 
@@ -126,9 +126,9 @@ def prose_words(text, start=None, end=None):
     regular expressions), without code blocks, tables, indented formula blocks, comments
     and link targets; a marked figure counts as one word, whatever a run writes there."""
     if start:
-        text = text[re.search(start, text, re.M).start():]
+        text = text[re.compile(start, re.M).search(text).start():]
     if end:
-        text = text[:(end if hasattr(end, "search") else re.compile(end, re.M)).search(text).start()]
+        text = text[:re.compile(end, re.M).search(text).start()]
     part = FIGURE.sub("figure", text)   # one word each
     part = re.sub(r"^```.*?^```$", "", part, flags=re.M | re.S)
     kept = [line for line in part.splitlines()
@@ -355,7 +355,7 @@ def exercises(texts):
     and the text of its answer (its <details> block)."""
     found = []
     for part in course(texts):
-        at = part.offset + EXERCISES.search(part.text).start()
+        at = part.offset + re.search(EXERCISES, part.text, re.M).start()
         text = texts[part.file]
         for asked in re.finditer(r"^\*\*(\d+\. [^*]+)\*\*(.*?)^<details>(.*?)^</details>",
                                  text[at:], re.M | re.S):
