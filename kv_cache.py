@@ -360,6 +360,8 @@ class CacheProtocol:
 
 for _name, _answer in vars(CacheProtocol).items():   # KVCache's answers, as written above
     if not _name.startswith("__"):
+        if _name in vars(KVCache):   # one answer to each question: here, not in both
+            raise TypeError(f"KVCache.{_name} is written twice: keep it in CacheProtocol")
         setattr(KVCache, _name, _answer)
 del _name, _answer
 
