@@ -8,7 +8,7 @@ the speed of decoding. So
 and a batch of B requests shares the weights: each of its tokens costs weights / B plus
 its own cache. floats_read counts a step's reads by formula for any deep_model shape (the
 lesson's model is the shape LESSON); the tests count them in the real steps with
-instruments.count_reads. The bound for real models comes from their published sizes.
+instruments.count_reads. The bound for real models comes from their published shapes.
 """
 import svg
 from deep_model import DEEP_SHAPES, heads_of, init_params
@@ -47,18 +47,40 @@ def floats_read(shape, held, path="cached"):
             "cache": shape["layers"] * cache * held}
 
 
-# Published sizes, for the bound (2 bytes a number unless said):
-# Llama-2-7B: 6.74 billion parameters (Touvron et al., 2023), 32 layers of 32 key-value
-# heads of 128. Llama-2-70B: 69 billion, 80 layers of 8 key-value heads of 128; gpt-fast
-# ran it with 8-bit weights. An A100-80GB (SXM) reads 2,039 GB/s (NVIDIA's data sheet).
-# gpt-fast's README measured, on an A100-80GB at batch 1: Llama-2-7B 104.9 tokens/s at
-# 1,397.31 GB/s achieved, Llama-2-70B (8-bit) 19.13 tokens/s at 1,322.58 GB/s.
+def llama_parameters(model):
+    """A Llama's parameters from its shapes: per layer Wq and Wo (width x width), Wk and Wv
+    (width x kv_heads heads of 128), the MLP's three matrices (width x mlp_width) and two
+    norms; then the final norm, the input embedding and the output layer (vocab x width
+    each, apart)."""
+    width, kv_width = model["width"], model["kv_heads"] * 128
+    layer = 2 * width * width + 2 * width * kv_width + 3 * width * model["mlp_width"] + 2 * width
+    return model["layers"] * layer + width + 2 * model["vocab"] * width
+
+
+def weight_bytes_read(model):
+    """The bytes of weights one decode step reads: every parameter but the input
+    embedding's, of which only the new token's row (a position table it has none)."""
+    unread = (model["vocab"] - 1) * model["width"]
+    return (llama_parameters(model) - unread) * model["bytes_per_number"]
+
+
+# Published shapes, for the bound, from Hugging Face's config.json of meta-llama's models
+# (Touvron et al., 2023): Llama-2-7B: 32 layers of width 4,096, 32 key-value heads of 128,
+# an MLP 11,008 wide, 32,000 tokens: 6,738,415,616 parameters (the paper's 6.74 billion),
+# 2 bytes each. Llama-2-70B: 80 layers of width 8,192, 8 key-value heads of 128, an MLP
+# 28,672 wide, 32,000 tokens: 68,976,648,192 (69 billion); gpt-fast ran it with 8-bit
+# weights. An A100-80GB (SXM) reads 2,039 GB/s (NVIDIA's data sheet). gpt-fast's README
+# measured, on an A100-80GB at batch 1: Llama-2-7B 104.9 tokens/s at 1,397.31 GB/s
+# achieved, Llama-2-70B (8-bit) 19.13 tokens/s at 1,322.58 GB/s.
 A100_BYTES_PER_SECOND = 2039e9
-LLAMA_2_7B = {"model": "Llama-2-7B", "weight_bytes": 6.74e9 * 2, "layers": 32, "kv_heads": 32,
+LLAMA_2_7B = {"model": "Llama-2-7B", "layers": 32, "width": 4096, "kv_heads": 32,
+              "mlp_width": 11008, "vocab": 32000, "bytes_per_number": 2,
               "measured_tokens_per_second": 104.9, "measured_gb_per_s": 1397.31}
-LLAMA_2_70B_8_BIT = {"model": "Llama-2-70B, 8-bit weights", "weight_bytes": 69e9 * 1,
-                     "layers": 80, "kv_heads": 8, "measured_tokens_per_second": 19.13,
-                     "measured_gb_per_s": 1322.58}
+LLAMA_2_70B_8_BIT = {"model": "Llama-2-70B, 8-bit weights", "layers": 80, "width": 8192,
+                     "kv_heads": 8, "mlp_width": 28672, "vocab": 32000, "bytes_per_number": 1,
+                     "measured_tokens_per_second": 19.13, "measured_gb_per_s": 1322.58}
+LLAMA_2_7B["weight_bytes_read"] = weight_bytes_read(LLAMA_2_7B)
+LLAMA_2_70B_8_BIT["weight_bytes_read"] = weight_bytes_read(LLAMA_2_70B_8_BIT)
 # Llama-2-7B's weights with other caches (heads of 128, 32 layers): grouped-query with 8
 # key-value heads (as Llama-3-8B's), multi-query, and DeepSeek-V2's latent of 512 and
 # rotary key of 64.
@@ -79,13 +101,14 @@ def bound(model, context, batch=1, bandwidth=A100_BYTES_PER_SECOND):
     """The most tokens a second that a batch of batch requests, each at this context,
     can decode in all: bandwidth / (weights / batch + one request's cache), since a step
     reads the weights once for the batch and each request's own cache."""
-    return bandwidth / (model["weight_bytes"] / batch + context * cache_bytes_per_token(model))
+    return bandwidth / (model["weight_bytes_read"] / batch
+                        + context * cache_bytes_per_token(model))
 
 
 def cache_outweighs_weights(model, batch):
     """The shortest context at which a request's cache outweighs its share of the weights
     in a batch of batch requests."""
-    return int(model["weight_bytes"] / batch // cache_bytes_per_token(model)) + 1
+    return int(model["weight_bytes_read"] / batch // cache_bytes_per_token(model)) + 1
 
 
 # ---- the experiment (a stage of trace_kv.py) ---------------------------------------
@@ -144,8 +167,8 @@ def bound_table(record, timing):
                      f"{bound(shape, 0):.0f} / {bound(shape, 4096):.0f}",
                      f"{bound(shape, 4096, 16):,.0f}",
                      f"{cache_outweighs_weights(shape, 16):,} tokens"])
-    return table([f"Llama-2-7B's weights ({LLAMA_2_7B['weight_bytes'] / 1e9:.2f} GB) "
-                  f"with this cache", "cache a token",
+    return table([f"Llama-2-7B's weights ({LLAMA_2_7B['weight_bytes_read'] / 1e9:.2f} GB "
+                  f"read a step) with this cache", "cache a token",
                   "tokens/s, batch 1: a short context / 4,096",
                   "tokens/s in all, batch 16 of 4,096", "cache outweighs the weights, batch 16"],
                  rows)

@@ -204,8 +204,9 @@ def story_kinds(lab, index, runs):
             if position < first:
                 continue
             if choice(logits, rng) != ids[position + 1]:   # the premise of the replay
-                raise ValueError(f"opening {index}: the {story} story's token {position + 1} "
-                                 f"is not what its choice gives with the exact logits")
+                raise ValueError(f"opening {index}: the {story} story's token at position "
+                                 f"{position + 1} is not what its choice gives with the exact "
+                                 f"logits")
             so_far = tuple(ids[:position + 1])   # the sampled story may begin as the greedy
             if so_far not in rows_of:
                 x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])

@@ -114,7 +114,7 @@ def _cache_problem(tokens, keys, values):
                 f"each must have one per position, at most {model.CONTEXT}")
     for position, token_id in enumerate(tokens):
         if not model.is_int(token_id) or not 0 <= token_id < model.VOCAB_SIZE:
-            return f"token {position} is {token_id!r}, outside the vocabulary"
+            return f"the token at position {position} is {token_id!r}, outside the vocabulary"
     for name, vectors in (("key", keys), ("value", values)):
         for position, vector in enumerate(vectors):
             if not isinstance(vector, list) or len(vector) != model.WIDTH or \

@@ -390,7 +390,7 @@ def deep_ids(lab):
     return [t for story in lab.test for t in lab.tok.encode(story)][:positions]
 
 
-def _deep_cache(layers, kv_heads, ids, mask=causal):
+def fed_deep_model(layers, kv_heads, ids, mask=causal):
     """A deep_model of layers and kv_heads (4 query heads, the lab's width, seed 0), and
     its rows and cache after feeding ids one token at a time."""
     params = init_params(layers, 4, kv_heads, WIDTH, 0)
@@ -410,7 +410,7 @@ def experiment(lab):
     ids = deep_ids(lab)
     shapes = []
     for layers, kv_heads in DEEP_SHAPES:
-        params, rows, cache = _deep_cache(layers, kv_heads, ids)
+        params, rows, cache = fed_deep_model(layers, kv_heads, ids)
         floats = cache.floats_per_position()
         shapes.append({"layers": layers, "heads": 4, "kv_heads": kv_heads,
                        "largest_logit_gap": largest_gap(rows, forward(params, ids)),
@@ -420,7 +420,7 @@ def experiment(lab):
     window = []
     mask, changed = band(8), [(ids[0] + 1) % VOCAB_SIZE] + ids[1:]
     for layers in (1, 2, 3):
-        params, rows, _ = _deep_cache(layers, 2, ids, mask)
+        params, rows, _ = fed_deep_model(layers, 2, ids, mask)
         full = forward(params, ids, mask)
         other = forward(params, changed, mask)
         reached = [p for p, (a, b) in enumerate(zip(full, other)) if a != b]

@@ -10,7 +10,7 @@ new row, appends its key and value to the cache, and attends over the cache.
     (--help lists the flags)
 
 The lesson's experiment, the stages that trace_kv.py runs on the 60 test openings, is
-trace_lesson.py's.
+trace_lesson.py's. What Parts 2 to 4 ask of every cache comes last, after the lesson.
 """
 import os
 import sys
@@ -30,44 +30,11 @@ from instruments import recording
 from model import SCALE, add, dot, layernorm, linear, relu, softmax_row
 
 
-class ListRoom:
-    """The room of caches that keep their positions in lists of their own: always there
-    (forward_step refuses positions past the model's 64)."""
-
-    def room_for(self, demands):
-        return True
-
-    def check_room(self, demands):
-        """Nothing to refuse."""
-
-
 class KVCache:
-    """The keys and values of one sequence so far, for the params it was made for.
-
-    What every cache of the lesson's model offers (this one, a paged sequence, a
-    QuantizedCache, a WindowCache), and all that code using a cache relies on:
-      params, columns       the model it was made for; its matrices, ready for linear()
-      tokens                the token ID of every position held, in order
-      keys, values          what attention reads: a key and a value per position kept
-      len()                 how many positions it holds
-      append, extend        keep one more position, or several (refused, keeping none)
-      copy, crop, free      fork it; forget the positions from a length on; end it
-      room_for(positions)   whether it can keep that many more positions
-      room_left()           what limits the positions it can keep, in words
-      room_owner            what holds its room (ListRoom, a paged sequence's pool): its
-                            room_for(demands) answers for several caches at once, its
-                            check_room(demands) refuses, naming what is short (demands:
-                            a list of (cache, more positions))
-      stored(vector)        a key or value as the cache gives it back once kept (itself,
-                            or rounded to the cache's format), refusing one it cannot keep
-      keeps_every_position  whether keys and values hold every position (a window's don't)
-      stores_exactly        whether they are forward_step's, exactly and every one, so
-                            that a file of them loads as the same cache
-    """
-
-    keeps_every_position = True   # what prefill.prefill's mask needs (a window drops some)
-    stores_exactly = True
-    room_owner = ListRoom()
+    """The keys and values of one sequence so far, for the very params it was made for:
+    forward_step appends a key and a value a position and reads them all back. That is
+    all the lesson asks of it; what Parts 2 to 4 ask of every cache, this one included,
+    is written once, in CacheProtocol's docstring at the end of this module."""
 
     def __init__(self, params):
         self._belong_to(params)
@@ -83,10 +50,6 @@ class KVCache:
     def __len__(self):
         return len(self.keys)
 
-    def stored(self, vector):
-        """vector as the cache gives it back once kept: a list keeps it as it is."""
-        return vector
-
     def append(self, token_id, k, v):
         """Keep one more position: its token, key and value."""
         self.extend([token_id], [k], [v])
@@ -97,22 +60,9 @@ class KVCache:
         self.keys += keys
         self.values += values
 
-    def free(self):
-        """End the sequence: forget every position (a paged sequence returns its blocks)."""
-        self.crop(0)
-
-    def room_for(self, positions):
-        """Whether the cache can keep that many more positions: its room's owner says."""
-        return self.room_owner.room_for([(self, positions)])
-
-    def room_left(self):
-        """What limits the positions the cache can keep, in words."""
-        return "nothing but the model's 64 positions"
-
     def copy(self):
-        """An independent cache holding the same positions: a fork of this sequence. The
-        fork has copies of the lists the cache keeps (the same params and columns, and
-        the same rows, which are never changed in place)."""
+        """An independent cache holding the same positions: a fork of this sequence, with
+        copies of the lists it keeps (the rows in them are never changed in place)."""
         fork = copy.copy(self)
         for name, kept in vars(self).items():
             if isinstance(kept, list):
@@ -126,6 +76,10 @@ class KVCache:
 
     def _forget_from(self, length):
         del self.tokens[length:], self.keys[length:], self.values[length:]
+
+    def free(self):
+        """End the sequence: forget every position (a paged sequence returns its blocks)."""
+        self.crop(0)
 
 
 def check_cache(cache, params):
@@ -344,6 +298,72 @@ def main(argv=None):
         print(f"{path:>8}: {counts[path + '_rows']:6,} rows, "
               f"{counts[path + '_scores']:8,} attention scores, {seconds:.3f} s")
     print(f"identical: {'yes' if cached == uncached else 'NO'}")
+
+
+# ---- what Parts 2 to 4 ask of every cache ------------------------------------------
+# The lesson asks of a cache only what KVCache offers above. From Part 2 on, keys and
+# values also live in caches of other kinds (a paged sequence, a QuantizedCache, a
+# WindowCache: each a KVCache that keeps them its own way), and code that uses a cache
+# works with every kind by asking it what CacheProtocol lists, never its type.
+
+class ListRoom:
+    """The room of caches that keep their positions in lists of their own: always there
+    (forward_step refuses positions past the model's 64)."""
+
+    def room_for(self, demands):
+        return True
+
+    def check_room(self, demands):
+        """Nothing to refuse."""
+
+
+class CacheProtocol:
+    """What every cache of the lesson's model offers (a KVCache, a paged sequence, a
+    QuantizedCache, a WindowCache), and all that code using a cache relies on:
+      params, columns       the model it was made for; its matrices, ready for linear()
+      tokens                the token ID of every position held, in order
+      keys, values          what attention reads: a key and a value per position kept
+      len()                 how many positions it holds
+      append, extend        keep one more position, or several (refused, keeping none)
+      copy, crop, free      fork it; forget the positions from a length on; end it
+      room_for(positions)   whether it can keep that many more positions
+      room_left()           what limits the positions it can keep, in words
+      room_owner            what holds its room (ListRoom, a paged sequence's pool): its
+                            room_for(demands) answers for several caches at once, its
+                            check_room(demands) refuses, naming what is short (demands:
+                            a list of (cache, more positions))
+      stored(vector)        a key or value as the cache gives it back once kept (itself,
+                            or rounded to the cache's format), refusing one it cannot keep
+      keeps_every_position  whether keys and values hold every position (a window's don't)
+      stores_exactly        whether they are forward_step's, exactly and every one, so
+                            that a file of them loads as the same cache
+
+    KVCache offers those down to free as the lesson needs them, above; the rest it answers
+    as written below (a kind of cache that keeps its positions another way overrides them)."""
+
+    keeps_every_position = True   # what prefill.prefill's mask needs (a window drops some)
+    stores_exactly = True
+    room_owner = ListRoom()
+
+    def stored(self, vector):
+        """vector as the cache gives it back once kept: a list keeps it as it is."""
+        return vector
+
+    def room_for(self, positions):
+        """Whether the cache can keep that many more positions: its room's owner says."""
+        return self.room_owner.room_for([(self, positions)])
+
+    def room_left(self):
+        """What limits the positions the cache can keep, in words."""
+        return "nothing but the model's 64 positions"
+
+
+for _name, _answer in vars(CacheProtocol).items():   # KVCache's answers, as written above
+    if not _name.startswith("__"):
+        if _name in vars(KVCache):   # one answer to each question: here, not in both
+            raise TypeError(f"KVCache.{_name} is written twice: keep it in CacheProtocol")
+        setattr(KVCache, _name, _answer)
+del _name, _answer
 
 
 if __name__ == "__main__":

@@ -253,7 +253,7 @@ def shapes_table(record, timing):
                      bold(" / ".join(shown(s["largest_gap_rebuilt"]) for s in shapes)),
                      " / ".join(shown(s["largest_gap_absorbed"]) for s in shapes),
                      " / ".join("the same" if s["continuation_parts_at"] is None else
-                                f"parts at token {s['continuation_parts_at'] + 1}"
+                                f"parts at new token {s['continuation_parts_at'] + 1}"
                                 for s in shapes)])
     return table(["latent model (4 heads of 4)", "numbers cached per position, 1 / 2 layers",
                   "multi-head / grouped-query (2) / multi-query, 1 layer",

@@ -220,10 +220,14 @@ def assert_every_row_equal(test, params, ids, label="the input"):
 
 def generation_difference(params, prompt, settings, cached, uncached):
     """Why a cached generator gave another result than generate, in a few lines: where
-    the two stories part, and the first value of a row that differs."""
-    for index, (mine, theirs) in enumerate(zip(cached["steps"], uncached["steps"])):
+    the two stories part, and the first value of a row that differs. New token 1 is the
+    first token generated, chosen by the row at the prompt's last position (positions
+    count from 0), as everywhere in the lab."""
+    last_prompt_position = len(TOK.encode(prompt)) - 1
+    for number, (mine, theirs) in enumerate(zip(cached["steps"], uncached["steps"]), 1):
         if mine != theirs:
-            how = (f"new token {index + 1} is {mine['token']!r} (probability "
+            how = (f"new token {number} (chosen by the row at position "
+                   f"{last_prompt_position + number - 1}) is {mine['token']!r} (probability "
                    f"{mine['probability']}) where generate chose {theirs['token']!r} "
                    f"({theirs['probability']})")
             break

@@ -105,8 +105,8 @@ class CacheFiles(unittest.TestCase):
             "the key of position 3 is not 16 finite floats":
                 json.dumps(dict(good, keys=good["keys"][:3] + [good["keys"][3][:15]]
                                 + good["keys"][4:])),
-            "token 0 is 96, outside the vocabulary": json.dumps(dict(good, tokens=[96]
-                                                                     + good["tokens"][1:])),
+            "the token at position 0 is 96, outside the vocabulary":
+                json.dumps(dict(good, tokens=[96] + good["tokens"][1:])),
         }
         self.assertEqual(len(good["tokens"]), 15)
         for fragment, text in bad_files.items():

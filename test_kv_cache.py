@@ -748,23 +748,25 @@ class Playground(BuiltOnTheLesson):
 
 
 class Protocol(unittest.TestCase):
-    """The interface every cache offers, written down in KVCache's docstring."""
+    """The interface every cache offers, written down once in kv_cache.CacheProtocol's
+    docstring (where Part 2 first needs it), which KVCache's docstring points to."""
 
     PROTOCOL = ("params", "columns", "tokens", "keys", "values", "len", "append", "extend",
                 "copy", "crop", "free", "room_for", "room_left", "room_owner", "stored",
                 "keeps_every_position", "stores_exactly")
 
     def test_every_cache_offers_the_whole_documented_protocol(self):
-        """The docstring's list names PROTOCOL, and a cache of every kind offers each name;
+        """CacheProtocol's list names PROTOCOL, and a cache of every kind offers each name;
         its room owner answers room_for and check_room for a list of demands; and
         stores_exactly says whether its keys and values are exactly a KVCache's."""
         import lossy   # here: a Part that fails to import must not stop the lesson's tests
         import paged
         listed = [re.match(r"\w+", name).group()
-                  for line in inspect.getdoc(KVCache).splitlines()
+                  for line in inspect.getdoc(kv_cache.CacheProtocol).splitlines()
                   if re.match(r"  \w", line)
                   for name in re.split(r"  +", line.strip())[0].split(", ")]
         self.assertEqual(tuple(listed), self.PROTOCOL)
+        self.assertIn("CacheProtocol's docstring", " ".join(inspect.getdoc(KVCache).split()))
         ids = TOK.encode(OPENINGS[0])[:10]
         reference = filled_cache(ids)
         caches = [KVCache(PARAMS), paged.BlockPool(PARAMS, 4, 4).sequence(),

@@ -1,14 +1,16 @@
 """The tests' own frame (support.py, quick_checks.py): a failing case names itself and the
 command that reruns it alone; an exception in a case names the lab's lines it came
-through; a layer whose check fails makes the layers built on it skip, saying which."""
+through; a layer whose check fails makes the layers built on it skip, saying which; a
+generation that parts from generate's names the new token, counted from 1."""
 import io
 import os
 import unittest
 from contextlib import redirect_stderr
 from unittest import mock
 
-import quick_checks
+import generate
 import model
+import quick_checks
 import support
 from quick_checks import Layer
 
@@ -114,6 +116,28 @@ class Layers(unittest.TestCase):
                 self.assertTrue(module == "unittest" or os.path.exists(
                     os.path.join(support.HERE, module + ".py")), layer.command)
             earlier.append(name)
+
+
+class Messages(unittest.TestCase):
+
+    def test_a_parting_generation_names_its_new_token_counted_from_1(self):
+        """New token 1 is the first token generated, chosen by the row at the prompt's last
+        position (positions count from 0): the numbering of every message and text."""
+        prompt = support.OPENINGS[0]
+        last = len(support.TOK.encode(prompt)) - 1
+        uncached = generate.generate(support.PARAMS, support.TOK, prompt, max_new_tokens=3)
+        for index in (0, 2):
+            with self.subTest(index=index):
+                parted = {**uncached, "steps": list(uncached["steps"])}
+                parted["steps"][index] = {"token": "zz", "probability": 0.5}
+                message = support.generation_difference(support.PARAMS, prompt, {}, parted,
+                                                        uncached)
+                self.assertIn(f"new token {index + 1} (chosen by the row at position "
+                              f"{last + index}) is 'zz'", message)
+        shorter = {**uncached, "steps": uncached["steps"][:2], "stopped": "end of story"}
+        self.assertIn("after 2 new tokens (end of story), where generate stopped after 3",
+                      support.generation_difference(support.PARAMS, prompt, {}, shorter,
+                                                    uncached))
 
 
 if __name__ == "__main__":

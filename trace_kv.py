@@ -341,9 +341,10 @@ def main(argv=None):
     if args.write and args.part != PARTS:
         parser.error(f"--write records every Part: leave out --part {args.part}")
     trace = _shown(os.path.join(args.folder, TRACE))
-    if args.write and unknown_names(args.folder):   # in a moment, not after the long run
+    unknown = unknown_names(args.folder) if args.write else []   # in a moment, before the run
+    if unknown:
         sys.exit("trace_kv.py: error: marks that name nothing, so nothing was run or "
-                 "written:\n  " + "\n  ".join(unknown_names(args.folder)))
+                 "written:\n  " + "\n  ".join(unknown))
     try:
         # Read the record first, so that a missing one fails before the long run.
         recorded = read_record(os.path.join(args.folder, TRACE)) if args.check else None

@@ -2,7 +2,8 @@
 the openings of the 60 test stories, greedy and sampled, every cached row against the
 uncached generator's last full pass; the lesson's figures (exactness, work, memory, how
 well the model writes); one prefill shared by three continuations; and the sums of the
-first test story added in another order.
+first test story added in another order. Then what --write also times (kv-time.json),
+and the tables, figures and pictures the lesson's documents show of the record.
 """
 import ast
 import difflib
@@ -242,12 +243,13 @@ def cache_bytes(params, ids):
 
 
 def deep_cache_bytes(lab):
-    """Bytes CPython uses per position for each deep_model shape's cache of deep_model.deep_ids():
-    the lists and every float object (it depends on the Python, so it is timing's)."""
+    """Bytes CPython uses per position for each shape of deep_model's experiment, its cache
+    fed deep_model.deep_ids(): the lists and every float object (they depend on the
+    Python, so they are kv-time.json's)."""
     ids = deep_model.deep_ids(lab)
     measured = []
     for layers, kv_heads in deep_model.DEEP_SHAPES:
-        _, _, cache = deep_model._deep_cache(layers, kv_heads, ids)
+        _, _, cache = deep_model.fed_deep_model(layers, kv_heads, ids)
         objects = sum(sys.getsizeof(vectors) + sum(sys.getsizeof(vector)
                                                     + sum(map(sys.getsizeof, vector))
                                                     for vector in vectors)
@@ -264,7 +266,8 @@ FULL_RECORD = "The full record: {} (or python3 trace_kv.py --json)"
 
 def summary(record, timing):
     """The run for a person: the exactness verdicts, the work saved, the speed-up."""
-    every, work_done, stories = record["every_row_of_every_story"], record["work"], record["stories"]
+    every, work_done = record["every_row_of_every_story"], record["work"]
+    stories = record["stories"]
 
     def verdict(ok):
         return "yes" if ok else "NO"
