@@ -614,7 +614,27 @@ class Figures(unittest.TestCase):
         self.assert_none(course_digit_problems(self.texts), "figures are too long")
 
     def test_no_sentence_carries_more_than_three_figure_marks(self):
-        self.assert_none(self.each_document(crowded_sentences), "sentences are too crowded with figures (say them in a table)")
+        self.assert_none(self.each_document(crowded_sentences),
+                         "sentences are too crowded with figures (say them in a table)")
+
+    def test_a_write_that_cannot_fill_a_mark_of_one_document_writes_no_file(self):
+        """--write draws every document before it writes any: a mark of the second
+        document that the run cannot fill leaves the first, and the records, as they were."""
+        before = {"README.md": "a <!--fig stories-->1<!--/-->\n",
+                  "part2-x.md": "b <!--fig no.such.entry-->2<!--/-->\n",
+                  trace_kv.TRACE: "the previous trace\n"}
+        with tempfile.TemporaryDirectory() as folder:
+            for name, text in before.items():
+                with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+                    f.write(text)
+            with self.assertRaisesRegex(ValueError, r"^part2-x\.md: a mark cannot be "
+                                                    r"filled .*nothing was written"):
+                trace_kv.save_records({"stories": 60}, {}, folder)
+            after = {}
+            for name in os.listdir(folder):
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    after[name] = f.read()
+        self.assertEqual(after, before)
 
     def test_every_link_between_documents_finds_its_file_and_heading(self):
         self.assert_none(link_problems(self.texts), "links go nowhere")
