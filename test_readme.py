@@ -643,6 +643,14 @@ class Figures(unittest.TestCase):
         shown = FIGURE.sub(lambda found: found[2], self.texts[README])
         self.assertIn(trace_kv.last_duration().strip(), shown)
 
+    def test_section_9_gives_llama_2_7b_s_weights_as_bandwidth_counts_them(self):
+        """Section 9's weights, in GB and in GiB, are bandwidth.llama_parameters' at 2
+        bytes a number (section 27 quotes them from the same code)."""
+        import bandwidth
+        weights = 2 * bandwidth.llama_parameters(bandwidth.LLAMA_2_7B)
+        self.assertIn(f"Llama-2-7B's weights ({weights / 1e9:.2f} GB, {weights / 2**30:.2f} GiB)",
+                      self.texts[README])
+
     def test_each_glossary_term_is_linked_at_its_first_use(self):
         self.assert_none(glossary_problems(self.texts), "terms are not linked to the glossary")
 
