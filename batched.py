@@ -171,6 +171,8 @@ def _check_items(params, items):
 # ---- what Part 3 shows of it (documents.py fills its marks; serving.kernel_run records it)
 
 def kernels_table(record, timing):
+    """Section 20: the 60 sampled openings served with each product kernel, batch by batch
+    (the split-KV attention's runs are section 21's split_kv_table)."""
     k = record["batched_decode"]
     of = f" of {k['requests']}"
     return table(["kernel", "batches of up to", "pool", "steps", "preemptions",
@@ -185,11 +187,28 @@ def kernels_table(record, timing):
                    f"{run['choosing_rows_unlike_batches_of_1']} of "
                    f"{shown(run['choosing_rows_compared_with_batches_of_1'])}",
                    f"{run['stories_identical_to_generate']}{of}",
-                   shown(run["largest_logit_gap_against_exact"])] for run in k["runs"]])
+                   shown(run["largest_logit_gap_against_exact"])]
+                  for run in k["runs"] if run["kernel"] != SPLIT_KV])
+
+
+def split_kv_table(record, timing):
+    """Section 21: the same 60 sampled openings, served with blockwise.heuristic's split
+    of the attention (the product exact), batch by batch."""
+    of = f" of {record['batched_decode']['requests']}"
+    return table(["batches of up to", "steps", "choosing rows unlike batches of 1 (same tokens)",
+                  "stories as `generate`'s", "largest logit gap against the exact rows"],
+                 [[run["max_batch"], run["steps"],
+                   f"{run['choosing_rows_unlike_batches_of_1']} of "
+                   f"{shown(run['choosing_rows_compared_with_batches_of_1'])}",
+                   f"{run['stories_identical_to_generate']}{of}",
+                   shown(run["largest_logit_gap_against_exact"])] for run in _split_kv_runs(record)])
+
+
+SPLIT_KV = "split-KV attention"   # serving.KERNELS' name for blockwise.heuristic
 
 
 def _split_kv_runs(record):
-    return [run for run in record["batched_decode"]["runs"] if run["kernel"] == "split-KV attention"]
+    return [run for run in record["batched_decode"]["runs"] if run["kernel"] == SPLIT_KV]
 
 
 def split_kv_as_generate(record, timing):

@@ -482,6 +482,14 @@ def code_line_problems(texts):
 COUNTED = re.compile(r"\b(a|an|\d+) (tables?|diagrams?|pictures?|diffs?|exercises?)\b")
 
 
+def shown_items(text):
+    """The tables, diagrams (```text blocks), pictures and diffs a Part's text shows."""
+    return {"table": len(re.findall(r"^\|(?:---\|)+$", text, re.M)),
+            "diagram": len(re.findall(r"^```text$", text, re.M)),
+            "picture": len(re.findall(r"^!\[", text, re.M)),
+            "diff": len(re.findall(r"^```diff$", text, re.M))}
+
+
 def minute_problems(texts):
     """Each Part's "N to M minutes" in the README's map by the rule under it: the prose's
     minutes, its lines at 10 and at 5 a minute, a minute for each table, diagram, picture
@@ -496,6 +504,10 @@ def minute_problems(texts):
         if counted.get("exercise") != asked[part.name]:
             problems.append(f"the README's map counts {counted.get('exercise')} exercises "
                             f"for {part.name}, which has {asked[part.name]}")
+        for kind, found in shown_items(part.text).items():
+            if counted.get(kind, 0) != found:
+                problems.append(f"the README's map counts {counted.get(kind, 0)} {kind}s "
+                                f"for {part.name}, whose text shows {found}")
         rest = prose + sum(counted.values()) + 4 * asked[part.name]   # 5 an exercise
         wanted = "{} to {} minutes".format(*(5 * round((rest + lines / pace) / 5)
                                             for pace in (10, 5)))
