@@ -1,4 +1,4 @@
-"""What a decode step reads (Part 4, section 26). Each generated token reads every weight
+"""What a decode step reads (Part 4, section 27). Each generated token reads every weight
 of the model once, the embedding rows of its token and position, and every cached key
 and value (or latent) of every layer; on a GPU that reading, not the arithmetic, sets
 the speed of decoding. So
@@ -225,7 +225,7 @@ def _models(record):
 
 
 def cache_bytes_picture(record, timing):
-    """Sections 9 and 23 to 25: a sequence's cache in bytes against the positions it holds,
+    """Sections 9 and 24 to 26: a sequence's cache in bytes against the positions it holds,
     for the lab's models (to their 64 positions) and real ones (to their context windows),
     on log scales: every line is straight, of slope one, and the design moves it up or down."""
     panel = svg.Panel((100, 50, 330, 290), (1, 2 ** 17), (100, 1e12), xlog=True, ylog=True)
@@ -239,7 +239,7 @@ def cache_bytes_picture(record, timing):
                            color, dashed=real)
         legend.append((f"{name}: {per:,.0f} B", color))
     notes = ["after each name, its bytes a position;", "solid: the lab's, 8 bytes a number, to",
-             "its 64 positions (sections 23 to 25);", "dashed: real models, 2 bytes a number,",
+             "its 64 positions (sections 24 to 26);", "dashed: real models, 2 bytes a number,",
              "to each one's context window;", "4 layers of multi-query: 256 B, hidden",
              "under the lesson's line; 1 kB = 1,000 B"]
     return svg.page("The cache grows with the sequence; the design sets by how much",

@@ -1,4 +1,4 @@
-"""Attention read block by block (Part 3, section 20), as engines' kernels read a cache.
+"""Attention read block by block (Part 3, section 21), as engines' kernels read a cache.
 
 forward_step takes a row's attention in one go: every score, one softmax, one correctly
 rounded sum for each number. A GPU kernel cannot hold a long row of scores, so

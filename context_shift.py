@@ -1,4 +1,4 @@
-"""Shifting a rotary cache (Part 4, section 24), as a deliberate loss. When a full context
+"""Shifting a rotary cache (Part 4, section 25), as a deliberate loss. When a full context
 drops its oldest positions, an engine can keep the rest of the cache and turn each kept
 key back by the positions dropped (llama.cpp's context shift), or compute the kept
 tokens again. Turning a turned key is not turning it once: the cos and sin are rounded.

@@ -406,7 +406,7 @@ def experiment(lab):
     """deep_model for 1 to 4 layers of multi-head (4 key-value heads), grouped-query (2)
     and multi-query (1) attention: the largest gap between the cached rows and the full
     pass's, and the numbers its cache keeps per position; then, with a window of 8 on
-    every layer, which positions changing token 0 reaches."""
+    every layer, which positions changing the token at position 0 reaches."""
     ids = deep_ids(lab)
     shapes = []
     for layers, kv_heads in DEEP_SHAPES:

@@ -1,4 +1,4 @@
-"""Latent attention read the way engines decode it (Part 4, section 25). A latent model
+"""Latent attention read the way engines decode it (Part 4, section 26). A latent model
 of deep_model.py caches one latent c_kv a position and layer (and a small rotary key
 k_r), and deep_model.forward_step rebuilds every head's key and value from it at every
 step: exact, and dear. Absorption reads the latents directly, with the same math in

@@ -1,4 +1,4 @@
-"""Serving many requests from one pool (Part 3, sections 18 to 20): continuous batching,
+"""Serving many requests from one pool (Part 3, sections 18 to 21): continuous batching,
 preemption by recompute, and a prefix cache that outlives requests. Each step computes the
 running requests' rows together (batched.forward_rows). With the lab's exact product each
 request's result is exactly generate.generate's: the pool and the batch change the work

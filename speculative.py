@@ -1,4 +1,4 @@
-"""Speculative decoding, rolled back exactly (Part 3, section 21). After each chosen
+"""Speculative decoding, rolled back exactly (Part 3, section 22). After each chosen
 token, a drafter proposes a few more; one call of prefill checks them all, and the model
 chooses each next token from those rows in order, with its own random numbers, exactly
 as it would one at a time. A drafted token counts only where it is the token chosen;

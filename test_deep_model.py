@@ -152,9 +152,9 @@ class Teeth(unittest.TestCase):
 class Window(unittest.TestCase):
 
     def test_through_layers_a_window_passes_on_what_it_dropped(self):
-        """With a window of 8, token 0 changes rows up to position 7 in one layer, 14 in
-        two, 21 in three: layers x (window - 1). The cached path with the same band mask
-        gives the full pass's rows."""
+        """With a window of 8, the token at position 0 changes rows up to position 7 in one
+        layer, 14 in two, 21 in three: layers x (window - 1). The cached path with the same
+        band mask gives the full pass's rows."""
         ids = random_tokens(24)
         changed = [(ids[0] + 1) % model.VOCAB_SIZE] + ids[1:]
         band = model.band(8)

@@ -1,5 +1,5 @@
 """Tests of model.py: the backward pass against finite differences, causality, the exact
-arithmetic of the README's Reference (The model), and the refusals of bad input."""
+arithmetic of reference.md (The model), and the refusals of bad input."""
 import math
 import random
 import unittest
@@ -174,7 +174,7 @@ class ForwardTest(unittest.TestCase):
 
 
 def spec_forward(params, ids):
-    """The model's arithmetic (README, Reference: The model) written out position by
+    """The model's arithmetic (reference.md, The model) written out position by
     position, independently of model.py."""
     def dot(a, b):
         return fsum(a[k] * b[k] for k in range(len(a)))

@@ -1,6 +1,7 @@
-"""README.md against the code: every example, excerpt, diagram and figure it shows.
+"""The course's documents (README.md, each Part's file, the Reference, CONTRIBUTING.md)
+against the code: every example, excerpt, diagram, figure and link they show.
 
-Every figure the README quotes from the record (kv-trace.json, kv-time.json) is marked
+Every figure a document quotes from the record (kv-trace.json, kv-time.json) is marked
 with the entry it comes from, and every table, text block and diagram made by the code
 with the function that makes it (documents.py). python3 trace_kv.py --write rewrites them
 all, so after a --write on any machine these checks hold; a change of the code or a
@@ -13,6 +14,7 @@ import importlib
 import inspect
 import io
 import json
+import math
 import os
 import re
 import shlex
@@ -31,9 +33,9 @@ from quick_checks import skip_unless_sound
 HERE = os.path.dirname(os.path.abspath(__file__))
 ON_PURPOSE = ("If you did not mean to change this, `git diff` shows what did (and `git "
               "checkout -- FILE` undoes an edit). If you changed the code or retrained on "
-              "purpose, this is expected: bring README.md up to date")
+              "purpose, this is expected: bring the document up to date")
 WRITE = ("python3 trace_kv.py --write records the run and writes every marked figure and "
-         "block of README.md from it")
+         "block of every document from it")
 TIMES = re.compile(r"\d[\d,]*\.\d+ (s|µs)\b")   # seconds vary from run to run
 NUMBER = re.compile(r"(?<![\w.,])\d[\d,]*(?:\.\d+)?(?:e[-+]\d+)?(?![\w])")
 
@@ -89,29 +91,158 @@ def mismatch(shown, printed, source="the command"):
     return None
 
 
-def parts(text):
-    """(name in the table of times, first heading, the heading after it) for the lesson,
-    each "## Part N" of text and the Reference."""
-    headings = re.findall(r"^## (Part \d+)", text, re.M)
-    starts = ["### 1. ", *(f"## {part}" for part in headings), "## Reference"]
-    names = ["the lesson (Part 1)", *headings, "the Reference"]
-    return list(zip(names, starts, starts[1:] + ["### References"]))
+Part = collections.namedtuple("Part", "name file offset text words time")
+MAP_ROW = re.compile(r"^\| \[([^\]]+)\]\(([\w.-]*)(?:#([\w-]+))?\)[^|\n]* \| [^|\n]* \| "
+                     r"([^|\n]*) \| ([^|\n]*) \|$", re.M)
+README = documents.README
+EXERCISES = r"^#+ Exercises$"   # each Part ends with them
+SECTION = re.compile(r"^#+ \d+\. ", re.M)        # a numbered section: the course's
 
 
-EXERCISES = "### Exercises"   # each Part ends with them
+def the_documents():
+    """{file: its text} for every document of the course."""
+    return {name: lab_file_text(name) for name in documents.documents()}
 
 
-def prose_words(text, start="### 1. ", end="## Part 2"):
-    """The words of the prose from the heading start to the heading end (by default the
-    lesson, sections 1 to 14), without code blocks, tables, indented formula blocks,
-    comments and link targets; a marked figure counts as one word, whatever a run writes
-    there."""
-    part = FIGURE.sub("figure", text[text.index(start):text.index(end)])   # one word each
+def parts(texts):
+    """Each row of the README's map of the course, in order: its name, its file, and its
+    text (the whole file; for a row that links a heading, from that heading on), with the
+    row's prose and time cells."""
+    found = []
+    for name, file, heading, words, time in MAP_ROW.findall(texts[README]):
+        text = texts[file or README]
+        offset = heading_offsets(text)[heading] if heading else 0
+        found.append(Part(name, file or README, offset, text[offset:], words, time))
+    return found
+
+
+def course(texts):
+    """The Parts with numbered sections, exercises and code (the Reference has none)."""
+    return [part for part in parts(texts) if SECTION.search(part.text)]
+
+
+def prose_words(text, start=None, end=None):
+    """The words of the prose of text (from the heading start, up to the heading end:
+    regular expressions), without code blocks, tables, indented formula blocks, comments
+    and link targets; a marked figure counts as one word, whatever a run writes there."""
+    if start:
+        text = text[re.compile(start, re.M).search(text).start():]
+    if end:
+        text = text[:re.compile(end, re.M).search(text).start()]
+    part = FIGURE.sub("figure", text)   # one word each
     part = re.sub(r"^```.*?^```$", "", part, flags=re.M | re.S)
     kept = [line for line in part.splitlines()
             if not line.startswith(("|", "    ", "<!--", "!["))]
     prose = re.sub(r"\]\([^)]*\)", "]", "\n".join(kept))
     return [word for word in prose.split() if re.search(r"[A-Za-z0-9]", word)]
+
+
+def anchor(heading):
+    """GitHub's anchor of a heading: lowercase, punctuation dropped but hyphens and
+    spaces, spaces to hyphens (a link's target kept, its address dropped)."""
+    heading = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip())
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+def heading_offsets(text):
+    """{anchor: where its heading starts} for every heading of text outside code blocks;
+    a repeated anchor gets -1, -2 ... as on GitHub."""
+    plain = re.sub(r"^```.*?^```$", lambda f: " " * len(f[0]), text, flags=re.M | re.S)
+    found = {}
+    for heading in re.finditer(r"^#+ (.*)$", plain, re.M):
+        name, n = anchor(heading[1]), 1
+        while name in found:
+            name, n = f"{anchor(heading[1])}-{n}", n + 1
+        found[name] = heading.start()
+    return found
+
+
+def link_problems(texts, folder=HERE):
+    """Each relative link of the documents whose file is not in the lab's folder, or whose
+    #anchor names no heading of its file, a line each."""
+    problems = []
+    for name, text in texts.items():
+        plain = re.sub(r"^```.*?^```$", lambda f: "\n" * f[0].count("\n"), text,
+                       flags=re.M | re.S)
+        for link in re.finditer(r"\]\(([^)\s]+)\)", plain):
+            target, _, wanted = link[1].partition("#")
+            if re.match(r"\w+:", target):   # https: and the like
+                continue
+            where = f"{name} line {_line(plain, link.start())}, ({link[1]})"
+            if target and not os.path.isfile(os.path.join(folder, target)):
+                problems.append(f"{where}: there is no file {target}")
+            elif wanted and wanted not in heading_offsets(texts.get(target or name, "")):
+                problems.append(f"{where}: {target or name} has no heading whose anchor is "
+                                f"{wanted!r}")
+    return problems
+
+
+GLOSSARY = "reference.md"
+
+
+def glossary(texts):
+    """{term: its anchor} for every term of the Reference's glossary (its ### headings)."""
+    text = texts[GLOSSARY]
+    section = text[text.index("## Glossary"):]
+    section = section[:re.search(r"^## (?!Glossary)", section, re.M).start()]
+    return {term: anchor(term) for term in re.findall(r"^### (.+)$", section, re.M)}
+
+
+def first_use(texts, term):
+    """(file, start, end) of the term's first use in the course's prose (the Parts'
+    documents in their order; not in code, headings, comments or a link's address), as
+    written or plural; its case counts only if it holds a capital. None if never used."""
+    pattern = re.compile(rf"\b{re.escape(term)}s?\b", 0 if term != term.lower() else re.I)
+    for name in dict.fromkeys(part.file for part in course(texts)):
+        text = texts[name]
+        hidden = [found.span() for found in BLOCK.finditer(text)] + [
+            found.span() for found in re.finditer(
+            r"^```.*?^```$|^#[^\n]*|^    [^\n]*|<!--[^\n]*?-->|`[^`\n]*`|\]\([^)]*\)", text, re.M | re.S)]
+        for found in pattern.finditer(text):
+            if not any(start <= found.start() < end for start, end in hidden):
+                return name, found.start(), found.end()
+    return None
+
+
+def glossary_problems(texts):
+    """Each glossary term not linked to its entry at its first use in the course."""
+    problems = []
+    for term, wanted in glossary(texts).items():
+        used = first_use(texts, term)
+        if not used:
+            problems.append(f"{term!r} is in the glossary but the course never uses it")
+            continue
+        name, start, end = used
+        link = re.compile(r"\[([^\]]*)\]\(([^)]*)\)")
+        around = next((found for found in link.finditer(texts[name])
+                       if found.start() < start < found.end()), None)
+        if not around or around[2] != f"{GLOSSARY}#{wanted}":
+            problems.append(f"{name} line {_line(texts[name], start)}: the first use of "
+                            f"{term!r} must link to its entry, [{texts[name][start:end]}]"
+                            f"({GLOSSARY}#{wanted})")
+    return problems
+
+
+def sentences(text):
+    """The sentences of text's prose (not code, tables, formulas), marks kept."""
+    text = re.sub(r"^```.*?^```$", "", text, flags=re.M | re.S)
+    for paragraph in re.split(r"\n\s*\n|\n(?=\s*[-*] )", text):   # a list item alone
+        lines = [line for line in paragraph.splitlines()
+                 if not line.startswith(("|", "    ", "<!--block", "<!--picture", "!["))]
+        joined = " ".join(lines)
+        held = FIGURE.sub(lambda found: "\0" * len(found[0]), joined)   # no split in a mark
+        at = 0
+        for cut in re.finditer(r"(?<=[.!?])\s+(?=[A-Z(`*\[<\0])", held):
+            yield joined[at:cut.start()]
+            at = cut.end()
+        yield joined[at:]
+
+
+def crowded_sentences(text):
+    """Each sentence of text with more than three figure marks, a line each."""
+    return [f"{len(FIGURE.findall(sentence))} figure marks in one sentence, more "
+            f"than 3: {FIGURE.sub(lambda f: f[2], sentence)[:120]!r}"
+            for sentence in sentences(text) if len(FIGURE.findall(sentence)) > 3]
 
 
 def _line(text, at):
@@ -183,49 +314,55 @@ def unmarked_quotes(text, record):
             for found in NUMBER.finditer(plain) if found[0] in entries]
 
 
-def length_problems(text):
-    """The lesson within 2,500 words and saying its own length; the table of what each
-    Part takes giving its words of prose, the minutes they take at 200 words a minute,
-    and each Part's opening the minutes with its code, as the table does."""
+def opening(part):
+    """A Part's text before its first numbered section."""
+    return part.text[:SECTION.search(part.text).start()]
+
+
+def length_problems(texts):
+    """The lesson's sections within 2,500 words; the README's map giving each Part's words
+    of prose and the minutes they take at 200 words a minute; each Part's opening saying
+    the minutes with its code, as the map does."""
     problems = []
-    words = len(prose_words(text, end=EXERCISES))   # the lesson's reading, without its exercises
+    lesson = course(texts)[0].text
+    words = len(prose_words(lesson, r"^#+ 1\. ", EXERCISES))   # sections 1 to 14 alone
     if words > 2500:
         problems.append(f"the lesson (sections 1 to 14, without code, tables and formulas) "
                         f"has {words:,} words, more than 2,500")
-    for part, start, end in parts(text):
-        words = len(prose_words(text, start, end))
-        row = re.search(rf"\n\| {re.escape(part)}[^|\n]* \| [^|\n]* \| ([^|\n]*) \| "
-                        rf"(\d+ to \d+) minutes", text)
+    for part in parts(texts):
+        words = len(prose_words(part.text))
         wanted = f"{words:,} words, about {round(words / 200)} minutes"
-        if not row or row[1] != wanted:
-            problems.append(f"the table of times must give {part} {wanted!r}, not "
-                            f"{row[1] if row else 'nothing'!r}")
-        elif part != "the Reference":   # optional: it has no opening to say so
-            opening = text[text.index(start.replace("### 1. ", "## The lesson")):
-                           text.index(end)]
-            if f"With its code, {row[2]} minutes." not in " ".join(opening.split()):
-                problems.append(f"{part}'s opening must say \"With its code, {row[2]} "
-                                f"minutes.\", as the table of times does")
+        minutes = re.match(r"\d+ to \d+ minutes", part.time)
+        if part.words != wanted:
+            problems.append(f"the README's map must give {part.name} {wanted!r}, not "
+                            f"{part.words!r}")
+        elif not minutes:
+            problems.append(f"the README's map must give {part.name}'s time as \"N to M "
+                            f"minutes\", not {part.time!r}")
+        elif SECTION.search(part.text) and (f"With its code, {minutes[0]}."
+                                            not in " ".join(opening(part).split())):
+            problems.append(f"{part.name}'s opening ({part.file}) must say \"With its code, "
+                            f"{minutes[0]}.\", as the README's map does")
     return problems
 
 
-Exercise = collections.namedtuple("Exercise", "part line title edit answer")
+Exercise = collections.namedtuple("Exercise", "part file line title edit answer")
 
 
-def exercises(text):
-    """Every exercise of every Part: its Part, the README's line of it, its title, its edit
-    of the code if it asks for one ((file, old, new): "in FILE.py, change `OLD` to `NEW`")
+def exercises(texts):
+    """Every exercise of every Part: its Part, its file and line, its title, its edit of
+    the code if it asks for one ((file, old, new): "in FILE.py, change `OLD` to `NEW`")
     and the text of its answer (its <details> block)."""
     found = []
-    for part, start, end in parts(text)[:-1]:   # the Reference has none
-        at = text.index(EXERCISES, text.index(start))
-        section = text[at:text.index(end)]
+    for part in course(texts):
+        at = part.offset + re.search(EXERCISES, part.text, re.M).start()
+        text = texts[part.file]
         for asked in re.finditer(r"^\*\*(\d+\. [^*]+)\*\*(.*?)^<details>(.*?)^</details>",
-                                 section, re.M | re.S):
+                                 text[at:], re.M | re.S):
             edit = re.search(r"in (\w+\.py),? change `([^`]+)`\s+to `([^`]+)`",
                              " ".join(asked[2].split()), re.I)
-            found.append(Exercise(part, _line(text, at + asked.start()), asked[1],
-                                  edit.groups() if edit else None, asked[3]))
+            found.append(Exercise(part.name, part.file, _line(text, at + asked.start()),
+                                  asked[1], edit.groups() if edit else None, asked[3]))
     return found
 
 
@@ -277,15 +414,44 @@ def _lab_object(module, name):
                      and found.__module__ == module) else None
 
 
-def code_lines(text):
-    """{Part: lines of code} by the table of times' rule: the source lines (inspect) of
-    every function and class of the lab a Part names in backticks, as `name`, `name(...)`
-    or `module.name` (a bare name is the one in the module linked or named last before
-    it that defines one), each counted once, in the first Part that names it."""
+EXPERIMENT_RULE = re.compile(r"^# ---- (the experiment|what Part)", re.M)
+
+
+def read_whole(part):
+    """{module: its lines from its top to the rule that opens its experiment} for the
+    modules a Part's opening says it adds (a paragraph "The modules it adds ...")."""
+    said = re.search(r"^The modules it adds.*?(?=\n\n)", opening(part), re.M | re.S)
+    found = {}
+    for module in re.findall(r"\]\((\w+)\.py\)", said[0] if said else ""):
+        source = lab_file_text(f"{module}.py")
+        rule = EXPERIMENT_RULE.search(source)
+        found[module] = source[:rule.start() if rule else len(source)].count("\n")
+    return found
+
+
+def _starts_at(module, name):
+    """The line where the lab's function or class name of module starts (inf if none)."""
+    try:
+        return inspect.getsourcelines(_lab_object(module, name))[1]
+    except (OSError, TypeError):   # not the lab's, or made by a call (a namedtuple)
+        return math.inf
+
+
+def code_lines(texts):
+    """{Part: lines of code} by the map's rule: the lines of the modules it adds, each to
+    its experiment (read_whole), and the source lines (inspect) of every other function
+    and class of the lab it names in backticks, as `name`, `name(...)` or `module.name`
+    (a bare name is the one in the module linked or named last before it that defines
+    one), each counted once, in the first Part that names it."""
     counted, lines = set(), {}
-    for part, start, end in parts(text)[:-1]:   # the Reference walks through no code
-        modules, lines[part] = [], 0     # the lab's modules linked or named so far, in order
-        for link, module, name in MENTION.findall(text[text.index(start):text.index(end)]):
+    for part in course(texts):
+        whole = read_whole(part)
+        lines[part.name] = sum(whole.values())
+        for module, end in whole.items():   # what they define above the rule is read
+            counted |= {(module, name) for name in vars(importlib.import_module(module))
+                        if _starts_at(module, name) <= end}
+        modules = []     # the lab's modules linked or named so far, in order
+        for link, module, name in MENTION.findall(part.text):
             if _is_lab_module(link or module):
                 modules = [m for m in modules if m != (link or module)] + [link or module]
             if link or (module and module not in modules):   # `math.fsum`, `cache.crop`
@@ -294,34 +460,66 @@ def code_lines(text):
                           if _lab_object(m, name)), None)
             if owner and (owner, name) not in counted:
                 counted.add((owner, name))
-                lines[part] += len(inspect.getsourcelines(_lab_object(owner, name))[0])
+                lines[part.name] += len(inspect.getsourcelines(_lab_object(owner, name))[0])
     return lines
 
 
-def code_line_problems(text):
-    """Each Part's "about N lines" in the table of times: its code_lines to the nearest
-    10."""
+def code_line_problems(texts):
+    """Each Part's "about N lines" in the README's map: its code_lines to the nearest 10."""
     problems = []
-    for part, lines in code_lines(text).items():
+    times = {part.name: part.time for part in parts(texts)}
+    for name, lines in code_lines(texts).items():
         wanted = f"about {int(lines / 10 + 0.5) * 10} lines"
-        row = re.search(rf"\n\| {re.escape(part)}[^|\n]* \|[^\n]*?(about [\d,]+ lines)", text)
-        if not row or row[1] != wanted:
-            problems.append(f"the table of times must give {part} {wanted!r} ({lines} lines of "
-                            f"the functions and classes it names first), not "
-                            f"{row[1] if row else 'nothing'!r}, and its minutes by the rule "
-                            f"above the table")
+        stated = re.search(r"about [\d,]+ lines", times[name])
+        if not stated or stated[0] != wanted:
+            problems.append(f"the README's map must give {name} {wanted!r} ({lines} lines of "
+                            f"the modules it adds and the functions and classes it names "
+                            f"first), not {stated[0] if stated else 'nothing'!r}, and its "
+                            f"minutes by the rule above the map")
     return problems
 
 
-def digit_problems(text):
-    """Decimal figures of the prose and tables before the Reference (not what a command
-    prints) with more than 6 significant digits: a reader gets them rounded."""
-    text = re.sub(r"^```.*?^```$", "", text[:text.index("## Reference")], flags=re.M | re.S)
+COUNTED = re.compile(r"\b(a|an|\d+) (tables?|diagrams?|pictures?|diffs?|exercises?)\b")
+
+
+def minute_problems(texts):
+    """Each Part's "N to M minutes" in the README's map by the rule under it: the prose's
+    minutes, its lines at 10 and at 5 a minute, a minute for each table, diagram, picture
+    and diff the row counts, 5 for each exercise, each end rounded to 5 minutes."""
+    problems = []
+    asked = collections.Counter(exercise.part for exercise in exercises(texts))
+    for part in course(texts):
+        prose = round(len(prose_words(part.text)) / 200)
+        lines = int(re.search(r"about ([\d,]+) lines", part.time)[1].replace(",", ""))
+        counted = {kind.rstrip("s"): 1 if n in ("a", "an") else int(n)
+                   for n, kind in COUNTED.findall(part.time)}
+        if counted.get("exercise") != asked[part.name]:
+            problems.append(f"the README's map counts {counted.get('exercise')} exercises "
+                            f"for {part.name}, which has {asked[part.name]}")
+        rest = prose + sum(counted.values()) + 4 * asked[part.name]   # 5 an exercise
+        wanted = "{} to {} minutes".format(*(5 * round((rest + lines / pace) / 5)
+                                            for pace in (10, 5)))
+        if not part.time.startswith(wanted):
+            problems.append(f"the README's map must give {part.name} {wanted!r} by its rule "
+                            f"({prose} of prose, {lines} lines, {counted}), not "
+                            f"{part.time.split(',')[0]!r}")
+    return problems
+
+
+def digit_problems(name, text):
+    """Decimal figures of a Part's prose and tables (not what a command prints) with more
+    than 6 significant digits: a reader gets them rounded."""
+    text = re.sub(r"^```.*?^```$", "", text, flags=re.M | re.S)
     prose = "\n".join(line for line in FIGURE.sub(lambda found: found[2], text).splitlines()
                       if not line.startswith("    "))
-    return [f"README.md prints {figure}: round it (documents.shown does)"
+    return [f"{name} prints {figure}: round it (documents.shown does)"
             for figure in re.findall(r"\d[\d,]*\.\d+(?:e[-+]?\d+)?", prose)
             if len(re.sub(r"e.*|\D", "", figure).lstrip("0")) > 6]
+
+
+def course_digit_problems(texts):
+    return [problem for part in course(texts)
+            for problem in digit_problems(part.file, texts[part.file])]
 
 
 def slower(timing, uncached, cached):
@@ -340,49 +538,144 @@ def slower(timing, uncached, cached):
     return slow
 
 
+def words_but_figures(text):
+    """The words of text, every number in them a figure N: what no run may change (a
+    word that a mark or a block chose by a timing shows here)."""
+    return re.sub(r"\d[\d,.]*(?:e[-+]?\d+)?", "N", text).split()
+
+
+def first_changed_word(text, other):
+    """None, or the first word (not a figure) where other differs from text, in context."""
+    words, others = words_but_figures(text), words_but_figures(other)
+    at = next((i for i, (a, b) in enumerate(zip(words, others)) if a != b),
+              None if len(words) == len(others) else min(len(words), len(others)))
+    return None if at is None else (f"{' '.join(words[max(at - 8, 0):at + 3])!r} became "
+                                    f"{' '.join(others[max(at - 8, 0):at + 3])!r}")
+
+
 class Figures(unittest.TestCase):
-    """Every figure from the record in one place: the record; the README marks it."""
+    """Every figure from the record in one place: the record; each document marks it."""
 
     @classmethod
     def setUpClass(cls):
         cls.record, cls.timing = lab_json(trace_kv.TRACE), lab_json(trace_kv.TIMES)
+        cls.texts = the_documents()
 
     def assert_none(self, problems, what):
         if problems:
             self.fail(f"{len(problems)} {what}; the first: {problems[0]}"
                       + "".join(f"\n  {problem}" for problem in problems[1:5]))
 
+    def each_document(self, check):
+        return [f"{name} {problem}" for name, text in self.texts.items()
+                for problem in check(text)]
+
     def test_every_marked_figure_and_block_is_what_the_record_and_the_code_give(self):
-        self.assert_none(figure_problems(readme(), self.record, self.timing),
-                         f"marks of README.md are out of date ({WRITE})")
+        self.assert_none(self.each_document(lambda text: figure_problems(
+            text, self.record, self.timing)), f"marks are out of date ({WRITE})")
 
     def test_no_figure_of_the_record_is_quoted_unmarked(self):
-        self.assert_none(unmarked_quotes(readme(), self.record),
-                         "figures of README.md quote the record without a mark (write "
+        self.assert_none(self.each_document(lambda text: unmarked_quotes(text, self.record)),
+                         "figures quote the record without a mark (write "
                          "<!--fig PATH-->figure<!--/-->, PATH as the message names it)")
 
-    def test_a_write_on_a_machine_three_times_slower_keeps_the_readme_true(self):
-        """The README as --write would write it after a run three times slower (the
-        cached path three and a half): every check of its text still holds."""
-        slow = slower(self.timing, 3.0, 3.5)
-        self.assertNotEqual(slow["speedup"], self.timing["speedup"])
-        text = documents.rendered(readme(), self.record, slow)
-        self.assertNotEqual(text, readme())
-        for what, problems in (("marks", figure_problems(text, self.record, slow)),
-                               ("unmarked", unmarked_quotes(text, self.record)),
-                               ("lengths", length_problems(text)),
-                               ("digits", digit_problems(text))):
-            with self.subTest(check=what):
-                self.assert_none(problems, f"problems of the rewritten README ({what})")
+    def test_a_write_on_a_slower_or_a_faster_machine_changes_no_word_but_figures(self):
+        """The documents as --write would write them after a run three times slower (the
+        cached path three and a half), and after one three times faster: only figures
+        change, no word of the prose or of a block, and every check still holds."""
+        for pace in (3.0, 1 / 3):
+            timing = slower(self.timing, pace, pace * 7 / 6)
+            self.assertNotEqual(timing["speedup"], self.timing["speedup"])
+            texts = {name: documents.rendered(text, self.record, timing)
+                     for name, text in self.texts.items()}
+            self.assertNotEqual(texts, self.texts)
+            for name, text in texts.items():
+                with self.subTest(pace=pace, document=name):
+                    changed = first_changed_word(self.texts[name], text)
+                    if changed:
+                        self.fail(f"{name}: a timing changed a word: {changed}")
+                    self.assert_none(figure_problems(text, self.record, timing) +
+                                     unmarked_quotes(text, self.record),
+                                     f"problems of the rewritten {name}")
+            with self.subTest(pace=pace, check="lengths and digits"):
+                self.assert_none(length_problems(texts) + course_digit_problems(texts),
+                                 "problems of the rewritten documents")
 
     def test_the_lesson_and_each_part_give_their_own_length(self):
-        self.assert_none(length_problems(readme()), f"lengths are wrong. {ON_PURPOSE}")
+        self.assert_none(length_problems(self.texts), f"lengths are wrong. {ON_PURPOSE}")
 
     def test_each_part_gives_the_lines_of_code_it_names(self):
-        self.assert_none(code_line_problems(readme()), f"lines are wrong. {ON_PURPOSE}")
+        self.assert_none(code_line_problems(self.texts), f"lines are wrong. {ON_PURPOSE}")
+
+    def test_each_part_gives_the_minutes_its_rule_gives(self):
+        self.assert_none(minute_problems(self.texts), f"minutes are wrong. {ON_PURPOSE}")
 
     def test_no_figure_in_the_text_has_more_than_6_significant_digits(self):
-        self.assert_none(digit_problems(readme()), "figures are too long")
+        self.assert_none(course_digit_problems(self.texts), "figures are too long")
+
+    def test_no_sentence_carries_more_than_three_figure_marks(self):
+        self.assert_none(self.each_document(crowded_sentences),
+                         "sentences are too crowded with figures (say them in a table)")
+
+    def test_a_write_that_cannot_fill_a_mark_of_one_document_writes_no_file(self):
+        """--write draws every document before it writes any: a mark of the second
+        document that the run cannot fill leaves the first, and the records, as they were."""
+        before = {"README.md": "a <!--fig stories-->1<!--/-->\n",
+                  "part2-x.md": "b <!--fig no.such.entry-->2<!--/-->\n",
+                  trace_kv.TRACE: "the previous trace\n"}
+        with tempfile.TemporaryDirectory() as folder:
+            for name, text in before.items():
+                with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+                    f.write(text)
+            with self.assertRaisesRegex(ValueError, r"^part2-x\.md: a mark cannot be "
+                                                    r"filled .*nothing was written"):
+                trace_kv.save_records({"stories": 60}, {}, folder)
+            after = {}
+            for name in os.listdir(folder):
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    after[name] = f.read()
+        self.assertEqual(after, before)
+
+    def test_every_link_between_documents_finds_its_file_and_heading(self):
+        self.assert_none(link_problems(self.texts), "links go nowhere")
+
+    def test_the_quick_start_gives_the_run_time_as_the_progress_line_does(self):
+        shown = FIGURE.sub(lambda found: found[2], self.texts[README])
+        self.assertIn(trace_kv.last_duration().strip(), shown)
+
+    def test_section_9_gives_llama_2_7b_s_weights_as_bandwidth_counts_them(self):
+        """Section 9's weights, in GB and in GiB, are bandwidth.llama_parameters' at 2
+        bytes a number (section 27 quotes them from the same code)."""
+        import bandwidth
+        weights = 2 * bandwidth.llama_parameters(bandwidth.LLAMA_2_7B)
+        self.assertIn(f"Llama-2-7B's weights ({weights / 1e9:.2f} GB, {weights / 2**30:.2f} GiB)",
+                      self.texts[README])
+
+    def test_each_glossary_term_is_linked_at_its_first_use(self):
+        self.assert_none(glossary_problems(self.texts), "terms are not linked to the glossary")
+
+    def test_a_link_check_finds_a_missing_file_and_a_missing_heading(self):
+        texts = {"README.md": "# The lab\n\n## Quick start, again\n\n[a](part9.md) "
+                              "[b](#quick-start-again) [c](other.md#nowhere) [d](#the-lab) "
+                              "[e](https://x.y/z#w)\n",
+                 "other.md": "# Other\n"}
+        with tempfile.TemporaryDirectory() as folder:
+            for name in texts:
+                open(os.path.join(folder, name), "w").close()
+            problems = link_problems(texts, folder)
+        self.assertEqual(len(problems), 2, problems)
+        self.assertIn("no file part9.md", problems[0])
+        self.assertIn("'nowhere'", problems[1])
+        self.assertEqual(anchor("Every bad input, and what it gets"),
+                         "every-bad-input-and-what-it-gets")
+        self.assertEqual(anchor("20. Batched decode, and `serve`'s kernels"),
+                         "20-batched-decode-and-serves-kernels")
+
+    def test_a_sentence_with_four_marks_is_found(self):
+        mark = "<!--fig a.b-->1.5<!--/-->"
+        text = (f"One {mark} and {mark}, {mark}: {mark}.\n\nTwo {mark}, {mark} and "
+                f"{mark}. Three {mark}.\n")
+        self.assertEqual(len(crowded_sentences(text)), 1)
 
     def test_the_two_paths_name_the_code_as_it_is(self):
         """Section 4's picture: every function and class it names is the lab's."""
@@ -439,37 +732,39 @@ class Figures(unittest.TestCase):
 
 class Examples(unittest.TestCase):
 
-    def test_every_example_prints_what_the_readme_shows(self):
+    @classmethod
+    def setUpClass(cls):
+        cls.texts = the_documents()
+
+    def test_every_example_prints_what_the_documents_show(self):
         """Each fenced block whose first line is "$ python3 ..." is run from the lab's
         folder, but those of the exercises (which run in a copy of it, below); training
         logs (python3 train.py) are one real run's and are tied to best.json by
-        test_the_readme_quotes_the_checkpoint_figures instead."""
-        text = readme()
-        answers = "".join(exercise.answer for exercise in exercises(text))
-        examples = [(line, block[0], block[1:]) for line, _, block in fenced_blocks(text)
+        test_the_reference_quotes_the_checkpoint_figures instead."""
+        answers = "".join(exercise.answer for exercise in exercises(self.texts))
+        examples = [(name, line, block[0], block[1:]) for name, text in self.texts.items()
+                    for line, _, block in fenced_blocks(text)
                     if block and block[0].startswith("$ python3 ")
                     and not block[0].startswith("$ python3 train.py")
                     and "\n".join(block) not in answers]
         self.assertGreaterEqual(len(examples), 2)
-        for line, command, shown in examples:
+        for name, line, command, shown in examples:
             with self.subTest(command=command):
                 found = run_shown(command, shown)
                 if found:
-                    self.fail(f"README.md line {line}, `{command}`: {found}.\n{ON_PURPOSE}: "
+                    self.fail(f"{name} line {line}, `{command}`: {found}.\n{ON_PURPOSE}: "
                               f"run the command and copy what it prints.")
 
     def test_each_part_ends_with_two_or_three_exercises_and_their_answers(self):
-        text = readme()
-        found = exercises(text)
-        for part, start, end in parts(text)[:-1]:
-            with self.subTest(part):
-                section = text[text.index(start):text.index(end)]
-                self.assertEqual(re.findall(r"^### .*", section, re.M)[-1], EXERCISES,
-                                 f"{part} must end with its {EXERCISES}")
-                asked = [exercise for exercise in found if exercise.part == part]
-                self.assertIn(len(asked), (2, 3), f"{part}: 2 or 3 exercises")
+        found = exercises(self.texts)
+        for part in course(self.texts):
+            with self.subTest(part.name):
+                self.assertRegex(re.findall(r"^#+ .*", part.text, re.M)[-1], EXERCISES,
+                                 f"{part.file}: {part.name} must end with its exercises")
+                asked = [exercise for exercise in found if exercise.part == part.name]
+                self.assertIn(len(asked), (2, 3), f"{part.name}: 2 or 3 exercises")
                 for exercise in asked:
-                    self.assertTrue(commands(exercise.answer), f"README.md line "
+                    self.assertTrue(commands(exercise.answer), f"{exercise.file} line "
                                     f"{exercise.line}, {exercise.title!r}: its answer must "
                                     f"show a command or a session that a test runs")
 
@@ -477,8 +772,8 @@ class Examples(unittest.TestCase):
         """Each exercise's answer is run as a learner would: its commands in a copy of the
         lab's folder (with the exercise's edit of the code made there, if it asks for
         one), one after another, and its Python sessions replayed there."""
-        for exercise in exercises(readme()):
-            where = f"README.md line {exercise.line}, exercise {exercise.title!r}"
+        for exercise in exercises(self.texts):
+            where = f"{exercise.file} line {exercise.line}, exercise {exercise.title!r}"
             with self.subTest(exercise.title), tempfile.TemporaryDirectory() as folder:
                 for name in os.listdir(HERE):
                     if os.path.isfile(os.path.join(HERE, name)):
@@ -499,33 +794,42 @@ class Examples(unittest.TestCase):
                         self.fail(f"{where}: {found}\n{ON_PURPOSE}: run it and copy what it "
                                   f"prints.")
 
-    def test_the_readme_shows_the_real_code(self):
-        excerpts = re.findall(r"<!-- excerpt: (\w+)\.(\w+) -->\n```python\n(.*?)```", readme(),
-                              re.DOTALL)
+    def test_the_documents_show_the_real_code(self):
+        excerpts = [(name, *found) for name, text in self.texts.items() for found in
+                    re.findall(r"<!-- excerpt: (\w+)\.(\w+) -->\n```python\n(.*?)```", text,
+                               re.DOTALL)]
         self.assertGreaterEqual(len(excerpts), 2)
-        for module, function, code in excerpts:
+        for name, module, function, code in excerpts:
             with self.subTest(excerpt=f"{module}.{function}"):
-                self.assertTrue(code in inspect.getsource(getattr(sys.modules[module], function)),
-                                f"README.md's excerpt of {module}.{function} is not in its "
-                                f"source any more. {ON_PURPOSE}: copy the lines again.")
+                source = inspect.getsource(getattr(importlib.import_module(module), function))
+                self.assertTrue(code in source, f"{name}'s excerpt of {module}.{function} is "
+                                f"not in its source any more. {ON_PURPOSE}: copy the lines "
+                                f"again.")
 
     def test_the_lesson_counts_its_words_without_code_tables_and_formulas(self):
         text = ("### 1. One\n\nTwo words, [a link](https://x.y/z).\n\n```python\nx = 1\n```\n"
-                "| a | table |\n    a formula\n<!-- a comment -->\n- a list `item`\n## Part 2\n")
+                "| a | table |\n    a formula\n<!-- a comment -->\n- a list `item`\n")
         self.assertEqual(prose_words(text),
                          ["1.", "One", "Two", "words,", "[a", "link].", "a", "list", "`item`"])
 
     def test_a_part_counts_the_lines_of_the_lab_s_code_it_names_first(self):
         import deep_model
         import kv_cache
-        text = ("### 1. One\n[kv_cache.py](kv_cache.py): `forward_step`, `feed(ids)`, "
-                "`math.fsum`, `cache.crop`\n## Part 2\n`forward_step` again, "
-                "`deep_model.forward_step`, [deep_model.py](deep_model.py), `DeepCache`\n"
-                "## Reference\n`work`\n### References\n")
+        texts = {README: "| [the lesson](#the-lesson) | 1 | x | y |\n"
+                         "| [Part 2](part2.md) | 2 | x | y |\n\n## The lesson\n\n"
+                         "### 1. One\n[kv_cache.py](kv_cache.py): `forward_step`, "
+                         "`feed(ids)`, `math.fsum`, `cache.crop`\n",
+                 "part2.md": "# Part 2\n\nThe modules it adds: [prefill.py](prefill.py).\n\n"
+                             "## 2. Two\n`forward_step` again, `prefill.prefill`, "
+                             "`deep_model.forward_step`, [deep_model.py](deep_model.py), "
+                             "`DeepCache`\n"}
+        source = lab_file_text("prefill.py")
         lines = [len(inspect.getsourcelines(named)[0]) for named in (
             kv_cache.forward_step, kv_cache.feed, deep_model.forward_step, deep_model.DeepCache)]
-        self.assertEqual(code_lines(text), {"the lesson (Part 1)": lines[0] + lines[1],
-                                            "Part 2": lines[2] + lines[3]})
+        self.assertEqual(code_lines(texts), {
+            "the lesson": lines[0] + lines[1],
+            "Part 2": source[:EXPERIMENT_RULE.search(source).start()].count("\n")
+            + lines[2] + lines[3]})
 
     def test_a_line_shown_must_match_except_times_and_elided_lines(self):
         printed = ["uncached: 198 rows, 0.067 s", "a", "b", "c", "identical: yes"]
@@ -535,16 +839,16 @@ class Examples(unittest.TestCase):
         self.assertIn("gives more", mismatch(printed[:3], printed))
         self.assertIn("does not give", mismatch(["...", "identical: NO"], printed))
 
-    def test_the_readme_quotes_the_checkpoint_figures(self):
+    def test_the_reference_quotes_the_checkpoint_figures(self):
         meta = lab_json("best.json")["meta"]
         val, baseline = meta["val_loss"], meta["unigram_baseline"]
-        text = readme()
+        text = lab_file_text("reference.md")
         for figure in (f"| {baseline:.4f} nats per token |",
                        f"| {val:.4f} nats per token, {val / baseline:.1%} of the baseline |",
                        f"best validation loss {val:.4f} = {val / baseline:.1%} of the unigram "
                        f"baseline (epoch {meta['epoch']})"):
             with self.subTest(figure=figure):
-                self.assertTrue(figure in text, f"not in README.md. {ON_PURPOSE}.")
+                self.assertTrue(figure in text, f"not in reference.md. {ON_PURPOSE}.")
 
 
 

@@ -392,31 +392,3 @@ def rows_picture(record, timing):
     return svg.page("What the cache saves: work to reach each length (one-token prompt)",
                     body + svg.legend(100, 380, [("without the cache", svg.COLORS[0])])
                     + svg.legend(300, 380, [("with the cache", svg.COLORS[1])]))
-
-
-def _against(figure, reference, close, below, above):
-    """Words for how figure stands against reference: within 10% of it, or not."""
-    return close if abs(figure / reference - 1) <= 0.1 else below if figure < reference else above
-
-
-def speedup_against_rows(record, timing):
-    return _against(timing["speedup"], record["rows_ratio"], "close to", "below", "above")
-
-
-def cached_row_cost(record, timing):
-    return _against(timing["cached_microseconds_per_row"],
-                    timing["uncached_microseconds_per_row"], "about what", "less than",
-                    "more than")
-
-
-def fsum_share_of_a_row(record, timing):
-    share = timing["forward_step_over_its_fsum_calls"]
-    return ("Most of a row is the correctly rounded sums" if share < 2
-            else f"The correctly rounded sums are {1 / share:.0%} of a row")
-
-
-def speed_against_rows(record, timing):
-    below = [run["speedup"] < length["positions"] // 2
-             for run, length in zip(timing["cost_by_length"], record["cost_by_length"])]
-    return ("each lands a little below its rows ratio" if all(below) else
-            "not every one lands below its rows ratio")
