@@ -1,6 +1,6 @@
-"""The layers of the lab, for the tests: the lesson's cache first, then each Part on the
-layers it builds on (LAYERS), each with a quick check of its own, run at most once in a
-test run. A test module names its layer in its set-up (set_up): if a layer under it is
+"""The quick checks of the lab's layers, for the tests: the lesson's cache first, then
+each Part on the layers it builds on (LAYERS), each with a quick check of its own, run at
+most once in a test run. A test module names its layer in its set-up (set_up): if a layer under it is
 wrong, its tests skip with one line naming that layer and the command that shows why, so
 that one mistake gives one verdict, from the layer it is in.
 

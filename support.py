@@ -6,6 +6,8 @@ layers of the lab, and the skips they decide, are quick_checks.py's. No test mod
 another; they import these two.
 """
 import contextlib
+import functools
+import json
 import math
 import os
 import random
@@ -35,12 +37,16 @@ def lab_file(name):
         return f.read()
 
 
+@functools.lru_cache(maxsize=None)   # read once: no test changes the file
+def _the_record():
+    return json.loads(lab_file("kv-trace.json"))
+
+
 def recorded(name):
     """The entry name of the recorded run (kv-trace.json), for a Part's claims about its
     record: test_trace_kv proves that the file is what python3 trace_kv.py records now,
     so what holds of the file holds of the run. A missing entry says what to add."""
-    import json
-    record = json.loads(lab_file("kv-trace.json"))
+    record = _the_record()
     if name not in record:
         raise AssertionError(
             f"kv-trace.json has no entry {name!r}: no stage of trace_kv.STAGES records it. "
