@@ -168,7 +168,7 @@ def link_problems(texts, folder=HERE):
             target, _, wanted = link[1].partition("#")
             if re.match(r"\w+:", target):   # https: and the like
                 continue
-            where = f"{name} line {_line(plain, link.start())}, ({link[1]})"
+            where = f"{name} line {documents.line_of(plain, link.start())}, ({link[1]})"
             if target and not os.path.isfile(os.path.join(folder, target)):
                 problems.append(f"{where}: there is no file {target}")
             elif wanted and wanted not in heading_offsets(texts.get(target or name, "")):
@@ -217,7 +217,7 @@ def glossary_problems(texts):
         around = next((found for found in link.finditer(texts[name])
                        if found.start() < start < found.end()), None)
         if not around or around[2] != f"{GLOSSARY}#{wanted}":
-            problems.append(f"{name} line {_line(texts[name], start)}: the first use of "
+            problems.append(f"{name} line {documents.line_of(texts[name], start)}: the first use of "
                             f"{term!r} must link to its entry, [{texts[name][start:end]}]"
                             f"({GLOSSARY}#{wanted})")
     return problems
@@ -245,16 +245,12 @@ def crowded_sentences(text):
             for sentence in sentences(text) if len(FIGURE.findall(sentence)) > 3]
 
 
-def _line(text, at):
-    return text.count("\n", 0, at) + 1
-
-
 def figure_problems(text, record, timing):
     """Every marked figure and block of text that is not what the record, the timing and
     the code give now, a line each (naming the README's line and both values)."""
     marks = list(FIGURE.finditer(text))
     starts = {found.start() for found in marks}
-    problems = [f"line {_line(text, begun.start())}: a <!--fig mark without its <!--/--> on "
+    problems = [f"line {documents.line_of(text, begun.start())}: a <!--fig mark without its <!--/--> on "
                 f"the same line" for begun in re.finditer("<!--fig ", text)
                 if begun.start() not in starts and text[begun.start() - 1] != "`"]
     for found in marks:
@@ -263,10 +259,10 @@ def figure_problems(text, record, timing):
         except (KeyError, IndexError, ValueError, TypeError) as e:
             wanted = f"no figure ({type(e).__name__}: {e})"
         if found[2] != wanted:
-            problems.append(f"line {_line(text, found.start())}: <!--fig {found[1]}--> shows "
+            problems.append(f"line {documents.line_of(text, found.start())}: <!--fig {found[1]}--> shows "
                             f"{found[2]!r}, where the record gives {wanted!r}")
     for found in BLOCK.finditer(text):
-        where = f"line {_line(text, found.start())}, block {found[1]}"
+        where = f"line {documents.line_of(text, found.start())}, block {found[1]}"
         try:
             draw = documents.drawing(found[1])
         except ValueError as e:
@@ -309,7 +305,7 @@ def unmarked_quotes(text, record):
         return "\n" * found[0].count("\n")
     plain = FIGURE.sub(blank, BLOCK.sub(blank, text))
     plain = re.sub(r"^```.*?^```$", blank, plain, flags=re.M | re.S)
-    return [f"line {_line(plain, found.start())}: {found[0]} is written as "
+    return [f"line {documents.line_of(plain, found.start())}: {found[0]} is written as "
             f"{entries[found[0]]} of the record, unmarked"
             for found in NUMBER.finditer(plain) if found[0] in entries]
 
@@ -361,7 +357,7 @@ def exercises(texts):
                                  text[at:], re.M | re.S):
             edit = re.search(r"in (\w+\.py),? change `([^`]+)`\s+to `([^`]+)`",
                              " ".join(asked[2].split()), re.I)
-            found.append(Exercise(part.name, part.file, _line(text, at + asked.start()),
+            found.append(Exercise(part.name, part.file, documents.line_of(text, at + asked.start()),
                                   asked[1], edit.groups() if edit else None, asked[3]))
     return found
 
