@@ -1,8 +1,9 @@
 """The quick checks of the lab's layers, for the tests: the lesson's cache first, then
-each Part on the layers it builds on (LAYERS), each with a quick check of its own, run at
-most once in a test run. A test module names its layer in its set-up (set_up): if a layer under it is
-wrong, its tests skip with one line naming that layer and the command that shows why, so
-that one mistake gives one verdict, from the layer it is in.
+each Part on the layers it builds on (LAYERS). Each check feeds the cases where its
+module's mistakes show, and returns None if they hold, else why not: a Wrong, whose one
+line names the quantity that differs and where (story, position, block, request), and
+whose detail gives what was fed and both values. verdicts.py runs each at most once in a
+test run and decides what the tests built on it do.
 
 Each check imports its Part's module itself, when it runs: a Part that cannot even be
 imported (a syntax error) is then that layer's verdict, and the layers beside it run.
@@ -10,17 +11,53 @@ imported (a syntax error) is then that layer's verdict, and the layers beside it
 import copy
 import os
 import random
-import sys
 import tempfile
-import unittest
 from collections import namedtuple
 
 import kv_cache
 import model
 from kv_cache import KVCache, feed
-from support import (OPENINGS, PARAMS, STORIES, TOK, cached_rows, described,
-                     enter_another_folder, filled_cache, first_difference, snapshot,
-                     where_rows_differ)
+from support import (OPENINGS, PARAMS, STORIES, TOK, cached_rows, filled_cache,
+                     first_difference, snapshot, where_rows_differ)
+
+
+class Wrong(str):
+    """A check's verdict when it fails: one line (the str itself), naming the quantity that
+    differs and where; and its detail, for the layer's own QuickCheck: what was fed, and
+    both values."""
+
+    def __new__(cls, line, detail=""):
+        wrong = super().__new__(cls, line)
+        wrong.detail = detail
+        return wrong
+
+
+def excerpt(values, width=100):
+    """A list of numbers (or anything) as a line of at most width characters."""
+    text = repr(values)
+    return text if len(text) <= width else text[:width - 5] + " ...]"
+
+
+def differ(what, got, expected, source, names=("position", "logit"), fed=""):
+    """None if got == expected, else a Wrong naming the first number that differs by its
+    indices (names: what each level of nesting counts, "position 9, logit 3"), with both
+    numbers; its detail shows what was fed and the two vectors that hold the difference."""
+    if got == expected:
+        return None
+    where, mine, wanted = first_difference(got, expected)
+    indices = [int(i) for i in where.strip("[]").split("][")] if where.startswith("[") else []
+    place = ", ".join(f"{name} {i}" for name, i in zip(names, indices)) or where
+    outer_got, outer_wanted = got, expected
+    for i in indices[:-1]:
+        outer_got, outer_wanted = outer_got[i], outer_wanted[i]
+    detail = (f"  fed: {fed}\n" if fed else "") + (
+        f"  {source} gave: {excerpt(outer_got)}\n  expected:  {excerpt(outer_wanted)}")
+    return Wrong(f"{what}, at {place}: {mine} from {source}, {wanted} expected", detail)
+
+
+def module_of(name):
+    """The test module of layer name (from its command: python3 -m unittest test_x)."""
+    return LAYERS[name].command.split()[-1].split(".")[0]
 
 
 def _lesson():
@@ -28,17 +65,11 @@ def _lesson():
     return where_rows_differ(PARAMS, TOK.encode(STORIES[0]))
 
 
-def _differ(what, got, expected, source):
-    """None if got == expected, else the first number that differs, in a line."""
-    found = first_difference(got, expected)
-    return found and f"{what}, at {found[0]}: {found[1]} from {source}, {found[2]} expected"
-
-
 def _prefill():
     """The first test story prefilled 3 tokens at a time gives forward_step's rows."""
     import prefill
     ids = TOK.encode(STORIES[0])
-    return _differ("the first test story prefilled in chunks of 3",
+    return differ("the first test story prefilled in chunks of 3",
                    prefill.prefill_in_chunks(PARAMS, KVCache(PARAMS), ids, 3),
                    cached_rows(PARAMS, ids), "prefill")
 
@@ -98,10 +129,10 @@ def _lossy():
     full pass with its band mask."""
     import lossy
     ids = TOK.encode(STORIES[0])
-    return (_differ("a float64 QuantizedCache on the first test story",
+    return (differ("a float64 QuantizedCache on the first test story",
                     feed(PARAMS, lossy.QuantizedCache(PARAMS, "float64"), ids),
                     cached_rows(PARAMS, ids), "the cache")
-            or _differ("WindowCache(params, 8, 2) on the first test story",
+            or differ("WindowCache(params, 8, 2) on the first test story",
                        feed(PARAMS, lossy.WindowCache(PARAMS, 8, 2), ids),
                        model.forward(PARAMS, ids, model.band(8, 2))[0], "the cache"))
 
@@ -134,7 +165,7 @@ def where_batches_differ(params, caches, ids, seed=0):
     except ValueError as refused:
         return f"forward_rows refused: {refused}"
     for index, (got, own) in enumerate(zip(rows, ids)):
-        why = _differ(f"sequence {index}", got, feed(params, KVCache(params), own), "forward_rows")
+        why = differ(f"sequence {index}", got, feed(params, KVCache(params), own), "forward_rows")
         if why:
             return why
     return None
@@ -185,7 +216,7 @@ def _cache_files():
         path = os.path.join(folder, "cache.json")
         cache_files.save_cache(cache, path)
         loaded = cache_files.load_cache(PARAMS, path)
-    return _differ("a saved and loaded cache (length, tokens, keys, values)",
+    return differ("a saved and loaded cache (length, tokens, keys, values)",
                    snapshot(loaded), snapshot(cache), "the file")
 
 
@@ -203,7 +234,7 @@ def where_deep_rows_differ(params, ids, mask=None):
     else where they first differ, in a line."""
     import deep_model
     rows, _ = deep_rows(params, ids, mask)
-    return _differ("the cached rows", rows,
+    return differ("the cached rows", rows,
                    deep_model.forward(params, ids, mask or deep_model.causal), "the cache")
 
 
@@ -221,6 +252,28 @@ def _deep_model():
         why = where_deep_rows_differ(params, ids)
         if why:
             return f"a 2-layer {label}: {why}"
+    return None
+
+
+def _context_shift():
+    """A cache built from kept keys and values (context_shift._held) goes on as the cache
+    it was kept from, in 2-layer models with learned and with rotary positions."""
+    import context_shift
+    import deep_model
+    ids = TOK.encode(STORIES[0])[:10]
+    for positions in ("learned", "rotary"):
+        params = deep_model.init_params(2, 4, 2, 16, 0, positions)
+        fed = deep_model.DeepCache(params)
+        context_shift._fed(params, fed, ids[:6])
+        held = context_shift._held(params, fed.tokens, [(layer["keys"], layer["values"])
+                                                        for layer in fed.layers])
+        why = differ(f"a 2-layer model with {positions} positions, a cache held from the "
+                     f"first 6 tokens of the first test story and fed the next 4",
+                     context_shift._fed(params, held, ids[6:]),
+                     context_shift._fed(params, fed, ids[6:]), "the held cache",
+                     names=("row", "logit"), fed=f"token IDs {ids}")
+        if why:
+            return why
     return None
 
 
@@ -320,7 +373,7 @@ LAYERS = {
     "deep_model": Layer("the deeper model (deep_model.py)", (),
                         "python3 -m unittest test_deep_model", _deep_model),
     "context_shift": Layer("the context shift (context_shift.py)", ("deep_model",),
-                           "python3 -m unittest test_context_shift", None),
+                           "python3 -m unittest test_context_shift", _context_shift),
     "latent_attention": Layer("latent attention read in latent space (latent_attention.py)",
                               ("deep_model",), "python3 -m unittest test_latent_attention",
                               _latent_attention),
@@ -332,64 +385,3 @@ LAYERS["blockwise"] = Layer("attention read block by block (blockwise.py)",
                             ("lesson", "batched"), "python3 -m unittest test_blockwise",
                             _blockwise)
 LAYERS["every Part"] = Layer("every Part", tuple(LAYERS), "python3 -m unittest", None)
-
-_verdicts, _told = {}, set()
-
-
-def layer(name):
-    """LAYERS[name], or an error that says the line a new Part's layer needs there."""
-    if name not in LAYERS:
-        raise LookupError(
-            f"quick_checks.LAYERS has no layer {name!r}: a new Part's test module names its "
-            f"layer, so add its line before LAYERS[\"every Part\"], for instance\n"
-            f"LAYERS[{name!r}] = Layer(\"what it is ({name}.py)\", (\"lesson\",), "
-            f"\"python3 -m unittest test_{name}\", _{name})\n"
-            f"with _{name}, its quick check (None if it holds, else why not, in a line)")
-    return LAYERS[name]
-
-
-def verdict(name):
-    """None if layer name's own check holds, else why not (checked once in a run)."""
-    if name not in _verdicts:
-        check = layer(name).check
-        _verdicts[name] = check and described(check)
-    return _verdicts[name]
-
-
-def wrong_below(name):
-    """The first layer under name (foundations first) whose check fails, or None."""
-    for below in layer(name).builds_on:
-        found = wrong_below(below) or (below if verdict(below) else None)
-        if found:
-            return found
-    return None
-
-
-def _wait_for(wrong):
-    """Skip, since layer wrong fails its check; the first time, say so on stderr, in one
-    line (unittest shows the reasons of skips only with -v)."""
-    reason = (f"{layer(wrong).title} is wrong, so the tests built on it skip; "
-              f"{layer(wrong).command} shows why")
-    if wrong not in _told:
-        _told.add(wrong)
-        print(f"\n{reason}: {verdict(wrong)}", file=sys.stderr)
-    raise unittest.SkipTest(reason)
-
-
-def skip_unless_sound(name):
-    """For the tests built on layer name: skip unless it and every layer under it hold."""
-    wrong = wrong_below(name) or (name if verdict(name) else None)
-    if wrong:
-        _wait_for(wrong)
-
-
-def set_up(name):
-    """A layer's own test module's set-up: skip if a layer under it is wrong; fail, with
-    the layer's own verdict in one line, if it is; then run from another folder, as a
-    learner might run the commands."""
-    wrong = wrong_below(name)
-    if wrong:
-        _wait_for(wrong)
-    if verdict(name):
-        raise AssertionError(f"{layer(name).title} is wrong: {verdict(name)}")
-    enter_another_folder()

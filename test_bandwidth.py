@@ -10,7 +10,7 @@ import kv_cache
 import latent_attention
 import model
 from instruments import count_reads
-from quick_checks import set_up
+from verdicts import quick_check_case, set_up
 from support import PARAMS, random_tokens, tear_down
 
 
@@ -19,6 +19,7 @@ def setUpModule():
 
 
 tearDownModule = tear_down
+QuickCheck = quick_check_case("bandwidth", __name__)
 
 
 def deep_reads(params, path, held):

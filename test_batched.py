@@ -9,6 +9,7 @@ import unittest
 
 import batched
 import quick_checks
+import verdicts
 import model
 import paged
 import support
@@ -26,10 +27,11 @@ def setUpModule():
     module: three stories fed in mixed batches give forward_step's rows. If not, its one
     line names the first number that differs (or why forward_rows refused), and no other
     test runs."""
-    quick_checks.set_up("batched")
+    verdicts.set_up("batched")
 
 
 tearDownModule = support.tear_down
+QuickCheck = verdicts.quick_check_case("batched", __name__)
 
 
 class ExactProduct(unittest.TestCase):

@@ -12,7 +12,8 @@ import blockwise
 import support
 from instruments import replacing
 from kv_cache import KVCache
-from quick_checks import ROUNDING, attention_reads, set_up
+from quick_checks import ROUNDING, attention_reads
+from verdicts import quick_check_case, set_up
 from support import OPENINGS, PARAMS, STORIES, TOK, assert_each_mistake_is_caught, tear_down
 
 READS = []   # (q, keys, values) of every row of two stories, as forward_rows reads them
@@ -25,6 +26,7 @@ def setUpModule():
 
 
 tearDownModule = tear_down
+QuickCheck = quick_check_case("blockwise", __name__)
 
 
 def where_kind_strays(kind, exact_bits):

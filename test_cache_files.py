@@ -14,7 +14,7 @@ from unittest import mock
 
 import cache_files
 import generate
-import quick_checks
+import verdicts
 import lossy
 import paged
 import support
@@ -23,10 +23,11 @@ from support import OPENINGS, PARAMS, TOK, assert_equal, filled_cache, snapshot
 
 
 def setUpModule():
-    quick_checks.set_up("cache_files")   # skips if a layer under it is wrong; runs from elsewhere
+    verdicts.set_up("cache_files")   # skips if a layer under it is wrong; runs from elsewhere
 
 
 tearDownModule = support.tear_down
+QuickCheck = verdicts.quick_check_case("cache_files", __name__)
 
 
 class CacheFiles(unittest.TestCase):

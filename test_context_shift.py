@@ -7,7 +7,7 @@ import unittest
 import context_shift
 import deep_model
 import support
-from quick_checks import set_up
+from verdicts import quick_check_case, set_up
 from model import VOCAB_SIZE
 from support import tear_down
 
@@ -17,22 +17,10 @@ def setUpModule():
 
 
 tearDownModule = tear_down
+QuickCheck = quick_check_case("context_shift", __name__)
 
 
 class HeldCaches(unittest.TestCase):
-
-    def test_a_cache_built_from_kept_keys_and_values_goes_on_as_the_fed_one(self):
-        rng = random.Random(0)
-        ids = [rng.randrange(VOCAB_SIZE) for _ in range(10)]
-        for positions in ("learned", "rotary"):
-            params = deep_model.init_params(2, 4, 2, 16, 0, positions)
-            fed = deep_model.DeepCache(params)
-            context_shift._fed(params, fed, ids[:6])
-            held = context_shift._held(params, fed.tokens,
-                                       [(layer["keys"], layer["values"]) for layer in fed.layers])
-            with self.subTest(positions=positions):
-                self.assertEqual(context_shift._fed(params, held, ids[6:]),
-                                 context_shift._fed(params, fed, ids[6:]))
 
     def test_a_turn_by_no_position_leaves_a_key_as_it_is(self):
         rng = random.Random(1)

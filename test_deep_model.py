@@ -12,7 +12,8 @@ import model
 import support
 from generate import load_trained
 from instruments import replacing
-from quick_checks import deep_rows, set_up, where_deep_rows_differ
+from quick_checks import deep_rows, where_deep_rows_differ
+from verdicts import quick_check_case, set_up
 from support import (assert_each_mistake_is_caught, assert_each_refused, check_random_cases,
                      deep_snapshot, random_tokens, tear_down)
 
@@ -25,6 +26,7 @@ def setUpModule():
 
 
 tearDownModule = tear_down
+QuickCheck = quick_check_case("deep_model", __name__)
 
 
 class Exactness(unittest.TestCase):

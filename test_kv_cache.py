@@ -22,7 +22,7 @@ import support
 from generate import never_ending
 from instruments import plant, recording, replacing, sums_in_another_order
 from kv_cache import KVCache, feed, forward_step, generate_cached
-from quick_checks import skip_unless_sound
+from verdicts import skip_unless_sound
 from stories import story_ids
 from support import (HERE, OPENINGS, PARAMS, STORIES, TOK, UNCHANGED, assert_changed,
                      assert_equal, assert_every_row_equal, assert_same_generation,

@@ -10,7 +10,8 @@ import deep_model
 import latent_attention
 import support
 from instruments import recording, replacing
-from quick_checks import ROUNDING, set_up, where_absorbed_strays, where_deep_rows_differ
+from quick_checks import ROUNDING, where_absorbed_strays, where_deep_rows_differ
+from verdicts import quick_check_case, set_up
 from support import (assert_each_mistake_is_caught, assert_each_refused, deep_snapshot,
                      random_tokens, tear_down)
 
@@ -20,6 +21,7 @@ def setUpModule():
 
 
 tearDownModule = tear_down
+QuickCheck = quick_check_case("latent_attention", __name__)
 
 
 class Absorption(unittest.TestCase):

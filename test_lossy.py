@@ -3,7 +3,7 @@ bytes; a window equals the band-masked full pass; what a format cannot store is 
 import struct
 import unittest
 
-import quick_checks
+import verdicts
 import lossy
 import model
 import prefill
@@ -14,10 +14,11 @@ from support import (OPENINGS, PARAMS, STORIES, TOK, assert_changed, assert_equa
 
 
 def setUpModule():
-    quick_checks.set_up("lossy")   # skips if a layer under it is wrong; runs from elsewhere
+    verdicts.set_up("lossy")   # skips if a layer under it is wrong; runs from elsewhere
 
 
 tearDownModule = support.tear_down
+QuickCheck = verdicts.quick_check_case("lossy", __name__)
 
 
 class Lossy(unittest.TestCase):

@@ -9,6 +9,7 @@ import unittest
 from unittest import mock
 
 import quick_checks
+import verdicts
 import batched
 import kv_cache
 import model
@@ -29,10 +30,11 @@ def setUpModule():
     position where a mistake in the pool shows, and no other test runs: they use feed and
     generate_cached, which see only a sequence that disagrees with itself (and would blame
     the caller)."""
-    quick_checks.set_up("paged")
+    verdicts.set_up("paged")
 
 
 tearDownModule = support.tear_down
+QuickCheck = verdicts.quick_check_case("paged", __name__)
 
 
 ROOM_OFF_BY_ONE = replacing(   # block_size - in the last block becomes block_size - ... - 1

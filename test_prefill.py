@@ -5,7 +5,7 @@ import copy
 import unittest
 from unittest import mock
 
-import quick_checks
+import verdicts
 import model
 import prefill
 import support
@@ -17,10 +17,11 @@ from support import (OPENINGS, PARAMS, STORIES, TOK, UNCHANGED, assert_changed,
 
 
 def setUpModule():
-    quick_checks.set_up("prefill")   # skips if a layer under it is wrong; runs from elsewhere
+    verdicts.set_up("prefill")   # skips if a layer under it is wrong; runs from elsewhere
 
 
 tearDownModule = support.tear_down
+QuickCheck = verdicts.quick_check_case("prefill", __name__)
 
 
 def is_causal_slice(node):

@@ -28,7 +28,7 @@ import unittest.mock
 import documents
 import trace_kv
 from documents import BLOCK, FIGURE
-from quick_checks import skip_unless_sound
+from verdicts import skip_unless_sound
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ON_PURPOSE = ("If you did not mean to change this, `git diff` shows what did (and `git "

@@ -8,7 +8,7 @@ import unittest
 
 import batched
 import generate
-import quick_checks
+import verdicts
 import model
 import paged
 import serving
@@ -18,10 +18,11 @@ from support import OPENINGS, PARAMS, STORIES, TOK, assert_equal
 
 
 def setUpModule():
-    quick_checks.set_up("serving")   # skips if a layer under it is wrong; runs from elsewhere
+    verdicts.set_up("serving")   # skips if a layer under it is wrong; runs from elsewhere
 
 
 tearDownModule = support.tear_down
+QuickCheck = verdicts.quick_check_case("serving", __name__)
 
 
 class Serve(unittest.TestCase):

@@ -5,7 +5,7 @@ import random
 import unittest
 from unittest import mock
 
-import quick_checks
+import verdicts
 import lossy
 import model
 import prefill
@@ -18,10 +18,11 @@ from support import OPENINGS, PARAMS, TOK, assert_equal, filled_cache, snapshot
 
 
 def setUpModule():
-    quick_checks.set_up("speculative")   # skips if a layer under it is wrong; runs from elsewhere
+    verdicts.set_up("speculative")   # skips if a layer under it is wrong; runs from elsewhere
 
 
 tearDownModule = support.tear_down
+QuickCheck = verdicts.quick_check_case("speculative", __name__)
 
 
 def is_rollback(node):

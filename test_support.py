@@ -1,7 +1,8 @@
-"""The tests' own frame (support.py, quick_checks.py): a failing case names itself and the
-command that reruns it alone; an exception in a case names the lab's lines it came
-through; a layer whose check fails makes the layers built on it skip, saying which; a
-generation that parts from generate's names the new token, counted from 1."""
+"""The tests' own frame (support.py, quick_checks.py, verdicts.py): a failing case names
+itself and the command that reruns it alone; an exception in a case names the lab's lines
+it came through; a layer whose check fails makes the layers built on it skip, saying
+which, and its own module's QuickCheck fail with the check's detail; a generation that
+parts from generate's names the new token, counted from 1."""
 import io
 import os
 import unittest
@@ -12,7 +13,8 @@ import generate
 import model
 import quick_checks
 import support
-from quick_checks import Layer
+import verdicts
+from quick_checks import Layer, Wrong
 
 REAL_LAYERS = quick_checks.LAYERS   # before the tests below put made-up ones in its place
 
@@ -55,16 +57,17 @@ class Cases(unittest.TestCase):
 class Layers(unittest.TestCase):
     """Made-up layers: a foundation whose check fails, one built on it, one beside it."""
 
-    FAKE = {"ground": Layer("the ground", (), "python3 -m unittest test_ground",
-                            lambda: "it cracked"),
+    FAKE = {"ground": Layer("the ground", (), "python3 -m unittest test_support",
+                            lambda: Wrong("it cracked", "  at its foot: 1.0, 2.0 expected")),
             "house": Layer("the house", ("ground",), "python3 -m unittest test_house",
                            lambda: None),
             "shed": Layer("the shed", (), "python3 -m unittest test_shed", lambda: None)}
 
     def setUp(self):
-        patches = [mock.patch.object(quick_checks, "LAYERS", self.FAKE),
-                   mock.patch.object(quick_checks, "_verdicts", {}),
-                   mock.patch.object(quick_checks, "_told", set())]
+        patches = [mock.patch.object(verdicts, "LAYERS", self.FAKE),
+                   mock.patch.object(quick_checks, "LAYERS", self.FAKE),
+                   mock.patch.object(verdicts, "_verdicts", {}),
+                   mock.patch.object(verdicts, "_told", set())]
         for patch in patches:
             patch.start()
             self.addCleanup(patch.stop)
@@ -74,22 +77,36 @@ class Layers(unittest.TestCase):
         with redirect_stderr(said):
             for _ in range(2):
                 with self.assertRaises(unittest.SkipTest) as skipped:
-                    quick_checks.set_up("house")
+                    verdicts.set_up("house")
                 self.assertEqual(str(skipped.exception),
                                  "the ground is wrong, so the tests built on it skip; "
-                                 "python3 -m unittest test_ground shows why")
+                                 "python3 -m unittest test_support shows why")
         self.assertEqual(said.getvalue(), "\nthe ground is wrong, so the tests built on it "
-                                          "skip; python3 -m unittest test_ground shows why: "
+                                          "skip; python3 -m unittest test_support shows why: "
                                           "it cracked\n")
 
-    def test_a_wrong_layer_s_own_module_fails_with_its_verdict(self):
+    def test_a_wrong_layer_s_own_module_skips_all_but_its_quick_check_which_shows_why(self):
+        """(On this module's classes, put back as they were afterwards.)"""
+        cases = [Cases, Layers, Messages]
+        for case in cases:
+            self.addCleanup(setattr, case, "setUpClass", case.setUpClass)
+        self.addCleanup(support.tear_down)
+        verdicts.set_up("ground")
+        for case in cases:
+            with self.assertRaises(unittest.SkipTest) as skipped:
+                case.setUpClass()
+            self.assertEqual(str(skipped.exception), "the ground is wrong (its QuickCheck "
+                                                     "says why), so the tests built on it skip")
+        check = verdicts.quick_check_case("ground", "test_support")("test_the_layer_s_quick_check")
         with self.assertRaises(AssertionError) as failed:
-            quick_checks.set_up("ground")
-        self.assertEqual(str(failed.exception), "the ground is wrong: it cracked")
+            check.test_the_layer_s_quick_check()
+        self.assertEqual(str(failed.exception).splitlines(), [
+            "the ground is wrong: it cracked", "  at its foot: 1.0, 2.0 expected",
+            "This check alone: python3 -m unittest test_support.QuickCheck"])
 
     def test_a_layer_missing_from_layers_says_the_line_to_add(self):
         with self.assertRaises(LookupError) as missing:
-            quick_checks.set_up("eviction")
+            verdicts.set_up("eviction")
         self.assertIn("quick_checks.LAYERS has no layer 'eviction'", str(missing.exception))
         self.assertIn('LAYERS[\'eviction\'] = Layer("what it is (eviction.py)", ("lesson",), '
                       '"python3 -m unittest test_eviction", _eviction)', str(missing.exception))
@@ -102,7 +119,7 @@ class Layers(unittest.TestCase):
         self.assertEqual(support.recorded("stories"), 60)
 
     def test_a_sound_layer_runs_from_another_folder(self):
-        quick_checks.set_up("shed")
+        verdicts.set_up("shed")
         self.addCleanup(support.tear_down)
         self.assertNotEqual(os.getcwd(), support.HERE)
 

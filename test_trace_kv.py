@@ -24,7 +24,7 @@ import model
 import support
 import trace_kv
 from instruments import recording
-from quick_checks import skip_unless_sound
+from verdicts import skip_unless_sound
 from support import HERE, lab_file
 
 

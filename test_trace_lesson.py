@@ -9,7 +9,7 @@ import model
 from generate import never_ending
 from instruments import largest_gap, recording, sums_in_another_order
 from kv_cache import generate_cached
-from quick_checks import skip_unless_sound
+from verdicts import skip_unless_sound
 from support import (OPENINGS, PARAMS, STORIES, TOK, assert_changed, assert_same_rows,
                      cached_rows, generation_difference, recorded)
 
