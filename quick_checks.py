@@ -32,6 +32,15 @@ class Wrong(str):
         return wrong
 
 
+STEPS = []   # what the running check is doing (step), so that an exception can say it
+
+
+def step(what):
+    """Say what the running check does next ("finding the prefix again"): an exception it
+    raises from here on is named with it."""
+    STEPS.append(what)
+
+
 def excerpt(values, width=100):
     """A list of numbers (or anything) as a line of at most width characters."""
     text = repr(values)

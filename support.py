@@ -11,6 +11,7 @@ import json
 import math
 import os
 import random
+import reprlib
 import sys
 import tempfile
 import unittest
@@ -270,7 +271,16 @@ def described(check, *args):
     except unittest.SkipTest:
         raise
     except Exception as e:   # a planted mistake may raise anything
-        return f"raised {type(e).__name__}: {e}{where_raised(e)}"
+        return f"raised {raised(e)}{where_raised(e)}"
+
+
+def raised(error):
+    """An exception in words that never end at its name: KeyError names the key it missed,
+    one with no message says so."""
+    if isinstance(error, KeyError) and len(error.args) == 1:
+        return f"KeyError: no entry for the key {reprlib.repr(error.args[0])}"
+    return f"{type(error).__name__}: {error}" if str(error) else \
+        f"{type(error).__name__} (with no message)"
 
 
 def check_every_case(test, cases, check):

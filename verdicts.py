@@ -9,8 +9,11 @@ what it fed, what it compared, and both values.
 """
 import sys
 import unittest
+from unittest import mock
 
-from quick_checks import LAYERS, module_of
+import quick_checks
+from instruments import plant
+from quick_checks import LAYERS, Wrong, module_of
 from support import described, enter_another_folder
 
 _verdicts, _told = {}, set()
@@ -32,8 +35,18 @@ def verdict(name):
     """None if layer name's own check holds, else why not (checked once in a run)."""
     if name not in _verdicts:
         check = layer(name).check
-        _verdicts[name] = check and described(check)
+        _verdicts[name] = check and checked(check)
     return _verdicts[name]
+
+
+def checked(check):
+    """check(): None, or why it fails; an exception it raises is its failure, named with
+    the step it was at (quick_checks.step) and the lab's lines it came through."""
+    quick_checks.STEPS.clear()
+    why = described(check)
+    if why and not isinstance(why, Wrong) and quick_checks.STEPS:
+        return Wrong(f"{quick_checks.STEPS[-1]}: {why}")
+    return why
 
 
 def wrong_below(name):
@@ -98,3 +111,21 @@ def quick_check_case(name, module):
                 {"__module__": module, "__qualname__": "QuickCheck",
                  "__doc__": f"The quick check of {layer(name).title}, first.",
                  "test_the_layer_s_quick_check": test_the_layer_s_quick_check})
+
+
+def assert_verdicts(test, name, mistakes):
+    """Plant each of mistakes, (what it is, the class or module and the function it is
+    planted in, the planting for instruments.plant, a pattern), in the real code in turn,
+    and assert that layer name's quick check then fails with a line that matches the
+    pattern: the quantity that differs and where. First, that it holds with none planted.
+    A mistake whose planting site an edit removed is skipped, named."""
+    test.assertIsNone(checked(layer(name).check), "the check fails with no mistake planted")
+    for what, owner, function, planting, pattern in mistakes:
+        with test.subTest(mistake=what):
+            planted = plant(owner, function, planting)
+            if planted is None:
+                test.skipTest(f"the planting site of {what!r} is gone from "
+                              f"{owner.__name__}.{function}")
+            with mock.patch.object(owner, function, planted):
+                why = checked(layer(name).check)
+            test.assertRegex(why or "", pattern, f"with {what}, the check said {why!r}")
