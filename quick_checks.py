@@ -83,53 +83,94 @@ def _prefill():
                    cached_rows(PARAMS, ids), "prefill")
 
 
-def where_sequence_differs(label, seq, reference):
-    """None if the paged sequence seq holds, position by position, what reference (a
-    KVCache fed the same tokens) holds, where its block table says: position p in block
-    table[p // block_size], slot p % block_size. Else one line naming the position, the
-    block and the slot, and what differs there."""
-    size = seq.pool.block_size
+def where_sequence_differs(label, seq, tokens):
+    """None if the paged sequence seq holds, position by position, what a KVCache fed
+    tokens holds, where its block table says: position p in block table[p // block_size],
+    slot p % block_size. Else a Wrong naming the position, the block and the slot, and
+    what differs there; its detail, the tokens, the table and both values."""
+    reference, size = filled_cache(tokens), seq.pool.block_size
+    fed = f"  {label}: token IDs {tokens}, block table {seq.table}"
     if seq.length != len(reference):
-        return f"{label} holds {seq.length} positions, where the reference holds {len(reference)}"
+        return Wrong(f"{label} holds {seq.length} positions, where {len(reference)} were "
+                     f"written", fed)
     for position in range(len(reference)):
         block_id, slot = seq.table[position // size], position % size
         block = seq.pool.blocks[block_id]
         where = f"{label}, position {position} (block {block_id}, slot {slot})"
         if slot >= len(block.tokens):
-            return f"{where}: the block holds only {len(block.tokens)} positions"
+            return Wrong(f"{where}: the block holds only {len(block.tokens)} positions", fed)
         for part in ("tokens", "keys", "values"):
-            if getattr(block, part)[slot] != getattr(reference, part)[position]:
-                return f"{where}: its {part[:-1]} is not the one a KVCache fed the same tokens holds"
+            held, wanted = getattr(block, part)[slot], getattr(reference, part)[position]
+            if held != wanted:
+                return Wrong(f"{where}: its {part[:-1]} is not the one a KVCache fed the same "
+                             f"tokens holds", f"{fed}\n  the block holds: {excerpt(held)}\n"
+                                              f"  a KVCache:       {excerpt(wanted)}")
     return None
 
 
 def paged_scenario():
-    """Write a sequence, fork it, let both sides write, and find its prefix again from a
-    new sequence, all one forward_step at a time; None if every sequence holds what a
-    KVCache fed its tokens holds, else where_sequence_differs's line for the first that
-    does not (or the pool's refusal, which names the block and slot it guards)."""
+    """Sequences of one pool (blocks of 4) written one forward_step at a time: a parent of
+    10 positions; its fork, writing into the partly filled block they share; the parent
+    going on to 12; a new sequence finding the parent's first two blocks by their prefix;
+    one opening with the tokens of the parent's second block (found nowhere: a block is
+    found by every token from position 0, not by its own); and, once the parent and the
+    fork are freed, one finding their three full blocks again, as a preempted request
+    readmitted does. None if each holds, slot by slot, what a KVCache fed its tokens
+    holds, each found as many blocks as hold its first tokens, and each block counts the
+    tables that hold it; else a Wrong naming the sequence, the position and the block."""
     import paged
     ids = TOK.encode(OPENINGS[0] + " she was")
     pool = paged.BlockPool(PARAMS, 16, 4)
 
     def write(seq, tokens):
-        for token_id in tokens:
+        for token_id in tokens[len(seq):]:
             kv_cache.forward_step(PARAMS, seq, token_id, len(seq))
+        return seq
+
+    def new(label, tokens, hits):
+        step(f"starting {label} with pool.sequence({tokens})")
+        seq = pool.sequence(tokens)
+        if len(seq.table) != hits:
+            raise LookupError(f"{label} found {len(seq.table)} cached block"
+                              f"{'s' * (len(seq.table) != 1)} (table {seq.table}), where "
+                              f"{hits} hold its first tokens")
+        step(f"writing {label}, one forward_step a position")
+        return write(seq, tokens)
+    moved = ids[4:8] + ids[:4]
     try:
-        parent = pool.sequence()
-        write(parent, ids[:10])                  # blocks of 4, 4 and 2 positions
-        fork = parent.copy()
-        write(fork, ids[10:12])                  # into the shared, partly filled block
-        write(parent, TOK.encode(" tom"))
-        found = pool.sequence(ids[:10])          # a prefix hit: the two full blocks
-        write(found, ids[len(found):10])
-    except ValueError as refused:                # the pool's own guards
-        return f"the pool refused: {refused}"
-    for label, seq, tokens in (("the parent", parent, ids[:10] + TOK.encode(" tom")),
-                               ("the fork", fork, ids[:12]), ("the prefix hit", found, ids[:10])):
-        why = where_sequence_differs(label, seq, filled_cache(tokens))
+        parent = new("the parent", ids[:10], 0)                   # blocks of 4, 4 and 2
+        step("forking the parent, and writing the fork into the block they share")
+        fork = write(parent.copy(), ids[:12])
+        step("writing the parent on, after its fork wrote")
+        write(parent, ids[:10] + TOK.encode(" tom"))
+        live = {"the prefix hit": (new("the prefix hit", ids[:10], 2), ids[:10]),
+                "the sequence opening with the second block's tokens": (
+                    new("the sequence opening with the second block's tokens", moved, 0), moved)}
+        for label, seq, tokens in (("the parent", parent, ids[:10] + TOK.encode(" tom")),
+                                   ("the fork", fork, ids[:12])):
+            why = where_sequence_differs(label, seq, tokens)
+            if why:
+                return why
+        step("freeing the parent and the fork")
+        parent.free()
+        fork.free()
+        tokens = ids[:10] + TOK.encode(" tom")
+        live["the readmitted parent"] = (new("the readmitted parent", tokens, 3), tokens)
+    except LookupError as wrong_hit:
+        return Wrong(str(wrong_hit), f"  while {STEPS[-1]}")
+    except ValueError as refused:                   # the pool's own guards
+        return Wrong(f"{STEPS[-1]}: {refused}")
+    for label, (seq, tokens) in live.items():
+        why = where_sequence_differs(label, seq, tokens)
         if why:
             return why
+    for block_id, block in enumerate(pool.blocks):
+        held = [label for label, (seq, _) in live.items() if block_id in seq.table]
+        if block.ref_count != len(held):
+            return Wrong(f"block {block_id} counts {block.ref_count} tables holding it, where "
+                         f"{len(held)} do ({', '.join(held) or 'none'})",
+                         "  " + "\n  ".join(f"{label}: block table {seq.table}"
+                                            for label, (seq, _) in live.items()))
     return None
 
 
