@@ -1,5 +1,6 @@
 """Serving many requests (serving.py): every result is generate.generate's for any pool,
 batch size and order, preempted or not; bad requests are refused before anything runs."""
+import ast
 import copy
 import math
 import random
@@ -8,11 +9,12 @@ import unittest
 
 import batched
 import generate
-import verdicts
 import model
 import paged
 import serving
 import support
+import verdicts
+from instruments import replacing
 from kv_cache import feed, generate_cached
 from support import OPENINGS, PARAMS, STORIES, TOK, assert_equal
 
@@ -23,6 +25,39 @@ def setUpModule():
 
 tearDownModule = support.tear_down
 QuickCheck = verdicts.quick_check_case("serving", __name__)
+
+
+def _source_is(source, kind=ast.AST):
+    """A syntax-tree test: the node (of kind) whose source is source."""
+    return lambda node: isinstance(node, kind) and ast.unparse(node) == source
+
+
+class ServingTeeth(unittest.TestCase):
+    """Mistakes planted in the real serving.py (by its syntax tree): serving's quick check
+    names the run, the request and the new token where each shows."""
+
+    MISTAKES = [
+        ("a decode row's logits not kept (the request chooses from stale ones)",
+         serving._Served, "fed", replacing(_source_is("self.logits = logits", ast.stmt),
+                                           lambda node: ast.Pass())),
+        ("a readmitted request's prefill fed from position 0, not after the blocks found",
+         serving._Served, "admit", replacing(_source_is("enumerate(ids[start:], start)"),
+                                             lambda node: ast.parse("enumerate(ids[start:])",
+                                                                    mode="eval").body)),
+        ("a preempted request's blocks not given back", serving._Served, "preempt",
+         replacing(_source_is("self.seq.free()", ast.stmt), lambda node: ast.Pass())),
+        ("the prefix looked up with the last token too, so nothing is left to prefill",
+         serving._Served, "admit", replacing(_source_is("self.pool.sequence(ids[:-1], kernel)"),
+                                             lambda node: ast.parse(
+                                                 "self.pool.sequence(ids, kernel)",
+                                                 mode="eval").body))]
+
+    def test_each_mistake_names_its_run_and_request(self):
+        verdicts.assert_verdicts(self, "serving", [
+            (*mistake, r"^(serving )?(four requests that preempt|two requests sharing a "
+                       r"prefix|one prompt twice) \(blocks of \d+, batches of up to \d+\)"
+                       r".*(request \d+|no \w+)")
+            for mistake in self.MISTAKES])
 
 
 class Serve(unittest.TestCase):

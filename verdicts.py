@@ -16,6 +16,8 @@ from instruments import plant
 from quick_checks import LAYERS, Wrong, module_of
 from support import described, enter_another_folder
 
+__unittest = True   # unittest leaves this module's lines out of the tracebacks it prints
+
 _verdicts, _told = {}, set()
 
 
