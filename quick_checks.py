@@ -264,7 +264,8 @@ def _serving():
     for label, requests, pool, max_batch, exercised in runs:
         where = f"{label} (blocks of {pool.block_size}, batches of up to {max_batch})"
         step(f"serving {where}")
-        served, counts = serving.serve(PARAMS, TOK, requests, pool, max_batch)
+        served, counts = serving.serve(PARAMS, TOK, requests, pool, max_batch, log=lambda s, i, e:
+                                       step(f"serving {where}, after step {s}: request {i} {e}"))
         for index, (request, result) in enumerate(zip(requests, served)):
             expected = kv_cache.generate_cached(PARAMS, TOK, **request)
             if result != expected:
