@@ -88,9 +88,10 @@ def set_up(name):
     if verdict(name):
         reason = (f"{layer(name).title} is wrong (its QuickCheck says why), so the tests "
                   f"built on it skip")
-        for case in vars(sys.modules[module_of(name)]).values():
+        module = module_of(name)
+        for case in vars(sys.modules[module]).values():   # its own classes, not imported ones
             if (isinstance(case, type) and issubclass(case, unittest.TestCase)
-                    and case.__name__ != "QuickCheck"):
+                    and case.__module__ == module and case.__name__ != "QuickCheck"):
                 case.setUpClass = classmethod(lambda cls: _skip(reason))
     enter_another_folder()
 
