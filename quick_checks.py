@@ -146,10 +146,16 @@ def _lossy():
                        model.forward(PARAMS, ids, model.band(8, 2))[0], "the cache"))
 
 
-def in_batches(params, caches, ids, seed=0):
+def story_name(index):
+    """The name a check gives test story index (0: "the first test story")."""
+    return f"the {('first', 'second', 'third', 'fourth')[index]} test story"
+
+
+def in_batches(params, caches, ids, seed=0, steps=None):
     """Feed each cache its ids through batched.forward_rows, in steps that mix, at random
     from seed, a chunk of one cache's next tokens with one next token of each other
-    cache: the rows of each cache, in position order."""
+    cache: the rows of each cache, in position order. Each step's (cache index, position)
+    pairs are appended to steps, if given, before the step runs."""
     import batched
     rng = random.Random(seed)
     rows = [[] for _ in caches]
@@ -161,29 +167,98 @@ def in_batches(params, caches, ids, seed=0):
                 items.append((cache, own[position], position))
                 owners.append(index)
         if items:
+            if steps is not None:
+                steps.append([(index, position) for index, (_, _, position)
+                              in zip(owners, items)])
             for index, logits in zip(owners, batched.forward_rows(params, items)):
                 rows[index].append(logits)
     return rows
 
 
-def where_batches_differ(params, caches, ids, seed=0):
-    """None if each cache's rows, fed in_batches, are forward_step's, else (in one line)
-    the first number that differs, or why forward_rows refused."""
+def _batch_words(batch, labels):
+    """A step's batch in words: how many rows, and whose positions."""
+    owners = {}
+    for index, position in batch:
+        owners.setdefault(index, []).append(position)
+    return f"a batch of {len(batch)} rows: " + "; ".join(
+        f"{labels[index]}, position{'s' * (len(positions) > 1)} "
+        f"{', '.join(map(str, positions))}" for index, positions in owners.items())
+
+
+def where_batches_differ(params, caches, ids, seed=0, labels=None):
+    """None if each cache's rows, fed in_batches, are forward_step's, else (a Wrong) the
+    first number that differs, named by its sequence (labels[index], else "sequence
+    index"), position and logit, and the batch that computed it; or the ValueError
+    forward_rows raised (a refusal) and the batch it raised it for."""
+    labels = labels or [f"sequence {index}" for index in range(len(ids))]
+    steps = []
     try:
-        rows = in_batches(params, caches, ids, seed=seed)
-    except ValueError as refused:
-        return f"forward_rows refused: {refused}"
+        rows = in_batches(params, caches, ids, seed=seed, steps=steps)
+    except ValueError as refused:   # a refusal, or a planted mistake's ValueError
+        return Wrong(f"forward_rows, at step {len(steps)} of the mixed batches (seed {seed}), "
+                     f"{_batch_words(steps[-1], labels)}, raised ValueError: {refused}")
     for index, (got, own) in enumerate(zip(rows, ids)):
-        why = differ(f"sequence {index}", got, feed(params, KVCache(params), own), "forward_rows")
+        wanted = feed(params, KVCache(params), own)
+        why = differ(f"the logits of {labels[index]}, fed in mixed batches (seed {seed})", got,
+                     wanted, "forward_rows", fed=f"token IDs {own}")
+        if why and first_difference(got, wanted)[0].startswith("["):   # a row, not the count
+            position = int(first_difference(got, wanted)[0][1:].split("]")[0])
+            batch = next(number for number, batch in enumerate(steps, 1)
+                         if (index, position) in batch)
+            return Wrong(f"{why} (step {batch}, {_batch_words(steps[batch - 1], labels)})",
+                         why.detail)
+        if why:
+            return why
+    return None
+
+
+KERNEL_ROW = [1.0] * 16
+KERNEL_COLUMNS = [[1.0, 2 ** -24, 2 ** -26, 0.0, -1.0] + [0.0] * 11,
+                  [1.0, 2 ** -11, 0.0, 0.0, 2 ** -40] + [0.0] * 11]
+KERNEL_OUTPUTS = {   # (kernel, rows): each row's two outputs
+    ("exact", 1): [2 ** -24 + 2 ** -26, 1 + 2 ** -11 + 2 ** -40],
+    ("by_batch", 1): [0.0, 1.0],                 # each piece, and the total, to 16 bits
+    ("by_batch", 3): [2 ** -24, 1 + 2 ** -10],   # one piece: the sum rounded once
+    ("by_batch_float32", 1): [2 ** -23, 1.0],    # pieces and total to 32 bits, then 16
+    ("by_batch_float32", 3): [2 ** -24, 1.0],
+    ("batch_invariant", 1): [2 ** -24, 1 + 2 ** -10],
+}
+
+
+def where_kernels_round_otherwise():
+    """None if each product kernel of batched.py gives KERNEL_OUTPUTS for rows of
+    KERNEL_ROW times KERNEL_COLUMNS, else a Wrong naming the kernel, the batch, the row
+    and the output. The two dot products have 16 terms, which a row alone cuts into four
+    pieces of four terms and three rows leave in one, their terms chosen so that every
+    rounding shows. Column 0: pieces adding to 1 + 2**-24 + 2**-26 and -1, so a first
+    piece rounded to 32 bits (1 + 2**-23) leaves 2**-23, rounded to 16 bits (1.0)
+    nothing; in one piece the sum is 2**-24 + 2**-26, which a 16-bit output makes 2**-24.
+    Column 1: pieces adding to 1 + 2**-11 and 2**-40, a total just above halfway between
+    the 16-bit floats 1 and 1 + 2**-10, and exactly halfway once rounded to 32 bits (a
+    tie goes to the even one, 1.0)."""
+    import batched
+    for (kernel, rows), wanted in KERNEL_OUTPUTS.items():
+        step(f"multiplying {rows} row(s) of 16 terms by two columns with batched.{kernel}")
+        why = differ(f"batched.{kernel} on a batch of {rows} row{'s' * (rows > 1)} of 16 terms",
+                     getattr(batched, kernel)([KERNEL_ROW] * rows, KERNEL_COLUMNS),
+                     [wanted] * rows, kernel, names=("row", "output"),
+                     fed=f"rows of {KERNEL_ROW}, columns {KERNEL_COLUMNS}")
         if why:
             return why
     return None
 
 
 def _batched():
-    """Three test stories fed in mixed batches give forward_step's rows."""
+    """Three test stories fed in mixed batches (chunks of one story's next tokens beside
+    one next token of each other) give forward_step's rows; and each product kernel rounds
+    two dot products of 16 terms, alone and in a batch of 3, as its docstring says
+    (where_kernels_round_otherwise)."""
+    step("feeding three test stories through batched.forward_rows in mixed batches, "
+         "expecting forward_step's rows")
     ids = [TOK.encode(story) for story in STORIES[:3]]
-    return where_batches_differ(PARAMS, [KVCache(PARAMS) for _ in ids], ids)
+    return (where_batches_differ(PARAMS, [KVCache(PARAMS) for _ in ids], ids,
+                                 labels=[story_name(index) for index in range(3)])
+            or where_kernels_round_otherwise())
 
 
 def _serving():
