@@ -417,18 +417,66 @@ def attention_reads(story):
     return reads
 
 
-def _blockwise():
-    """The exact kind split in 4 and the online kind, on a story's rows: forward_step's
-    bits, and within ROUNDING of them."""
+def where_kind_reads_otherwise(name, kind, parts, label, reads, exact_bits):
+    """None if the attention kind (named name, splitting a row into parts, or None for
+    one pass) gives, for every (q, keys, values) of reads (the rows of label, in order),
+    forward_step's mixed values, bit for bit if exact_bits, else within ROUNDING; else a
+    Wrong naming the kind, the row, its length and parts, and the first value that strays,
+    with both."""
     import batched
     import blockwise
-    for row, read in enumerate(attention_reads(STORIES[0])):
-        wanted = batched.exact_attention(*read)
-        if blockwise.exact(4)(*read) != wanted:
-            return f"row {row}: the exact kind split in 4 is not forward_step's attention"
-        gap = max(abs(a - b) for a, b in zip(blockwise.online(*read), wanted))
-        if not gap <= ROUNDING:
-            return f"row {row}: the online kind is {gap:.3g} from forward_step's attention"
+    for row, (q, keys, values) in enumerate(reads):
+        shape = f"{len(keys)} position{'s' * (len(keys) > 1)}"
+        if parts:
+            step(f"cutting row {row} of {label} ({shape}) into parts with "
+                 f"blockwise.parts_of({len(keys)}, {parts}), expecting at most {parts} runs "
+                 f"of whole blocks")
+            cuts = blockwise.parts_of(len(keys), parts)
+            if (len(cuts) > parts or [p for cut in cuts for p in cut] != list(range(len(keys)))
+                    or any(cut.start % blockwise.BLOCK for cut in cuts)):
+                return Wrong(f"the parts of row {row} of {label} ({shape}) for {name}, "
+                             f"blockwise.parts_of({len(keys)}, {parts}): {cuts}, not at most "
+                             f"{parts} runs of whole blocks of {blockwise.BLOCK} covering "
+                             f"positions 0 to {len(keys) - 1} once each")
+            shape += f", parts of {', '.join(str(len(cut)) for cut in cuts)}"
+        step(f"reading row {row} of {label} ({shape}) with {name}, expecting "
+             f"forward_step's mixed values")
+        wanted, got = batched.exact_attention(q, keys, values), kind(q, keys, values, 1)
+        strays = [index for index, (a, b) in enumerate(zip(got, wanted))
+                  if (a != b if exact_bits else not abs(a - b) <= ROUNDING)]
+        if strays or len(got) != len(wanted):
+            index = strays[0] if strays else min(len(got), len(wanted))
+            mine = got[index] if index < len(got) else "nothing"
+            wanted_one = wanted[index] if index < len(wanted) else "nothing"
+            gap = "" if exact_bits or not strays else (
+                f" ({abs(got[index] - wanted[index]):.3g} apart, more than rounding)")
+            return Wrong(f"the mixed values of {name}, at row {row} of {label} ({shape}), "
+                         f"value {index}: {mine} from blockwise, {wanted_one} from "
+                         f"forward_step's attention{gap}",
+                         f"  fed: row {row}'s query and its {len(keys)} keys and values, as "
+                         f"forward_rows reads them\n  query: {excerpt(q)}\n"
+                         f"  {name} gave: {excerpt(got)}\n  expected:  {excerpt(wanted)}")
+    return None
+
+
+def _blockwise():
+    """Every row of the first test story (1 to 30 positions), read by the online kind
+    (blocks of 4) and split in 3 and in 5 parts (counts that divide few rows' blocks), by
+    the split kind within ROUNDING of forward_step's attention, by the exact kind bit for
+    bit."""
+    import blockwise
+    step("reading the first test story's rows through batched.forward_rows")
+    reads = attention_reads(STORIES[0])
+    for name, kind, parts, exact_bits in (
+            ("the online kind", blockwise.online, None, False),
+            ("the split kind in 3 parts", blockwise.split(3), 3, False),
+            ("the split kind in 5 parts", blockwise.split(5), 5, False),
+            ("the exact kind in 3 parts", blockwise.exact(3), 3, True),
+            ("the exact kind in 5 parts", blockwise.exact(5), 5, True)):
+        why = where_kind_reads_otherwise(name, kind, parts, "the first test story", reads,
+                                         exact_bits)
+        if why:
+            return why
     return None
 
 

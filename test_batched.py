@@ -225,7 +225,8 @@ class Verdicts(unittest.TestCase):
         ("the attention's output added to the normalised row h1, not to x0", batched,
          "forward_rows", residual_from_h1, ROW_NAMED),
         ("the pieces' total not rounded to bits (only the output)", batched, "in_pieces",
-         replacing(lambda node: _call_of(node, "_rounded") and isinstance(node.args[0], ast.ListComp)
+         replacing(lambda node: _call_of(node, "_rounded")
+                   and isinstance(node.args[0], ast.ListComp)
                    and _call_of(node.args[0].generators[0].iter, "zip"),
                    lambda node: node.args[0]),
          r"batched\.by_batch_float32 on a batch of 1 row of 16 terms, at row 0, output 1: "
