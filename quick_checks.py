@@ -349,7 +349,8 @@ def where_speculation_strays(label, prompt, settings, drafter_for, lookahead, ma
                         f"story so far leaves {wanted} (after {after}): "
                         + (f"{kept} rejected position(s) not rolled back" if kept > 0 else
                            f"{-kept} position(s) of the story rolled back too"),
-                        f"  fed: {last_ids} from position {last_start}\n  generate's story: "
+                        f"  fed: {after.split(',')[0]} checked as {last_ids}, from position "
+                        f"{last_start}\n  generate's story: "
                         f"{story}\n  the cache holds: {cache.tokens}"))
                 if start != wanted:
                     raise _Strayed(Wrong(f"{where}: the draft is checked from position "
