@@ -187,10 +187,16 @@ def _lossy():
                        model.forward(PARAMS, ids, model.band(8, 2))[0], "the cache"))
 
 
-def in_batches(params, caches, ids, seed=0):
+def story_name(index):
+    """The name a check gives test story index (0: "the first test story")."""
+    return f"the {('first', 'second', 'third', 'fourth')[index]} test story"
+
+
+def in_batches(params, caches, ids, seed=0, steps=None):
     """Feed each cache its ids through batched.forward_rows, in steps that mix, at random
     from seed, a chunk of one cache's next tokens with one next token of each other
-    cache: the rows of each cache, in position order."""
+    cache: the rows of each cache, in position order. Each step's (cache index, position)
+    pairs are appended to steps, if given, before the step runs."""
     import batched
     rng = random.Random(seed)
     rows = [[] for _ in caches]
@@ -202,29 +208,98 @@ def in_batches(params, caches, ids, seed=0):
                 items.append((cache, own[position], position))
                 owners.append(index)
         if items:
+            if steps is not None:
+                steps.append([(index, position) for index, (_, _, position)
+                              in zip(owners, items)])
             for index, logits in zip(owners, batched.forward_rows(params, items)):
                 rows[index].append(logits)
     return rows
 
 
-def where_batches_differ(params, caches, ids, seed=0):
-    """None if each cache's rows, fed in_batches, are forward_step's, else (in one line)
-    the first number that differs, or why forward_rows refused."""
+def _batch_words(batch, labels):
+    """A step's batch in words: how many rows, and whose positions."""
+    owners = {}
+    for index, position in batch:
+        owners.setdefault(index, []).append(position)
+    return f"a batch of {len(batch)} rows: " + "; ".join(
+        f"{labels[index]}, position{'s' * (len(positions) > 1)} "
+        f"{', '.join(map(str, positions))}" for index, positions in owners.items())
+
+
+def where_batches_differ(params, caches, ids, seed=0, labels=None):
+    """None if each cache's rows, fed in_batches, are forward_step's, else (a Wrong) the
+    first number that differs, named by its sequence (labels[index], else "sequence
+    index"), position and logit, and the batch that computed it; or the ValueError
+    forward_rows raised (a refusal) and the batch it raised it for."""
+    labels = labels or [f"sequence {index}" for index in range(len(ids))]
+    steps = []
     try:
-        rows = in_batches(params, caches, ids, seed=seed)
-    except ValueError as refused:
-        return f"forward_rows refused: {refused}"
+        rows = in_batches(params, caches, ids, seed=seed, steps=steps)
+    except ValueError as refused:   # a refusal, or a planted mistake's ValueError
+        return Wrong(f"forward_rows, at step {len(steps)} of the mixed batches (seed {seed}), "
+                     f"{_batch_words(steps[-1], labels)}, raised ValueError: {refused}")
     for index, (got, own) in enumerate(zip(rows, ids)):
-        why = differ(f"sequence {index}", got, feed(params, KVCache(params), own), "forward_rows")
+        wanted = feed(params, KVCache(params), own)
+        why = differ(f"the logits of {labels[index]}, fed in mixed batches (seed {seed})", got,
+                     wanted, "forward_rows", fed=f"token IDs {own}")
+        if why and first_difference(got, wanted)[0].startswith("["):   # a row, not the count
+            position = int(first_difference(got, wanted)[0][1:].split("]")[0])
+            batch = next(number for number, batch in enumerate(steps, 1)
+                         if (index, position) in batch)
+            return Wrong(f"{why} (step {batch}, {_batch_words(steps[batch - 1], labels)})",
+                         why.detail)
+        if why:
+            return why
+    return None
+
+
+KERNEL_ROW = [1.0] * 16
+KERNEL_COLUMNS = [[1.0, 2 ** -24, 2 ** -26, 0.0, -1.0] + [0.0] * 11,
+                  [1.0, 2 ** -11, 0.0, 0.0, 2 ** -40] + [0.0] * 11]
+KERNEL_OUTPUTS = {   # (kernel, rows): each row's two outputs
+    ("exact", 1): [2 ** -24 + 2 ** -26, 1 + 2 ** -11 + 2 ** -40],
+    ("by_batch", 1): [0.0, 1.0],                 # each piece, and the total, to 16 bits
+    ("by_batch", 3): [2 ** -24, 1 + 2 ** -10],   # one piece: the sum rounded once
+    ("by_batch_float32", 1): [2 ** -23, 1.0],    # pieces and total to 32 bits, then 16
+    ("by_batch_float32", 3): [2 ** -24, 1.0],
+    ("batch_invariant", 1): [2 ** -24, 1 + 2 ** -10],
+}
+
+
+def where_kernels_round_otherwise():
+    """None if each product kernel of batched.py gives KERNEL_OUTPUTS for rows of
+    KERNEL_ROW times KERNEL_COLUMNS, else a Wrong naming the kernel, the batch, the row
+    and the output. The two dot products have 16 terms, which a row alone cuts into four
+    pieces of four terms and three rows leave in one, their terms chosen so that every
+    rounding shows. Column 0: pieces adding to 1 + 2**-24 + 2**-26 and -1, so a first
+    piece rounded to 32 bits (1 + 2**-23) leaves 2**-23, rounded to 16 bits (1.0)
+    nothing; in one piece the sum is 2**-24 + 2**-26, which a 16-bit output makes 2**-24.
+    Column 1: pieces adding to 1 + 2**-11 and 2**-40, a total just above halfway between
+    the 16-bit floats 1 and 1 + 2**-10, and exactly halfway once rounded to 32 bits (a
+    tie goes to the even one, 1.0)."""
+    import batched
+    for (kernel, rows), wanted in KERNEL_OUTPUTS.items():
+        step(f"multiplying {rows} row(s) of 16 terms by two columns with batched.{kernel}")
+        why = differ(f"batched.{kernel} on a batch of {rows} row{'s' * (rows > 1)} of 16 terms",
+                     getattr(batched, kernel)([KERNEL_ROW] * rows, KERNEL_COLUMNS),
+                     [wanted] * rows, kernel, names=("row", "output"),
+                     fed=f"rows of {KERNEL_ROW}, columns {KERNEL_COLUMNS}")
         if why:
             return why
     return None
 
 
 def _batched():
-    """Three test stories fed in mixed batches give forward_step's rows."""
+    """Three test stories fed in mixed batches (chunks of one story's next tokens beside
+    one next token of each other) give forward_step's rows; and each product kernel rounds
+    two dot products of 16 terms, alone and in a batch of 3, as its docstring says
+    (where_kernels_round_otherwise)."""
+    step("feeding three test stories through batched.forward_rows in mixed batches, "
+         "expecting forward_step's rows")
     ids = [TOK.encode(story) for story in STORIES[:3]]
-    return where_batches_differ(PARAMS, [KVCache(PARAMS) for _ in ids], ids)
+    return (where_batches_differ(PARAMS, [KVCache(PARAMS) for _ in ids], ids,
+                                 labels=[story_name(index) for index in range(3)])
+            or where_kernels_round_otherwise())
 
 
 def parting(result, expected):
@@ -280,15 +355,147 @@ def _serving():
     return None
 
 
-def _speculative():
-    """Speculative decoding of one opening, greedy and sampled, gives generate_cached's."""
+class OneWrongDrafter:
+    """A drafter for the speculative check: the next tokens of a known story (truth),
+    with the one at index calls % (lookahead + 1) changed to another token, so that its
+    drafts are rejected at each place in turn (the first, the second, ...), and one in
+    lookahead + 1 is accepted whole."""
+
+    def __init__(self, truth):
+        self.truth, self.calls = truth, 0
+
+    def propose(self, ids, lookahead):
+        draft = list(self.truth[len(ids):len(ids) + lookahead])
+        wrong, self.calls = self.calls % (lookahead + 1), self.calls + 1
+        if wrong < len(draft):
+            draft[wrong] = (draft[wrong] + 1) % model.VOCAB_SIZE
+        return draft
+
+
+class _Strayed(Exception):
+    """Raised from inside generate_speculative by the check's watch on prefill: the Wrong
+    it found (args[0])."""
+
+
+def _token(token_id):
+    return f"{token_id} ({TOK.vocab[token_id]!r})"
+
+
+def _accepted(draft, story):
+    """How many of draft's tokens, from the first, are the story's."""
+    return next((j for j, (a, b) in enumerate(zip(draft, story)) if a != b),
+                min(len(draft), len(story)))
+
+
+def where_speculation_strays(label, prompt, settings, drafter_for, lookahead, max_new_tokens=16):
+    """None if generate_speculative(prompt, with settings, the drafter drafter_for(the
+    story generate_cached gives) and lookahead) gives
+    generate_cached's result, and every prefill call it makes finds the cache holding
+    exactly generate's story so far: the prompt, then each draft's accepted tokens and
+    the token chosen after them, every rejected position rolled back. Else a Wrong naming
+    the run (label), the draft and the position, with both tokens or counts. Also the
+    number of drafts whose rejected positions were rolled back."""
+    import prefill
     import speculative
-    for settings in ({}, {"temperature": 1.0, "seed": 1}):
-        got = speculative.generate_speculative(PARAMS, TOK, OPENINGS[0], max_new_tokens=16,
-                                               **settings)
-        if got != kv_cache.generate_cached(PARAMS, TOK, OPENINGS[0], max_new_tokens=16,
-                                           **settings):
-            return f"generate_speculative({OPENINGS[0]!r}, {settings}) gave {got['text']!r}"
+    from instruments import replaced
+    from stories import story_ids
+    step(f"{label}: generate_cached's result, for the story to expect")
+    expected = kv_cache.generate_cached(PARAMS, TOK, prompt, max_new_tokens, **settings)
+    story = story_ids(TOK, prompt, expected)
+    drafter, calls, rolled_back = drafter_for(story), [], 0
+
+    def watched(real):
+        def checking_prefill(params, cache, token_ids, start):
+            nonlocal rolled_back
+            draft = f"draft {len(calls)}" if calls else "the prompt"
+            where = f"{label}, before {draft} is checked (from position {start})"
+            if calls:
+                last_start, last_ids = calls[-1]
+                accepted = _accepted(last_ids[1:], story[last_start + 1:])
+                wanted = last_start + 1 + accepted
+                if last_start + len(last_ids) > wanted:   # a rejected draft's positions
+                    rolled_back += 1
+                if len(cache) != wanted:
+                    kept = len(cache) - wanted
+                    after = ("the prompt" if len(calls) == 1 else f"draft {len(calls) - 1}, "
+                             f"{accepted} of its {len(last_ids) - 1} tokens accepted")
+                    raise _Strayed(Wrong(
+                        f"{where}: the cache holds {len(cache)} positions, where generate's "
+                        f"story so far leaves {wanted} (after {after}): "
+                        + (f"{kept} rejected position(s) not rolled back" if kept > 0 else
+                           f"{-kept} position(s) of the story rolled back too"),
+                        f"  fed: {after.split(',')[0]} checked as {last_ids}, from position "
+                        f"{last_start}\n  generate's story: "
+                        f"{story}\n  the cache holds: {cache.tokens}"))
+                if start != wanted:
+                    raise _Strayed(Wrong(f"{where}: the draft is checked from position "
+                                         f"{start}, where generate's story so far leaves "
+                                         f"{wanted}"))
+            held = first_difference(cache.tokens, story[:len(cache)])
+            if held:
+                position = int(held[0][1:-1])
+                raise _Strayed(Wrong(f"{where}: the cache holds token "
+                                     f"{_token(cache.tokens[position])} at position {position}, "
+                                     f"where generate's story has {_token(story[position])}",
+                                     f"  generate's story: {story}\n  the cache holds: "
+                                     f"{cache.tokens}"))
+            if start < len(story) and token_ids[0] != story[start]:
+                raise _Strayed(Wrong(
+                    f"{where}: the tokens checked start with {_token(token_ids[0])} at "
+                    f"position {start} (the token chosen there), where generate's story has "
+                    f"{_token(story[start])}",
+                    f"  fed: {list(token_ids)} from position {start}\n  generate's story: "
+                    f"{story}"))
+            calls.append((start, list(token_ids)))
+            rows = real(params, cache, token_ids, start)
+            step(f"{label}: choosing tokens from the rows of {draft} (positions {start} to "
+                 f"{start + len(token_ids) - 1}) and rolling back the rejected ones, "
+                 f"expecting generate's story")
+            return rows
+        return checking_prefill
+    step(f"{label}: running generate_speculative, expecting generate's story, each draft "
+         f"checked from a cache holding the story so far")
+    try:
+        with replaced(prefill, "prefill", watched):
+            got = speculative.generate_speculative(PARAMS, TOK, prompt, max_new_tokens,
+                                                   lookahead=lookahead, drafter=drafter,
+                                                   **settings)
+    except _Strayed as strayed:
+        return strayed.args[0], rolled_back
+    fed = f"the prompt {prompt!r}, token IDs {TOK.encode(prompt)}"
+    return (differ(f"{label}: the story's token IDs", story_ids(TOK, prompt, got), story,
+                   "generate_speculative", names=("position",), fed=fed)
+            or differ(f"{label}: the chosen tokens and their probabilities",
+                      [[s["token"], s["probability"]] for s in got["steps"]],
+                      [[s["token"], s["probability"]] for s in expected["steps"]],
+                      "generate_speculative", names=("generated token", "entry"), fed=fed)
+            or (None if got == expected else Wrong(
+                f"{label}: the generation stopped for {got['stopped']!r}, where generate's "
+                f"stopped for {expected['stopped']!r}"))), rolled_back
+
+
+def _speculative():
+    """The first opening, greedy and sampled, with a drafter that drafts the story with
+    one token wrong, at each place of a draft in turn (OneWrongDrafter, lookahead 3), and
+    greedy with the default drafter: each run gives generate_cached's result, and checks
+    every draft from a cache holding exactly the story so far (where_speculation_strays).
+    Each run with the wrong tokens must reject and roll back some drafts (counted)."""
+    prompt = OPENINGS[0]
+    for settings, drafted in (({}, "drafted with one token wrong"),
+                              ({"temperature": 1.0, "seed": 1}, "drafted with one token wrong"),
+                              ({}, "drafted by prompt lookup")):
+        how = "greedy" if not settings else "sampled ({})".format(
+            ", ".join(f"{key} {value}" for key, value in settings.items()))
+        label = f"generate_speculative on the first opening ({prompt!r}), {how}, {drafted}"
+        one_wrong = drafted.endswith("wrong")
+        why, rolled_back = where_speculation_strays(
+            label + (", lookahead 3" if one_wrong else ""), prompt, settings,
+            OneWrongDrafter if one_wrong else lambda story: None, 3 if one_wrong else 4)
+        if why:
+            return why
+        if one_wrong and not rolled_back:
+            return Wrong(f"{label}: no draft was rejected and rolled back, so the check did "
+                         f"not test the rollback")
     return None
 
 
@@ -417,18 +624,66 @@ def attention_reads(story):
     return reads
 
 
-def _blockwise():
-    """The exact kind split in 4 and the online kind, on a story's rows: forward_step's
-    bits, and within ROUNDING of them."""
+def where_kind_reads_otherwise(name, kind, parts, label, reads, exact_bits):
+    """None if the attention kind (named name, splitting a row into parts, or None for
+    one pass) gives, for every (q, keys, values) of reads (the rows of label, in order),
+    forward_step's mixed values, bit for bit if exact_bits, else within ROUNDING; else a
+    Wrong naming the kind, the row, its length and parts, and the first value that strays,
+    with both."""
     import batched
     import blockwise
-    for row, read in enumerate(attention_reads(STORIES[0])):
-        wanted = batched.exact_attention(*read)
-        if blockwise.exact(4)(*read) != wanted:
-            return f"row {row}: the exact kind split in 4 is not forward_step's attention"
-        gap = max(abs(a - b) for a, b in zip(blockwise.online(*read), wanted))
-        if not gap <= ROUNDING:
-            return f"row {row}: the online kind is {gap:.3g} from forward_step's attention"
+    for row, (q, keys, values) in enumerate(reads):
+        shape = f"{len(keys)} position{'s' * (len(keys) > 1)}"
+        if parts:
+            step(f"cutting row {row} of {label} ({shape}) into parts with "
+                 f"blockwise.parts_of({len(keys)}, {parts}), expecting at most {parts} runs "
+                 f"of whole blocks")
+            cuts = blockwise.parts_of(len(keys), parts)
+            if (len(cuts) > parts or [p for cut in cuts for p in cut] != list(range(len(keys)))
+                    or any(cut.start % blockwise.BLOCK for cut in cuts)):
+                return Wrong(f"the parts of row {row} of {label} ({shape}) for {name}, "
+                             f"blockwise.parts_of({len(keys)}, {parts}): {cuts}, not at most "
+                             f"{parts} runs of whole blocks of {blockwise.BLOCK} covering "
+                             f"positions 0 to {len(keys) - 1} once each")
+            shape += f", parts of {', '.join(str(len(cut)) for cut in cuts)}"
+        step(f"reading row {row} of {label} ({shape}) with {name}, expecting "
+             f"forward_step's mixed values")
+        wanted, got = batched.exact_attention(q, keys, values), kind(q, keys, values, 1)
+        strays = [index for index, (a, b) in enumerate(zip(got, wanted))
+                  if (a != b if exact_bits else not abs(a - b) <= ROUNDING)]
+        if strays or len(got) != len(wanted):
+            index = strays[0] if strays else min(len(got), len(wanted))
+            mine = got[index] if index < len(got) else "nothing"
+            wanted_one = wanted[index] if index < len(wanted) else "nothing"
+            gap = "" if exact_bits or not strays else (
+                f" ({abs(got[index] - wanted[index]):.3g} apart, more than rounding)")
+            return Wrong(f"the mixed values of {name}, at row {row} of {label} ({shape}), "
+                         f"value {index}: {mine} from blockwise, {wanted_one} from "
+                         f"forward_step's attention{gap}",
+                         f"  fed: row {row}'s query and its {len(keys)} keys and values, as "
+                         f"forward_rows reads them\n  query: {excerpt(q)}\n"
+                         f"  {name} gave: {excerpt(got)}\n  expected:  {excerpt(wanted)}")
+    return None
+
+
+def _blockwise():
+    """Every row of the first test story (1 to 30 positions), read by the online kind
+    (blocks of 4) and split in 3 and in 5 parts (counts that divide few rows' blocks), by
+    the split kind within ROUNDING of forward_step's attention, by the exact kind bit for
+    bit."""
+    import blockwise
+    step("reading the first test story's rows through batched.forward_rows")
+    reads = attention_reads(STORIES[0])
+    for name, kind, parts, exact_bits in (
+            ("the online kind", blockwise.online, None, False),
+            ("the split kind in 3 parts", blockwise.split(3), 3, False),
+            ("the split kind in 5 parts", blockwise.split(5), 5, False),
+            ("the exact kind in 3 parts", blockwise.exact(3), 3, True),
+            ("the exact kind in 5 parts", blockwise.exact(5), 5, True)):
+        why = where_kind_reads_otherwise(name, kind, parts, "the first test story", reads,
+                                         exact_bits)
+        if why:
+            return why
     return None
 
 

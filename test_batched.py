@@ -36,13 +36,13 @@ QuickCheck = verdicts.quick_check_case("batched", __name__)
 
 class ExactProduct(unittest.TestCase):
 
-    def test_every_batched_row_equals_forward_step(self):
-        """Three stories in mixed steps (chunks and single tokens), in KVCaches and in
-        paged sequences of one pool."""
+    def test_every_batched_row_of_paged_sequences_equals_forward_step(self):
+        """Three stories in mixed steps (chunks and single tokens), in paged sequences of
+        one pool (the quick check feeds them in KVCaches)."""
         pool = paged.BlockPool(PARAMS, 64, 4)
-        for caches in ([KVCache(PARAMS) for _ in IDS], [pool.sequence() for _ in IDS]):
-            with self.subTest(cache=type(caches[0]).__name__):
-                self.assertIsNone(quick_checks.where_batches_differ(PARAMS, caches, IDS))
+        self.assertIsNone(quick_checks.where_batches_differ(
+            PARAMS, [pool.sequence() for _ in IDS], IDS,
+            labels=[quick_checks.story_name(index) for index in range(len(IDS))]))
 
     def test_random_models_and_batches(self):
         """Case n draws, from random.Random(n), a model (init_params with a random seed)
@@ -128,56 +128,24 @@ class Kernels(unittest.TestCase):
 
 
 class WhatTheKernelsRound(unittest.TestCase):
-    """Two dot products of 16 terms, which a row alone cuts into four pieces of four
-    terms and three rows leave in one, their terms chosen so that every rounding shows.
-    Column A: pieces adding to 1 + 2**-24 + 2**-26 and -1, so a first piece rounded to
-    32 bits (1 + 2**-23) leaves 2**-23, rounded to 16 bits (1.0) nothing; in one piece
-    the sum is 2**-24 + 2**-26, which a 16-bit output makes 2**-24. Column B: pieces
-    adding to 1 + 2**-11 and 2**-40, a total just above halfway between the 16-bit
-    floats 1 and 1 + 2**-10, and exactly halfway once rounded to 32 bits (a tie goes to
-    the even one, 1.0)."""
-
-    ROW = [1.0] * 16
-    COLUMNS = [[1.0, 2 ** -24, 2 ** -26, 0.0, -1.0] + [0.0] * 11,
-               [1.0, 2 ** -11, 0.0, 0.0, 2 ** -40] + [0.0] * 11]
-    WANTED = {   # (kernel, rows): each row's two outputs
-        ("exact", 1): [2 ** -24 + 2 ** -26, 1 + 2 ** -11 + 2 ** -40],
-        ("by_batch", 1): [0.0, 1.0],                 # each piece, and the total, to 16 bits
-        ("by_batch", 3): [2 ** -24, 1 + 2 ** -10],   # one piece: the sum rounded once
-        ("by_batch_float32", 1): [2 ** -23, 1.0],    # pieces and total to 32 bits, then 16
-        ("by_batch_float32", 3): [2 ** -24, 1.0],
-        ("batch_invariant", 1): [2 ** -24, 1 + 2 ** -10],
-    }
-
-    def differences(self):
-        """The first kernel and batch whose outputs are not WANTED's, or None."""
-        for (kernel, rows), wanted in self.WANTED.items():
-            got = getattr(batched, kernel)([self.ROW] * rows, self.COLUMNS)
-            if got != [wanted] * rows:
-                return f"{kernel} on {rows} rows gives {got[0]}, not {wanted}"
-        return None
-
-    def test_each_kernel_rounds_what_its_docstring_says(self):
-        self.assertIsNone(self.differences())
+    """The quick check's two dot products of 16 terms, whose every rounding shows
+    (quick_checks.where_kernels_round_otherwise): the kernels round them as their
+    docstrings say (the quick check), and each mistake in in_pieces' rounding is caught
+    (Verdicts plants another, the pieces' total not rounded, and asks for its name)."""
 
     def test_each_mistake_in_the_kernels_rounding_is_caught(self):
-        def rounded_call(node, first=None):
+        def rounded_call(node):
             return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                    and node.func.id == "_rounded"
-                    and (first is None or isinstance(node.args[0], first)))
+                    and node.func.id == "_rounded")
         assert_each_mistake_is_caught(self, batched, "in_pieces", {
             "every sum rounded to 16 bits, whatever bits says":
                 replacing(lambda node: rounded_call(node) and isinstance(node.args[1], ast.Name),
                           lambda node: ast.Call(node.func, [node.args[0], ast.Constant(16)], [])),
-            "the pieces' total not rounded to bits (only the output)":
-                replacing(lambda node: rounded_call(node, ast.ListComp)
-                          and "zip" in ast.unparse(node.args[0]),
-                          lambda node: node.args[0]),
             "the output left in 32 bits":
                 replacing(lambda node: isinstance(node, ast.Call)
                           and isinstance(node.func, ast.Name) and node.func.id == "_output",
                           lambda node: node.args[0]),
-        }, self.differences)
+        }, quick_checks.where_kernels_round_otherwise)
 
 
 class Teeth(unittest.TestCase):
@@ -204,6 +172,71 @@ class Teeth(unittest.TestCase):
         """Each makes a row differ; the real forward_rows gives none (setUpModule)."""
         assert_each_mistake_is_caught(self, batched, "forward_rows", self.MISTAKES,
                                       lambda: quick_checks.where_batches_differ(PARAMS, [KVCache(PARAMS) for _ in IDS], IDS))
+
+
+def _call_of(node, name):
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
+
+
+def _weight(node):
+    """The name of the weight matrix a call product(rows, cols["W..."]) applies, or None."""
+    if _call_of(node, "product") and len(node.args) == 2 \
+            and isinstance(node.args[1], ast.Subscript) \
+            and isinstance(node.args[1].slice, ast.Constant):
+        return node.args[1].slice.value
+    return None
+
+
+def residual_from_h1(tree):
+    """zip(x0s, product(mixed, cols["Wo"])) becomes zip(h1s, ...): the attention's output
+    added to the row forward_rows normalised (whatever product(_, cols["Wq"]) is given)."""
+    normalised = next(node.args[0] for node in ast.walk(tree) if _weight(node) == "Wq")
+    changed = 0
+    for node in ast.walk(tree):
+        if _call_of(node, "zip") and len(node.args) == 2 and _weight(node.args[1]) == "Wo":
+            node.args[0], changed = normalised, changed + 1
+    return changed
+
+
+ROW_NAMED = (r"the logits of the (first|second|third) test story, fed in mixed batches "
+             r"\(seed 0\), at position \d+, logit \d+: \S+ from forward_rows, \S+ expected "
+             r"\(step \d+, a batch of \d+ rows: ")
+
+
+class Verdicts(unittest.TestCase):
+    """Each mistake planted in the real batched.py (by its syntax tree) makes the layer's
+    own check fail, naming the quantity that differs and where: the story, position and
+    logit, and the batch; or the kernel, its batch, the row and the output."""
+
+    MISTAKES = [
+        ("a row of a step starts from its cache's stored keys, forgetting the batch's new "
+         "ones before it (held[...] = ..., not setdefault)", batched, "forward_rows",
+         replacing(lambda node: isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                   and isinstance(node.value.func, ast.Attribute)
+                   and node.value.func.attr == "setdefault",
+                   lambda node: ast.Assign([node.targets[0], ast.Subscript(
+                       node.value.func.value, node.value.args[0], ast.Store())],
+                       node.value.args[1])),
+         ROW_NAMED),
+        ("the attention's output added to the normalised row h1, not to x0", batched,
+         "forward_rows", residual_from_h1, ROW_NAMED),
+        ("the pieces' total not rounded to bits (only the output)", batched, "in_pieces",
+         replacing(lambda node: _call_of(node, "_rounded")
+                   and isinstance(node.args[0], ast.ListComp)
+                   and _call_of(node.args[0].generators[0].iter, "zip"),
+                   lambda node: node.args[0]),
+         r"batched\.by_batch_float32 on a batch of 1 row of 16 terms, at row 0, output 1: "
+         r"1\.0009765625 from by_batch_float32, 1\.0 expected"),
+        ("the split count inverted: more rows, more pieces (len(rows) // PROCESSORS)", batched,
+         "_pieces", replacing(lambda node: isinstance(node, ast.BinOp)
+                              and isinstance(node.op, ast.FloorDiv),
+                              lambda node: ast.BinOp(node.right, ast.FloorDiv(), node.left)),
+         r"batched\.by_batch on a batch of 1 row of 16 terms, at row 0, output \d: \S+ from "
+         r"by_batch, \S+ expected"),
+    ]
+
+    def test_each_mistake_is_named_by_the_layer_s_check(self):
+        verdicts.assert_verdicts(self, "batched", self.MISTAKES)
 
 
 class Refusals(unittest.TestCase):

@@ -12,32 +12,31 @@ import blockwise
 import support
 from instruments import replacing
 from kv_cache import KVCache
-from quick_checks import ROUNDING, attention_reads
-from verdicts import quick_check_case, set_up
+from quick_checks import ROUNDING, attention_reads, story_name, where_kind_reads_otherwise
+from verdicts import assert_verdicts, quick_check_case, set_up
 from support import OPENINGS, PARAMS, STORIES, TOK, assert_each_mistake_is_caught, tear_down
 
-READS = []   # (q, keys, values) of every row of two stories, as forward_rows reads them
+READS = []   # (story's name, the (q, keys, values) of each of its rows) for two stories
 
 
 def setUpModule():
     set_up("blockwise")
-    for story in STORIES[:2]:
-        READS.extend(attention_reads(story))
+    for index, story in enumerate(STORIES[:2]):
+        READS.append((story_name(index), attention_reads(story)))
 
 
 tearDownModule = tear_down
 QuickCheck = quick_check_case("blockwise", __name__)
 
 
-def where_kind_strays(kind, exact_bits):
-    """None if kind reads every row of READS as it should (forward_step's bits, or
-    within ROUNDING of them), else the first row where it does not, in a line."""
-    for row, read in enumerate(READS):
-        wanted, got = batched.exact_attention(*read), kind(*read, 1)
-        gap = max(abs(a - b) for a, b in zip(got, wanted))
-        if (got != wanted) if exact_bits else not gap <= ROUNDING:
-            return (f"row {row} ({len(read[1])} positions): mixed values {gap:.3g} from "
-                    f"forward_step's")
+def where_kind_strays(name, kind, parts, exact_bits):
+    """None if kind (named name, in parts or None) reads every row of READS as it should
+    (forward_step's bits, or within ROUNDING of them), else the first row where it does
+    not, named by its story, row, length and parts, with both values."""
+    for label, reads in READS:
+        why = where_kind_reads_otherwise(name, kind, parts, label, reads, exact_bits)
+        if why:
+            return why
     return None
 
 
@@ -46,14 +45,15 @@ class Kinds(unittest.TestCase):
     def test_the_exact_kind_gives_forward_steps_bits_at_every_split_count(self):
         for parts in (1, 2, 3, 4, 8, 16, 64):
             with self.subTest(parts=parts):
-                self.assertIsNone(where_kind_strays(blockwise.exact(parts), exact_bits=True))
+                self.assertIsNone(where_kind_strays(f"the exact kind in {parts} parts",
+                                                    blockwise.exact(parts), parts, True))
 
     def test_the_online_and_split_kinds_stay_within_rounding(self):
-        for name, kind in (("online", blockwise.online),
-                           *((f"split {parts}", blockwise.split(parts))
-                             for parts in (1, 2, 5, 16))):
+        for name, kind, parts in (("the online kind", blockwise.online, None),
+                                  *((f"the split kind in {parts} parts", blockwise.split(parts),
+                                     parts) for parts in (1, 2, 5, 16))):
             with self.subTest(kind=name):
-                self.assertIsNone(where_kind_strays(kind, exact_bits=False))
+                self.assertIsNone(where_kind_strays(name, kind, parts, False))
 
     def test_exact_partials_add_up_to_the_exact_sum(self):
         """2,000 random lists of 0 to 30 floats from 1e-30 to 1e30, of both signs: the
@@ -154,22 +154,38 @@ class Heuristic(unittest.TestCase):
         self.assertEqual(pool.free_blocks(), 8)
 
 
+def _call_of(node, name):
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
+
+
+def not_rescaled_beside(name):
+    """A planting: running * rescale + name(...) becomes running + name(...), the running
+    value (the sum beside fsum, the output beside dot) kept as it is when a block raises
+    the maximum."""
+    return replacing(lambda node: isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add)
+                     and isinstance(node.left, ast.BinOp) and isinstance(node.left.op, ast.Mult)
+                     and _call_of(node.right, name),
+                     lambda node: ast.BinOp(node.left.left, ast.Add(), node.right))
+
+
 class Teeth(unittest.TestCase):
-    """Each mistake, planted in the real kind, makes it stray from forward_step."""
+    """Each mistake, planted in the real kind, makes it stray from forward_step on one of
+    two stories' rows."""
 
     def test_a_partial_output_not_rescaled_when_the_maximum_grows_is_caught(self):
         assert_each_mistake_is_caught(self, blockwise, "online", {
             "the output so far kept as it is when a block raises the maximum":
-                replacing(lambda node: isinstance(node, ast.BinOp) and ast.unparse(node)
-                          == "o * rescale", lambda node: node.left),
-        }, lambda: where_kind_strays(blockwise.online, exact_bits=False))
+                not_rescaled_beside("dot"),
+        }, lambda: where_kind_strays("the online kind", blockwise.online, None, False))
 
     def test_a_merge_that_forgets_a_parts_maximum_is_caught(self):
         assert_each_mistake_is_caught(self, blockwise, "split", {
             "each part's sums merged as they are, not brought to the common maximum":
-                replacing(lambda node: isinstance(node, ast.Call) and ast.unparse(node)
-                          == "exp(part_top - top)", lambda node: ast.Constant(1.0)),
-        }, lambda: where_kind_strays(blockwise.split(4), exact_bits=False))
+                replacing(lambda node: _call_of(node, "exp")
+                          and isinstance(node.args[0], ast.BinOp),
+                          lambda node: ast.Constant(1.0)),
+        }, lambda: where_kind_strays("the split kind in 4 parts", blockwise.split(4), 4,
+                                     False))
 
     def test_exps_from_a_parts_own_maximum_are_caught(self):
         own = ast.parse("max(_scores(q, part_keys))", mode="eval").body
@@ -177,7 +193,62 @@ class Teeth(unittest.TestCase):
             "each part's exps taken from its own maximum, not the row's":
                 replacing(lambda node: isinstance(node, ast.BinOp) and ast.unparse(node)
                           == "s - top", lambda node: ast.BinOp(node.left, ast.Sub(), own)),
-        }, lambda: where_kind_strays(blockwise.exact(4), exact_bits=True))
+        }, lambda: where_kind_strays("the exact kind in 4 parts", blockwise.exact(4), 4, True))
+
+
+ROW_OF_THE_STORY = r"at row \d+ of the first test story \(\d+ positions"
+MIXED_VALUE = r"\), value \d+: \S+ from blockwise, \S+ from forward_step's attention"
+
+
+class Verdicts(unittest.TestCase):
+    """Each mistake planted in the real blockwise.py (by its syntax tree) makes the
+    layer's own check fail, naming the kind (and its split count), the row of the first
+    test story, its length and parts, and the mixed value that strays, with both."""
+
+    MISTAKES = [
+        ("the running sum kept as it is when a block raises the maximum", blockwise, "online",
+         not_rescaled_beside("fsum"),
+         r"the mixed values of the online kind, " + ROW_OF_THE_STORY + MIXED_VALUE
+         + r" \(\S+ apart, more than rounding\)"),
+        ("the last part stops one short of the row's end (min(..., length - 1))", blockwise,
+         "parts_of", replacing(lambda node: _call_of(node, "min") and len(node.args) == 2
+                               and isinstance(node.args[1], ast.Name),
+                               lambda node: ast.Call(node.func, [node.args[0], ast.BinOp(
+                                   node.args[1], ast.Sub(), ast.Constant(1))], [])),
+         r"the parts of row 0 of the first test story \(1 position\) for the split kind in 3 "
+         r"parts, blockwise\.parts_of\(1, 3\): \[range\(0, 0\)\], not at most 3 runs"),
+        ("the blocks of a row shared out by floor division (a part of no blocks)", blockwise,
+         "parts_of", replacing(lambda node: isinstance(node, ast.Call)
+                               and isinstance(node.func, ast.Attribute)
+                               and node.func.attr == "ceil"
+                               and isinstance(node.args[0], ast.BinOp)
+                               and isinstance(node.args[0].left, ast.Call),
+                               lambda node: ast.BinOp(node.args[0].left, ast.FloorDiv(),
+                                                      node.args[0].right)),
+         r"cutting row 0 of the first test story \(1 position\) into parts with "
+         r"blockwise\.parts_of\(1, 3\).*: raised ValueError: range\(\) arg 3 must not be zero"),
+        ("the split kind's sums merged without their factors (the outputs with them)",
+         blockwise, "split",
+         replacing(lambda node: isinstance(node, ast.GeneratorExp)
+                   and isinstance(node.elt, ast.BinOp)
+                   and isinstance(node.generators[0].target, ast.Tuple)
+                   and isinstance(node.generators[0].target.elts[0], ast.Tuple),
+                   lambda node: ast.GeneratorExp(node.elt.left, node.generators)),
+         r"the mixed values of the split kind in 3 parts, " + ROW_OF_THE_STORY
+         + r", parts of [\d, ]+" + MIXED_VALUE),
+        ("each part's column sums rounded to one float before the merge (fsum, not "
+         "exact_partials)", blockwise, "exact",
+         replacing(lambda node: isinstance(node, ast.AugAssign)
+                   and _call_of(node.value, "exact_partials"),
+                   lambda node: ast.AugAssign(node.target, ast.Add(), ast.List(
+                       [ast.Call(ast.Name("fsum", ast.Load()), node.value.args, [])],
+                       ast.Load()))),
+         r"the mixed values of the exact kind in 3 parts, " + ROW_OF_THE_STORY
+         + r", parts of [\d, ]+" + MIXED_VALUE),
+    ]
+
+    def test_each_mistake_is_named_by_the_layer_s_check(self):
+        assert_verdicts(self, "blockwise", self.MISTAKES)
 
 
 class TheRecord(unittest.TestCase):

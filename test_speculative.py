@@ -3,7 +3,6 @@ drafter proposes; verifier mistakes planted in the real function are caught."""
 import ast
 import random
 import unittest
-from unittest import mock
 
 import verdicts
 import lossy
@@ -11,7 +10,7 @@ import model
 import prefill
 import speculative
 import support
-from instruments import plant, recording, replacing
+from instruments import recording, replacing
 from kv_cache import generate_cached
 from stories import split_stories, story_ids
 from support import OPENINGS, PARAMS, TOK, assert_equal, filled_cache, snapshot
@@ -36,15 +35,56 @@ KEEP_A_REJECTED_POSITION = replacing(   # crop(n) becomes crop(n + 1)
     lambda node: ast.Call(node.func, [ast.BinOp(node.args[0], ast.Add(), ast.Constant(1))], []))
 
 
-def draw_for_a_discarded_draft(tree):
-    """Before the rollback, one more random number, as if a discarded drafted token drew."""
+def _at_the_rollback(tree, change):
+    """change(body, index) at the statement cache.crop(...) of tree; 1 if there is one."""
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         for index, statement in enumerate(body if isinstance(body, list) else []):
             if isinstance(statement, ast.Expr) and is_rollback(statement.value):
-                body.insert(index, ast.parse("generation.rng.random()").body[0])
+                change(body, index)
                 return 1
     return 0
+
+
+def draw_for_a_discarded_draft(tree):
+    """Before the rollback, one more random number from the generation's own (whatever
+    the object whose choose() is called is named), as if a discarded drafted token drew."""
+    chooser = next((node.func.value for node in ast.walk(tree) if isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute) and node.func.attr == "choose"),
+                   None)
+    draw = ast.Expr(ast.Call(ast.Attribute(ast.Attribute(chooser, "rng", ast.Load()), "random",
+                                           ast.Load()), [], []))
+    return chooser is not None and _at_the_rollback(tree, lambda body, i: body.insert(i, draw))
+
+
+def no_rollback(tree):
+    """The rollback left out: every drafted position stays in the cache."""
+    return _at_the_rollback(tree, lambda body, i: body.__setitem__(i, ast.Pass()))
+
+
+ROLL_BACK_TOO_FAR = replacing(   # crop(n) becomes crop(n - 1)
+    is_rollback,
+    lambda node: ast.Call(node.func, [ast.BinOp(node.args[0], ast.Sub(), ast.Constant(1))], []))
+
+
+ACCEPT_BY_THE_NEXT_POSITION = replacing(   # cache.tokens[n - 1] becomes cache.tokens[n]
+    lambda node: isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute)
+    and node.value.attr == "tokens" and isinstance(node.slice, ast.BinOp)
+    and isinstance(node.slice.op, ast.Sub),
+    lambda node: ast.Subscript(node.value, node.slice.left, ast.Load()))
+
+
+CHECK_THE_DRAFT_ALONE = replacing(   # prefill [chosen, *draft] becomes prefill [*draft]
+    lambda node: isinstance(node, ast.List) and len(node.elts) == 2
+    and isinstance(node.elts[1], ast.Starred),
+    lambda node: ast.List([node.elts[1]], ast.Load()))
+
+
+RUN = (r"generate_speculative on the first opening \('[^']+'\), (greedy|sampled \(temperature "
+       r"1\.0, seed 1\)), drafted with one token wrong, lookahead 3")
+BEFORE_A_DRAFT = RUN + r", before draft \d+ is checked \(from position \d+\): "
+HELD = BEFORE_A_DRAFT + (r"the cache holds \d+ positions, where generate's story so far "
+                         r"leaves \d+ \(after [^)]+\): ")
 
 
 class Speculative(unittest.TestCase):
@@ -69,12 +109,14 @@ class Speculative(unittest.TestCase):
                 expected = generate_cached(PARAMS, TOK, prompt, **settings)
                 for name, drafter in self.drafters.items():
                     for lookahead in lookaheads:
-                        result = speculative.generate_speculative(
+                        result = support.described(lambda: speculative.generate_speculative(
                             PARAMS, TOK, prompt, lookahead=lookahead, drafter=drafter,
-                            **settings)
+                            **settings))
                         if result != expected:
                             found.append(f"{prompt!r} {settings}, {name}, lookahead "
-                                         f"{lookahead}: {result['text']!r}")
+                                         f"{lookahead}: " + (f"{result['text']!r}, not "
+                                         f"{expected['text']!r}" if isinstance(result, dict)
+                                         else result))
         return found
 
     def test_every_result_is_generate_s(self):
@@ -109,18 +151,38 @@ class Speculative(unittest.TestCase):
             with self.subTest(**bad), self.assertRaisesRegex(ValueError, fragment):
                 speculative.generate_speculative(PARAMS, TOK, prompt, **bad)
 
-    def test_a_verifier_that_keeps_a_rejected_position_or_draws_for_a_discarded_draft_fails(
-            self):
-        for mistake in (KEEP_A_REJECTED_POSITION, draw_for_a_discarded_draft):
-            planted = plant(speculative, "generate_speculative", mistake)
-            self.assertIsNotNone(planted, f"the planting site of {mistake} is gone")
-            with self.subTest(mistake=getattr(mistake, "__name__", "keep a rejected one")), \
-                    mock.patch.object(speculative, "generate_speculative", planted):
-                try:
-                    found = self.differences(OPENINGS[:3], (4,))   # greedy, sampled, top-k
-                except ValueError:
-                    found = ["raises"]
-                self.assertNotEqual(found, [])
+
+class Verdicts(unittest.TestCase):
+    """Each mistake planted in the real generate_speculative (by its syntax tree) makes
+    the layer's own check fail, naming the run (greedy or sampled), the draft and the
+    position, and what the cache holds there or the token chosen, against generate's."""
+
+    MISTAKES = [
+        ("the rollback left out: rejected drafted positions stay in the cache", speculative,
+         "generate_speculative", no_rollback,
+         HELD + r"\d+ rejected position\(s\) not rolled back"),
+        ("the rollback one position too far (crop(n - 1))", speculative, "generate_speculative",
+         ROLL_BACK_TOO_FAR, HELD + r"\d+ position\(s\) of the story rolled back too"),
+        ("the rollback keeps one position too many (crop(n + 1))", speculative,
+         "generate_speculative", KEEP_A_REJECTED_POSITION,
+         RUN + r": choosing tokens from the rows of the prompt \(positions 0 to \d+\) .*"
+               r"raised ValueError: crop length must be an int from 0 to \d+ .*got \d+"),
+        ("one more random number drawn for a discarded draft", speculative,
+         "generate_speculative", draw_for_a_discarded_draft,
+         BEFORE_A_DRAFT.replace("(greedy|", "(")
+         + r"the tokens checked start with \d+ \('[^']+'\) at position \d+ \(the token "
+           r"chosen there\), where generate's story has \d+"),
+        ("a drafted token accepted by the drafted token after it (cache.tokens[len(ids)])",
+         speculative, "generate_speculative", ACCEPT_BY_THE_NEXT_POSITION,
+         HELD + r"\d+ position\(s\) of the story rolled back too"),
+        ("the draft checked without the token chosen before it", speculative,
+         "generate_speculative", CHECK_THE_DRAFT_ALONE,
+         BEFORE_A_DRAFT + r"the tokens checked start with \d+ \('[^']+'\) at position \d+ "
+                          r"\(the token chosen there\), where generate's story has \d+"),
+    ]
+
+    def test_each_mistake_is_named_by_the_layer_s_check(self):
+        verdicts.assert_verdicts(self, "speculative", self.MISTAKES)
 
 
 class Drafters(unittest.TestCase):
