@@ -11,6 +11,7 @@ imported (a syntax error) is then that layer's verdict, and the layers beside it
 import copy
 import os
 import random
+import struct
 import tempfile
 from collections import namedtuple
 
@@ -185,17 +186,91 @@ def paged_scenario():
     return None
 
 
+def as_stored(fmt, vector):
+    """vector as a QuantizedCache of format fmt gives it back, by its docstring, worked out
+    plainly: float32 and float16 through struct; int8 and int4 as the nearest of the levels
+    -top..top (127 or 7, ties to the even one) of a scale, largest magnitude / top, kept
+    as a 32-bit float."""
+    if fmt == "float64":
+        return list(vector)
+    if fmt in ("float32", "float16"):
+        code = "f" if fmt == "float32" else "e"
+        return [struct.unpack(code, struct.pack(code, x))[0] for x in vector]
+    top = 127 if fmt == "int8" else 7
+    scale = struct.unpack("f", struct.pack("f", max(abs(x) for x in vector) / top))[0]
+    return [max(-top, min(top, round(x / scale))) * scale if scale else 0.0 for x in vector]
+
+
+BYTES_PER_POSITION = {"float64": 2 * 16 * 8, "float32": 2 * 16 * 4, "float16": 2 * 16 * 2,
+                      "int8": 2 * (16 + 4), "int4": 2 * (8 + 4)}   # a key and a value:
+# 16 numbers of 8, 4 or 2 bytes; 16 levels of a byte or of half a byte, and a 4-byte scale
+
+
+def fed_one_by_one(params, cache, ids, label, expected):
+    """The rows of ids fed through cache one forward_step at a time, each step said (step),
+    with what its row is expected to be."""
+    rows = []
+    for position, token_id in enumerate(ids):
+        step(f"{label}: feeding position {position} ({TOK.vocab[token_id]!r}; expected: "
+             f"{expected})")
+        rows.append(kv_cache.forward_step(params, cache, token_id, position))
+    return rows
+
+
 def _lossy():
-    """A float64 QuantizedCache gives forward_step's rows; a WindowCache, those of the
-    full pass with its band mask."""
+    """The keys and values of the first test story (30 tokens) appended to a QuantizedCache
+    of each format, one position at a time as forward_step appends them: every key and
+    value it gives back (and stored()) is as_stored's, and it measures BYTES_PER_POSITION;
+    the story fed through a float64 one gives forward_step's rows; fed through WindowCaches
+    of 8 positions, without and with 2 sinks, the full pass's rows with model.band's mask."""
     import lossy
     ids = TOK.encode(STORIES[0])
-    return (differ("a float64 QuantizedCache on the first test story",
-                    feed(PARAMS, lossy.QuantizedCache(PARAMS, "float64"), ids),
-                    cached_rows(PARAMS, ids), "the cache")
-            or differ("WindowCache(params, 8, 2) on the first test story",
-                       feed(PARAMS, lossy.WindowCache(PARAMS, 8, 2), ids),
-                       model.forward(PARAMS, ids, model.band(8, 2))[0], "the cache"))
+    step("feeding the first test story through a KVCache")
+    exact = KVCache(PARAMS)
+    exact_rows = feed(PARAMS, exact, ids)
+    for fmt in lossy.FORMATS:
+        label = f"the first test story's keys and values in {fmt}"
+        cache = lossy.QuantizedCache(PARAMS, fmt)
+        if fmt == "float64":
+            rows = fed_one_by_one(PARAMS, cache, ids, f"the first test story through a {fmt} "
+                                  f"QuantizedCache", "forward_step's row")
+        else:
+            for position, kept in enumerate(zip(exact.tokens, exact.keys, exact.values)):
+                step(f"{label}: appending position {position} to a QuantizedCache")
+                cache.append(*kept)
+        for part in ("keys", "values"):
+            step(f"{label}: reading its {part} back")
+            wanted = [as_stored(fmt, vector) for vector in getattr(exact, part)]
+            fed = f"the {part} of the first test story's positions (token IDs {ids})"
+            why = (differ(f"{label}: the {part} a QuantizedCache gives back",
+                          getattr(cache, part), wanted, "the cache",
+                          names=("position", "number"), fed=fed)
+                   or differ(f"{label}: the {part} as QuantizedCache.stored gives them",
+                             [cache.stored(vector) for vector in getattr(exact, part)], wanted,
+                             "the cache", names=("position", "number"), fed=fed))
+            if why:
+                return why
+        step(f"{label}: measuring a QuantizedCache's bytes a position")
+        if cache.bytes_per_position() != BYTES_PER_POSITION[fmt]:
+            return Wrong(f"{label}: a QuantizedCache measures {cache.bytes_per_position()} "
+                         f"bytes a position, {BYTES_PER_POSITION[fmt]} expected (a key and a "
+                         f"value of 16 numbers)")
+        why = fmt == "float64" and differ(f"the first test story through a {fmt} "
+                                           f"QuantizedCache", rows, exact_rows, "the cache",
+                                           fed=f"token IDs {ids}")
+        if why:
+            return why
+    for window, sinks in ((8, 0), (8, 2)):
+        label = (f"the first test story through a window of {window} positions and {sinks} "
+                 f"sinks (WindowCache(params, {window}, {sinks}))")
+        rows = fed_one_by_one(PARAMS, lossy.WindowCache(PARAMS, window, sinks), ids, label,
+                              f"the row of the full pass with model.band({window}, {sinks})")
+        why = differ(label, rows, model.forward(PARAMS, ids, model.band(window, sinks))[0],
+                     "the cache", fed=f"token IDs {ids}; the full pass's mask model.band"
+                                      f"({window}, {sinks})")
+        if why:
+            return why
+    return None
 
 
 def in_batches(params, caches, ids, seed=0):
