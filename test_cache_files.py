@@ -281,11 +281,14 @@ class CacheFiles(unittest.TestCase):
         with open(self.path, encoding="utf-8") as f:
             previous = f.read()
         with mock.patch("checkpoint.os.replace", side_effect=OSError("disk full")), \
-                self.assertRaises(OSError):
+                self.assertRaises(OSError, msg="save_cache with os.replace failing: it writes "
+                                               "through checkpoint.write_atomically"):
             cache_files.save_cache(filled_cache(TOK.encode(OPENINGS[1])), self.path)
         with open(self.path, encoding="utf-8") as f:
-            self.assertEqual(f.read(), previous)
-        self.assertEqual(os.listdir(self.folder.name), ["cache.json"])
+            if f.read() != previous:   # not assertEqual: it would print both files
+                self.fail("a failed save_cache changed the file it was to replace")
+        self.assertEqual(os.listdir(self.folder.name), ["cache.json"],
+                         "the folder's files after a failed save_cache (no temporary file left)")
 
     def test_the_command_line_saves_and_continues_and_refuses_in_one_line(self):
         def run(*args):
@@ -325,7 +328,7 @@ class AsksTheProtocol(unittest.TestCase):
                     else:
                         with self.assertRaisesRegex(ValueError, "exact and complete"):
                             cache_files.save_cache(cache, path)
-                        self.assertEqual(os.listdir(folder), [])
+                        self.assertEqual(os.listdir(folder), [], "the files written")
 
 
 if __name__ == "__main__":

@@ -151,7 +151,8 @@ class Lossy(unittest.TestCase):
                 feed(PARAMS, cache, ids[:10])
                 fork = cache.copy()
                 assert_same_rows(self, feed(PARAMS, fork, ids), alone[10:])
-                self.assertEqual(len(cache), 10)
+                self.assertEqual(len(cache), 10, "the positions of the cache copied from, after "
+                                 "its copy was fed: a copy must not share what it keeps")
                 cache.crop(6)
                 assert_same_rows(self, feed(PARAMS, cache, ids), alone[6:])
         window = lossy.WindowCache(PARAMS, 8, 2)
@@ -189,7 +190,8 @@ class Lossy(unittest.TestCase):
             with self.subTest(through="forward_step", fmt=fmt):
                 with self.assertRaisesRegex(ValueError, "float32's largest"):
                     forward_step(huge, cache, 5, 0)
-                self.assertEqual((len(cache), cache.tokens), (0, []))
+                self.assertEqual((len(cache), cache.tokens), (0, []),
+                                 "the cache's positions and tokens after a refused step")
 
     def test_a_window_cache_holding_the_whole_prompt_says_so(self):
         ids = TOK.encode(STORIES[0])
