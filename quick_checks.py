@@ -257,11 +257,11 @@ def _lossy():
             return Wrong(f"{label}: a QuantizedCache measures {cache.bytes_per_position()} "
                          f"bytes a position, {BYTES_PER_POSITION[fmt]} expected (a key and a "
                          f"value of 16 numbers)")
-        why = fmt == "float64" and differ(f"the first test story through a {fmt} "
-                                           f"QuantizedCache", rows, exact_rows, "the cache",
-                                           fed=f"token IDs {ids}")
-        if why:
-            return why
+        if fmt == "float64":
+            why = differ(f"the first test story through a {fmt} QuantizedCache", rows,
+                         exact_rows, "the cache", fed=f"token IDs {ids}")
+            if why:
+                return why
     for window, sinks in ((8, 0), (8, 2)):
         label = (f"the first test story through a window of {window} positions and {sinks} "
                  f"sinks (WindowCache(params, {window}, {sinks}))")
@@ -356,7 +356,7 @@ def saved_and_loaded(params, cache, path, label):
     path, and None; or None and a Wrong: the cache loaded is not the one saved, or load_cache
     refused it (the file named "the file")."""
     import cache_files
-    step(f"{label}: saving it (save_cache)")
+    step(f"{label}: saving it (save_cache; expected: it saves every cache that stores exactly)")
     cache_files.save_cache(cache, path)
     step(f"{label}: loading it (load_cache; expected: the very cache saved)")
     try:
@@ -384,45 +384,46 @@ def _cache_files():
     context = [t for text in STORIES for t in TOK.encode(text)][:model.CONTEXT]
     other = random_model(random.Random(0), 1.0, 1.0)
     pool = paged.BlockPool(PARAMS, model.CONTEXT // 4, 4)
-    first = KVCache(PARAMS)
+    cases = ((f"the first test story's cache ({len(story)} positions)", PARAMS, KVCache(PARAMS),
+              story),
+             (f"a paged sequence (blocks of 4) of the test stories' first {len(context)} "
+              f"tokens, a whole context", PARAMS, pool.sequence(), context),
+             ("another model's cache (random weights) of the first opening", other,
+              KVCache(other), TOK.encode(OPENINGS[0])))
     with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "cache.json")
-        for label, params, cache, ids in (
-                (f"the first test story's cache ({len(story)} positions)", PARAMS, first,
-                 story),
-                (f"a paged sequence (blocks of 4) of the test stories' first {len(context)} "
-                 f"tokens, a whole context", PARAMS, pool.sequence(), context),
-                ("another model's cache (random weights) of the first opening", other,
-                 KVCache(other), TOK.encode(OPENINGS[0]))):
+        story_file, context_file, other_file, tampered_file = (
+            os.path.join(folder, f"{name}.json") for name in ("story", "context", "other",
+                                                              "tampered"))
+        for (label, params, cache, ids), file in zip(cases, (story_file, context_file,
+                                                             other_file)):
             step(f"{label}: feeding it")
             feed(params, cache, ids)
-            _, why = saved_and_loaded(params, cache, path, label)
+            _, why = saved_and_loaded(params, cache, file, label)
             if why:
                 return why
         step("loading another model's file with the trained weights (expected: refused, as "
              "computed with other weights)")
         try:
-            cache_files.load_cache(PARAMS, path)
+            cache_files.load_cache(PARAMS, other_file)
             return Wrong("another model's file (random weights) of the first opening loaded "
                          "with the trained weights, where load_cache must refuse it")
         except ValueError as refused:
             if "other weights" not in str(refused):
                 return Wrong(f"another model's file (random weights) of the first opening was "
                              f"refused by the trained weights, but not as computed with other "
-                             f"weights: {refusal(refused, path)}")
+                             f"weights: {refusal(refused, other_file)}")
         step(f"the first test story's file with the value of position {TAMPERED} changed and "
              f"signed again (expected: refused, naming position {TAMPERED})")
-        cache_files.save_cache(first, path)
-        with open(path, encoding="utf-8") as f:
+        with open(story_file, encoding="utf-8") as f:
             record = json.load(f)
         value = record["values"][TAMPERED]
         value[0] = math.nextafter(value[0], math.inf)
         record["content"] = cache_files.content_signature(record["tokens"], record["keys"],
                                                           record["values"])
-        with open(path, "w", encoding="utf-8") as f:
+        with open(tampered_file, "w", encoding="utf-8") as f:
             json.dump(record, f)
         try:
-            cache_files.load_cache(PARAMS, path)
+            cache_files.load_cache(PARAMS, tampered_file)
             return Wrong(f"the first test story's file with the value of position {TAMPERED} "
                          f"changed in its last bit and signed again loaded, where load_cache "
                          f"must refuse it (it computes every key and value again)")
@@ -430,7 +431,7 @@ def _cache_files():
             if f"position {TAMPERED}" not in str(refused):
                 return Wrong(f"the first test story's file with the value of position "
                              f"{TAMPERED} changed and signed again was refused without naming "
-                             f"position {TAMPERED}: {refusal(refused, path)}")
+                             f"position {TAMPERED}: {refusal(refused, tampered_file)}")
     return None
 
 
@@ -521,13 +522,14 @@ def _latent_attention():
     return None
 
 
-def reads_of(step, weights, cache):
-    """The distinct numbers step() reads (instruments.count_reads) from the holders of
+def reads_of(decode, weights, cache):
+    """The distinct numbers decode() reads (instruments.count_reads) from the holders of
     weights and from those of cache, apart: {"weights": ..., "cache": ...}, as
     bandwidth.floats_read counts them."""
     from instruments import count_reads
     from_cache = []
-    from_weights = count_reads(lambda: from_cache.append(count_reads(step, *cache)), *weights)
+    from_weights = count_reads(lambda: from_cache.append(count_reads(decode, *cache)),
+                               *weights)
     return {"weights": from_weights, "cache": from_cache[0]}
 
 
@@ -550,13 +552,13 @@ def deep_step_reads(params, path, ids):
     cache = deep_model.DeepCache(params)
     folded = path == "absorbed" and latent_attention.fold(params)
 
-    def step(position):
+    def decode(position):
         if folded:
             return latent_attention.absorbed_step(folded, cache, ids[position], position)
         return deep_model.forward_step(params, cache, ids[position], position)
     for position in range(len(ids) - 1):
-        step(position)
-    return reads_of(lambda: step(len(ids) - 1),
+        decode(position)
+    return reads_of(lambda: decode(len(ids) - 1),
                     [params, cache.block_columns, cache.out_columns,
                      folded.blocks if folded else []], [cache.layers])
 
@@ -569,22 +571,19 @@ def _bandwidth():
     import bandwidth
     import deep_model
     ids = TOK.encode(STORIES[0])
-    for label, shape, path, held in (
-            ("the lesson's model", bandwidth.LESSON, "cached", 5),
+    latent = ("a 2-layer latent model (latent 8, rotary key 2)", (2, 4, 4, 16, 0, "rotary", 8))
+    for label, made, path, held in (
+            ("the lesson's model", None, "cached", 5),
             ("a 2-layer grouped-query model (4 heads, 2 key-value heads, rotary positions)",
              (2, 4, 2, 16, 0, "rotary"), "cached", 3),
-            ("a 2-layer latent model (latent 8, rotary key 2)", (2, 4, 4, 16, 0, "rotary", 8),
-             "rebuilt", 3),
-            ("a 2-layer latent model (latent 8, rotary key 2)", (2, 4, 4, 16, 0, "rotary", 8),
-             "absorbed", 3)):
+            (*latent, "rebuilt", 3), (*latent, "absorbed", 3)):
         where = f"{label}, its {path} step with {held} positions held"
         step(f"{where}: counting what it reads")
-        if shape is bandwidth.LESSON:
-            read = lesson_step_reads(ids[:held + 1])
+        if made is None:
+            shape, read = bandwidth.LESSON, lesson_step_reads(ids[:held + 1])
         else:
-            params = deep_model.init_params(*shape)
-            shape = params["shape"]
-            read = deep_step_reads(params, path, ids[:held + 1])
+            params = deep_model.init_params(*made)   # layers, heads, kv_heads, width, seed, ...
+            shape, read = params["shape"], deep_step_reads(params, path, ids[:held + 1])
         step(f"{where}: bandwidth.floats_read({shape}, {held}, {path!r})")
         counted = bandwidth.floats_read(shape, held, path)
         for part in ("weights", "cache"):

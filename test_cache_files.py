@@ -56,6 +56,11 @@ SIGNATURE_OF_THE_NAMES = replacing(   # [params[name] for name in sorted(params)
     lambda node: (isinstance(node, ast.ListComp) and isinstance(node.generators[0].iter, ast.Call)
                   and getattr(node.generators[0].iter.func, "id", None) == "sorted"),
     lambda node: node.generators[0].iter)
+ONLY_A_KVCACHE_SAVED = replacing(   # isinstance(cache, KVCache): type(cache) is KVCache
+    lambda node: (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance"
+                  and getattr(node.args[1], "id", None) == "KVCache"),
+    lambda node: ast.Compare(ast.Call(ast.Name("type", ast.Load()), node.args[:1], []),
+                             [ast.Is()], node.args[1:]))
 
 MISTAKES = [
     ("keys saved as values and values as keys", cache_files, "save_cache", SAVED_SWAPPED,
@@ -69,6 +74,9 @@ MISTAKES = [
                               r".*64 tokens, 64 keys and 64 values"),
     ("only the keys computed again", cache_files, "_not_computed", ONLY_THE_KEYS_COMPUTED_AGAIN,
      r"the value of position 3 changed.*loaded"),
+    ("a paged sequence refused, as if only a KVCache could be saved", cache_files,
+     "save_cache", ONLY_A_KVCACHE_SAVED,
+     r"a paged sequence .*: saving it .*raised ValueError: save_cache saves .*PagedSequence"),
     ("the weights signed by their names only", cache_files, "weights_signature",
      SIGNATURE_OF_THE_NAMES, r"another model's file.*refused.*not as computed with other weights"),
 ]
