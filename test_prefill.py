@@ -2,13 +2,14 @@
 for bit, the causal mask offset by what the cache holds; refusals leave the cache as it was."""
 import ast
 import copy
+import reprlib
 import unittest
 
 import verdicts
 import model
 import prefill
 import support
-from instruments import recording, replacing
+from instruments import recording, replacing, where_raised
 from kv_cache import KVCache, feed, forward_step, generate_cached
 from support import (OPENINGS, PARAMS, STORIES, TOK, assert_equal, assert_same_generation,
                      assert_same_rows, cached_rows, chunked_rows, filled_cache, snapshot)
@@ -156,9 +157,17 @@ class OnePassPrefill(unittest.TestCase):
         for (params, token_ids, start), fragment in cases:
             before = snapshot(cache)
             with self.subTest(fragment=fragment):
-                with self.assertRaises(ValueError) as caught:
+                try:
                     prefill.prefill(params, cache, token_ids, start)
-                self.assertIn(fragment, str(caught.exception))
+                except ValueError as refused:
+                    self.assertIn(fragment, str(refused))
+                except Exception as error:   # a refusal that is not the one expected
+                    self.fail(f"prefill(token_ids {reprlib.repr(token_ids)}, start {start!r}) "
+                              f"raised {support.raised(error)}{where_raised(error)}; expected "
+                              f"a ValueError saying {fragment!r}")
+                else:
+                    self.fail(f"prefill accepted token_ids {reprlib.repr(token_ids)} at start "
+                              f"{start!r}; expected a ValueError saying {fragment!r}")
                 assert_equal(self, snapshot(cache), before,
                              "the cache (length, tokens, keys, values)")
 
