@@ -18,7 +18,7 @@ import generate
 import verdicts
 import lossy
 import support
-from instruments import replacing
+from instruments import replacing, where_raised
 from kv_cache import feed, generate_cached
 from support import OPENINGS, PARAMS, TOK, assert_equal, filled_cache, snapshot
 
@@ -88,6 +88,19 @@ class Teeth(unittest.TestCase):
 
     def test_each_mistake_is_named_by_the_quick_check(self):
         verdicts.assert_verdicts(self, "cache_files", MISTAKES)
+
+
+def refused(test, load, what):
+    """The message of the ValueError load() raises; else a failure saying it loaded what
+    (or raised another exception, from where), where a refusal was expected."""
+    try:
+        load()
+    except ValueError as refusal:
+        return str(refusal)
+    except Exception as error:   # a refusal that is not the one expected
+        test.fail(f"loading {what} raised {support.raised(error)}{where_raised(error)}, where a "
+                  f"ValueError naming the file was expected")
+    test.fail(f"{what} loaded, where load_cache must refuse it, naming the file")
 
 
 class CacheFiles(unittest.TestCase):
@@ -169,10 +182,10 @@ class CacheFiles(unittest.TestCase):
             with self.subTest(fragment=fragment):
                 with open(self.path, "w", encoding="utf-8") as f:
                     f.write(text)
-                with self.assertRaises(ValueError) as refused:
-                    cache_files.load_cache(PARAMS, self.path)
-                self.assertIn(self.path, str(refused.exception))
-                self.assertIn(fragment.strip(), str(refused.exception))
+                refusal = refused(self, lambda: cache_files.load_cache(PARAMS, self.path),
+                                  f"a file {fragment.strip()}")
+                self.assertIn(self.path, refusal)
+                self.assertIn(fragment.strip(), refusal)
         with open(self.path, "w", encoding="utf-8") as f:
             json.dump(good, f)
         with self.assertRaisesRegex(ValueError, "computed with other weights .* stale logits"):
