@@ -9,16 +9,20 @@ Each check imports its Part's module itself, when it runs: a Part that cannot ev
 imported (a syntax error) is then that layer's verdict, and the layers beside it run.
 """
 import copy
+import json
+import math
 import os
 import random
+import struct
 import tempfile
 from collections import namedtuple
 
 import kv_cache
 import model
+from instruments import replaced
 from kv_cache import KVCache, feed
 from support import (OPENINGS, PARAMS, STORIES, TOK, cached_rows, filled_cache,
-                     first_difference, snapshot, where_rows_differ)
+                     first_difference, random_model, snapshot, where_rows_differ)
 
 
 class Wrong(str):
@@ -74,13 +78,64 @@ def _lesson():
     return where_rows_differ(PARAMS, TOK.encode(STORIES[0]))
 
 
+def where_cache_differs(label, cache, reference, source):
+    """None if cache holds the tokens, keys and values reference holds, else a Wrong
+    naming the first part and position that differ, with both numbers."""
+    for part in ("tokens", "keys", "values"):
+        why = differ(f"{label}: its {part}", list(getattr(cache, part)),
+                     list(getattr(reference, part)), source,
+                     names=("position", "number"), fed=f"token IDs {list(reference.tokens)}")
+        if why:
+            return why
+    return None
+
+
+PREFILL_HELD = 7   # the positions a cache already holds when _prefill prefills the rest
+
+
+def saying_each_chunk(label):
+    """A stand-in for prefill.prefill (instruments.replaced): each call first says, as the
+    check's step, the positions of the chunk it prefills, so that an exception names them."""
+    def stand_in(real):
+        def prefill(params, cache, token_ids, start):
+            step(f"{label}: prefilling the chunk of positions {start} to "
+                 f"{start + len(token_ids) - 1} (expected: forward_step's rows)")
+            return real(params, cache, token_ids, start)
+        return prefill
+    return stand_in
+
+
 def _prefill():
-    """The first test story prefilled 3 tokens at a time gives forward_step's rows."""
+    """The first test story (30 tokens) prefilled in chunks of 4 (the last one short), 5
+    (which divide it) and the whole story at once, each into a new cache, and in chunks of
+    4 after a cache already holds its first PREFILL_HELD tokens: every row and the cache
+    after are forward_step's."""
     import prefill
     ids = TOK.encode(STORIES[0])
-    return differ("the first test story prefilled in chunks of 3",
-                   prefill.prefill_in_chunks(PARAMS, KVCache(PARAMS), ids, 3),
-                   cached_rows(PARAMS, ids), "prefill")
+    step("feeding the first test story one forward_step at a time")
+    reference = KVCache(PARAMS)
+    expected = feed(PARAMS, reference, ids)
+    for held, size in ((0, 4), (0, 5), (0, model.CONTEXT), (PREFILL_HELD, 4)):
+        short = len(ids[held:]) % size
+        label = (f"the first test story ({len(ids)} tokens) prefilled "
+                 + (f"in chunks of {size}" + (f" (the last of {short})" if short else "")
+                    if size < len(ids) else f"in one chunk (size {size})")
+                 + (f" after a cache holds its first {held} tokens" if held else ""))
+        step(f"{label}: feeding the first {held} one forward_step at a time")
+        cache = KVCache(PARAMS)
+        rows = feed(PARAMS, cache, ids[:held])
+        with replaced(prefill, "prefill", saying_each_chunk(label)):
+            rows += prefill.prefill_in_chunks(PARAMS, cache, ids, size)
+        if len(rows) != len(expected):
+            return Wrong(f"{label}: {len(rows) - held} rows from prefill, "
+                         f"{len(expected) - held} expected (one for each position from {held})",
+                         f"  fed: token IDs {ids}")
+        why = (differ(label, rows, expected, "prefill",
+                      fed=f"token IDs {ids}, {held} held, chunks of {size} from position {held}")
+               or where_cache_differs(label, cache, reference, "prefill"))
+        if why:
+            return why
+    return None
 
 
 def where_sequence_differs(label, seq, tokens):
@@ -174,17 +229,91 @@ def paged_scenario():
     return None
 
 
+def as_stored(fmt, vector):
+    """vector as a QuantizedCache of format fmt gives it back, by its docstring, worked out
+    plainly: float32 and float16 through struct; int8 and int4 as the nearest of the levels
+    -top..top (127 or 7, ties to the even one) of a scale, largest magnitude / top, kept
+    as a 32-bit float."""
+    if fmt == "float64":
+        return list(vector)
+    if fmt in ("float32", "float16"):
+        code = "f" if fmt == "float32" else "e"
+        return [struct.unpack(code, struct.pack(code, x))[0] for x in vector]
+    top = 127 if fmt == "int8" else 7
+    scale = struct.unpack("f", struct.pack("f", max(abs(x) for x in vector) / top))[0]
+    return [max(-top, min(top, round(x / scale))) * scale if scale else 0.0 for x in vector]
+
+
+BYTES_PER_POSITION = {"float64": 2 * 16 * 8, "float32": 2 * 16 * 4, "float16": 2 * 16 * 2,
+                      "int8": 2 * (16 + 4), "int4": 2 * (8 + 4)}   # a key and a value:
+# 16 numbers of 8, 4 or 2 bytes; 16 levels of a byte or of half a byte, and a 4-byte scale
+
+
+def fed_one_by_one(params, cache, ids, label, expected):
+    """The rows of ids fed through cache one forward_step at a time, each step said (step),
+    with what its row is expected to be."""
+    rows = []
+    for position, token_id in enumerate(ids):
+        step(f"{label}: feeding position {position} ({TOK.vocab[token_id]!r}; expected: "
+             f"{expected})")
+        rows.append(kv_cache.forward_step(params, cache, token_id, position))
+    return rows
+
+
 def _lossy():
-    """A float64 QuantizedCache gives forward_step's rows; a WindowCache, those of the
-    full pass with its band mask."""
+    """The keys and values of the first test story (30 tokens) appended to a QuantizedCache
+    of each format, one position at a time as forward_step appends them: every key and
+    value it gives back (and stored()) is as_stored's, and it measures BYTES_PER_POSITION;
+    the story fed through a float64 one gives forward_step's rows; fed through WindowCaches
+    of 8 positions, without and with 2 sinks, the full pass's rows with model.band's mask."""
     import lossy
     ids = TOK.encode(STORIES[0])
-    return (differ("a float64 QuantizedCache on the first test story",
-                    feed(PARAMS, lossy.QuantizedCache(PARAMS, "float64"), ids),
-                    cached_rows(PARAMS, ids), "the cache")
-            or differ("WindowCache(params, 8, 2) on the first test story",
-                       feed(PARAMS, lossy.WindowCache(PARAMS, 8, 2), ids),
-                       model.forward(PARAMS, ids, model.band(8, 2))[0], "the cache"))
+    step("feeding the first test story through a KVCache")
+    exact = KVCache(PARAMS)
+    exact_rows = feed(PARAMS, exact, ids)
+    for fmt in lossy.FORMATS:
+        label = f"the first test story's keys and values in {fmt}"
+        cache = lossy.QuantizedCache(PARAMS, fmt)
+        if fmt == "float64":
+            rows = fed_one_by_one(PARAMS, cache, ids, f"the first test story through a {fmt} "
+                                  f"QuantizedCache", "forward_step's row")
+        else:
+            for position, kept in enumerate(zip(exact.tokens, exact.keys, exact.values)):
+                step(f"{label}: appending position {position} to a QuantizedCache")
+                cache.append(*kept)
+        for part in ("keys", "values"):
+            step(f"{label}: reading its {part} back")
+            wanted = [as_stored(fmt, vector) for vector in getattr(exact, part)]
+            fed = f"the {part} of the first test story's positions (token IDs {ids})"
+            why = (differ(f"{label}: the {part} a QuantizedCache gives back",
+                          getattr(cache, part), wanted, "the cache",
+                          names=("position", "number"), fed=fed)
+                   or differ(f"{label}: the {part} as QuantizedCache.stored gives them",
+                             [cache.stored(vector) for vector in getattr(exact, part)], wanted,
+                             "the cache", names=("position", "number"), fed=fed))
+            if why:
+                return why
+        step(f"{label}: measuring a QuantizedCache's bytes a position")
+        if cache.bytes_per_position() != BYTES_PER_POSITION[fmt]:
+            return Wrong(f"{label}: a QuantizedCache measures {cache.bytes_per_position()} "
+                         f"bytes a position, {BYTES_PER_POSITION[fmt]} expected (a key and a "
+                         f"value of 16 numbers)")
+        if fmt == "float64":
+            why = differ(f"the first test story through a {fmt} QuantizedCache", rows,
+                         exact_rows, "the cache", fed=f"token IDs {ids}")
+            if why:
+                return why
+    for window, sinks in ((8, 0), (8, 2)):
+        label = (f"the first test story through a window of {window} positions and {sinks} "
+                 f"sinks (WindowCache(params, {window}, {sinks}))")
+        rows = fed_one_by_one(PARAMS, lossy.WindowCache(PARAMS, window, sinks), ids, label,
+                              f"the row of the full pass with model.band({window}, {sinks})")
+        why = differ(label, rows, model.forward(PARAMS, ids, model.band(window, sinks))[0],
+                     "the cache", fed=f"token IDs {ids}; the full pass's mask model.band"
+                                      f"({window}, {sinks})")
+        if why:
+            return why
+    return None
 
 
 def story_name(index):
@@ -499,16 +628,93 @@ def _speculative():
     return None
 
 
-def _cache_files():
-    """A cache saved to a file loads as the very cache."""
+def refusal(error, path):
+    """What a refusal of the file at path says, without the file's name it opens with."""
+    return str(error).replace(f"{path}: ", "")
+
+
+def saved_and_loaded(params, cache, path, label):
+    """The cache load_cache gives for params from the file save_cache writes of cache at
+    path, and None; or None and a Wrong: the cache loaded is not the one saved, or load_cache
+    refused it (the file named "the file")."""
     import cache_files
-    cache = filled_cache(TOK.encode(STORIES[0]))
+    step(f"{label}: saving it (save_cache; expected: it saves every cache that stores exactly)")
+    cache_files.save_cache(cache, path)
+    step(f"{label}: loading it (load_cache; expected: the very cache saved)")
+    try:
+        loaded = cache_files.load_cache(params, path)
+    except ValueError as refused:
+        return None, Wrong(f"{label}: load_cache refused the file save_cache wrote: "
+                           f"{refusal(refused, path)}",
+                           f"  fed: token IDs {list(cache.tokens)}")
+    return loaded, where_cache_differs(f"{label}, saved and loaded", loaded, cache, "the file")
+
+
+TAMPERED = 3   # the position whose value _cache_files changes in a file, signed again
+
+
+def _cache_files():
+    """Caches saved to a file and loaded: the first test story's KVCache, a paged sequence
+    (blocks of 4) of a whole context (the test stories' first 64 tokens), another model's
+    (random weights) KVCache of the first opening, each load as the very cache; the other
+    model's file is refused by the trained weights as computed with other weights; a file
+    with the value of position TAMPERED changed in its last bit, and signed again, is
+    refused, naming that position."""
+    import cache_files
+    import paged
+    story = TOK.encode(STORIES[0])
+    context = [t for text in STORIES for t in TOK.encode(text)][:model.CONTEXT]
+    other = random_model(random.Random(0), 1.0, 1.0)
+    pool = paged.BlockPool(PARAMS, model.CONTEXT // 4, 4)
+    cases = ((f"the first test story's cache ({len(story)} positions)", PARAMS, KVCache(PARAMS),
+              story),
+             (f"a paged sequence (blocks of 4) of the test stories' first {len(context)} "
+              f"tokens, a whole context", PARAMS, pool.sequence(), context),
+             ("another model's cache (random weights) of the first opening", other,
+              KVCache(other), TOK.encode(OPENINGS[0])))
     with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "cache.json")
-        cache_files.save_cache(cache, path)
-        loaded = cache_files.load_cache(PARAMS, path)
-    return differ("a saved and loaded cache (length, tokens, keys, values)",
-                   snapshot(loaded), snapshot(cache), "the file")
+        story_file, context_file, other_file, tampered_file = (
+            os.path.join(folder, f"{name}.json") for name in ("story", "context", "other",
+                                                              "tampered"))
+        for (label, params, cache, ids), file in zip(cases, (story_file, context_file,
+                                                             other_file)):
+            step(f"{label}: feeding it")
+            feed(params, cache, ids)
+            _, why = saved_and_loaded(params, cache, file, label)
+            if why:
+                return why
+        step("loading another model's file with the trained weights (expected: refused, as "
+             "computed with other weights)")
+        try:
+            cache_files.load_cache(PARAMS, other_file)
+            return Wrong("another model's file (random weights) of the first opening loaded "
+                         "with the trained weights, where load_cache must refuse it")
+        except ValueError as refused:
+            if "other weights" not in str(refused):
+                return Wrong(f"another model's file (random weights) of the first opening was "
+                             f"refused by the trained weights, but not as computed with other "
+                             f"weights: {refusal(refused, other_file)}")
+        step(f"the first test story's file with the value of position {TAMPERED} changed and "
+             f"signed again (expected: refused, naming position {TAMPERED})")
+        with open(story_file, encoding="utf-8") as f:
+            record = json.load(f)
+        value = record["values"][TAMPERED]
+        value[0] = math.nextafter(value[0], math.inf)
+        record["content"] = cache_files.content_signature(record["tokens"], record["keys"],
+                                                          record["values"])
+        with open(tampered_file, "w", encoding="utf-8") as f:
+            json.dump(record, f)
+        try:
+            cache_files.load_cache(PARAMS, tampered_file)
+            return Wrong(f"the first test story's file with the value of position {TAMPERED} "
+                         f"changed in its last bit and signed again loaded, where load_cache "
+                         f"must refuse it (it computes every key and value again)")
+        except ValueError as refused:
+            if f"position {TAMPERED}" not in str(refused):
+                return Wrong(f"the first test story's file with the value of position "
+                             f"{TAMPERED} changed and signed again was refused without naming "
+                             f"position {TAMPERED}: {refusal(refused, tampered_file)}")
+    return None
 
 
 def deep_rows(params, ids, mask=None):
@@ -598,18 +804,77 @@ def _latent_attention():
     return None
 
 
-def _bandwidth():
-    """The numbers a step of the lesson's model reads, counted, against the formula's."""
-    import bandwidth
+def reads_of(decode, weights, cache):
+    """The distinct numbers decode() reads (instruments.count_reads) from the holders of
+    weights and from those of cache, apart: {"weights": ..., "cache": ...}, as
+    bandwidth.floats_read counts them."""
     from instruments import count_reads
+    from_cache = []
+    from_weights = count_reads(lambda: from_cache.append(count_reads(decode, *cache)),
+                               *weights)
+    return {"weights": from_weights, "cache": from_cache[0]}
+
+
+def lesson_step_reads(ids):
+    """What the lesson's step of ids[-1] reads (reads_of), on a copy of the trained model
+    (count_reads watches the vectors it is given for good), its cache holding the rest."""
     params = copy.deepcopy(PARAMS)
     cache = KVCache(params)
-    feed(params, cache, TOK.encode(STORIES[0])[:5])
-    read = count_reads(lambda: kv_cache.forward_step(params, cache, 5, 5), params, cache.columns,
-                       cache.keys, cache.values)
-    wanted = sum(bandwidth.floats_read(bandwidth.LESSON, 5).values())
-    return None if read == wanted else (f"a step with 5 positions held reads {read} numbers, "
-                                        f"and bandwidth.floats_read counts {wanted}")
+    feed(params, cache, ids[:-1])
+    return reads_of(lambda: kv_cache.forward_step(params, cache, ids[-1], len(ids) - 1),
+                    [params, cache.columns], [cache.keys, cache.values])
+
+
+def deep_step_reads(params, path, ids):
+    """What the step of ids[-1] of a deep_model (for path "cached" or "rebuilt",
+    deep_model.forward_step; for "absorbed", latent_attention.absorbed_step) reads
+    (reads_of), its cache holding the rest. Watched for good: pass params made for it."""
+    import deep_model
+    import latent_attention
+    cache = deep_model.DeepCache(params)
+    folded = path == "absorbed" and latent_attention.fold(params)
+
+    def decode(position):
+        if folded:
+            return latent_attention.absorbed_step(folded, cache, ids[position], position)
+        return deep_model.forward_step(params, cache, ids[position], position)
+    for position in range(len(ids) - 1):
+        decode(position)
+    return reads_of(lambda: decode(len(ids) - 1),
+                    [params, cache.block_columns, cache.out_columns,
+                     folded.blocks if folded else []], [cache.layers])
+
+
+def _bandwidth():
+    """A decode step's reads, counted apart from the weights and from the cache, against
+    bandwidth.floats_read's: the lesson's model with 5 positions held; with 3 held, a
+    2-layer grouped-query model (4 heads, 2 key-value heads) with rotary positions, and a
+    2-layer latent model (latent 8, rotary key 2), its rebuilt and its absorbed path."""
+    import bandwidth
+    import deep_model
+    ids = TOK.encode(STORIES[0])
+    latent = ("a 2-layer latent model (latent 8, rotary key 2)", (2, 4, 4, 16, 0, "rotary", 8))
+    for label, made, path, held in (
+            ("the lesson's model", None, "cached", 5),
+            ("a 2-layer grouped-query model (4 heads, 2 key-value heads, rotary positions)",
+             (2, 4, 2, 16, 0, "rotary"), "cached", 3),
+            (*latent, "rebuilt", 3), (*latent, "absorbed", 3)):
+        where = f"{label}, its {path} step with {held} positions held"
+        step(f"{where}: counting what it reads")
+        if made is None:
+            shape, read = bandwidth.LESSON, lesson_step_reads(ids[:held + 1])
+        else:
+            params = deep_model.init_params(*made)   # layers, heads, kv_heads, width, seed, ...
+            shape, read = params["shape"], deep_step_reads(params, path, ids[:held + 1])
+        step(f"{where}: bandwidth.floats_read({shape}, {held}, {path!r})")
+        counted = bandwidth.floats_read(shape, held, path)
+        for part in ("weights", "cache"):
+            if read[part] != counted.get(part):
+                return Wrong(f"{where} reads {read[part]} numbers of the {part}, and "
+                             f"bandwidth.floats_read counts {counted.get(part)}",
+                             f"  fed: the shape {shape}, {held} positions held, path {path!r}\n"
+                             f"  the step read: {read}\n  floats_read:   {counted}")
+    return None
 
 
 def attention_reads(story):

@@ -1,17 +1,18 @@
 """What a decode step reads: the numbers the real steps take from the weights and the
 cache, counted by instruments.count_reads, are bandwidth.floats_read's, for the lesson's
 model and for deep_model's shapes on every path; the bound follows from them."""
+import ast
 import copy
 import unittest
 
 import bandwidth
 import deep_model
-import kv_cache
-import latent_attention
 import model
-from instruments import count_reads
+import verdicts
+from instruments import replacing
+from quick_checks import deep_step_reads, lesson_step_reads
+from support import random_tokens, tear_down
 from verdicts import quick_check_case, set_up
-from support import PARAMS, random_tokens, tear_down
 
 
 def setUpModule():
@@ -22,36 +23,82 @@ tearDownModule = tear_down
 QuickCheck = quick_check_case("bandwidth", __name__)
 
 
-def deep_reads(params, path, held):
-    """The numbers one step of path reads from params and a cache holding held positions
-    (deep_model.forward_step, or latent_attention.absorbed_step for "absorbed")."""
-    cache = deep_model.DeepCache(params)
-    folded = path == "absorbed" and latent_attention._fold(params)
-    ids = random_tokens(held + 1)
+def in_branch(path, mistake):
+    """mistake (a planting), made only in the branch of floats_read that if path == ...
+    takes (the cached path's)."""
+    def planting(tree):
+        return sum(mistake(ast.Module(node.body, [])) for node in ast.walk(tree)
+                   if isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+                   and getattr(node.test.comparators[0], "value", None) == path)
+    return planting
 
-    def step(position):
-        if folded:
-            return latent_attention.absorbed_step(folded, cache, ids[position], position)
-        return deep_model.forward_step(params, cache, ids[position], position)
-    for position in range(held):
-        step(position)
-    return count_reads(lambda: step(held), params, cache.block_columns, cache.out_columns,
-                       cache.layers, folded.blocks if folded else [])
+
+ONLY_THE_KEYS_CACHED = replacing(   # cache = 2 * kv_width becomes cache = kv_width
+    lambda node: (isinstance(node, ast.Assign) and isinstance(node.value, ast.BinOp)
+                  and getattr(node.value.left, "value", None) == 2
+                  and isinstance(node.value.right, ast.Name)),
+    lambda node: ast.Assign(node.targets, node.value.right))
+SQUARE_KEY_AND_VALUE_MATRICES = in_branch("cached", replacing(   # 2 * width * kv_width: * width
+    lambda node: (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)
+                  and isinstance(node.left, ast.BinOp) and isinstance(node.right, ast.Name)),
+    lambda node: ast.BinOp(node.left, ast.Mult(), node.left.right)))
+ONE_LAYER = replacing(   # shape["layers"] * ...: the layers forgotten
+    lambda node: (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)
+                  and isinstance(node.left, ast.Subscript)
+                  and getattr(node.left.slice, "value", None) == "layers"),
+    lambda node: node.right)
+A_POSITION_ROW_ALWAYS = replacing(   # 2 if positions are learned else 1: always 2
+    lambda node: isinstance(node, ast.IfExp), lambda node: node.body)
+WO_READ_ON_THE_ABSORBED_PATH = replacing(   # ... - width * width: Wo counted too
+    lambda node: isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub),
+    lambda node: node.left)
+LATENT_WITHOUT_ITS_ROTARY_KEY = replacing(   # cache = latent + r becomes cache = latent
+    lambda node: (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add)
+                  and isinstance(node.left, ast.Name) and isinstance(node.right, ast.Name)),
+    lambda node: node.left)
+
+READS = r"reads \d+ numbers of the {}, and bandwidth.floats_read counts \d+"
+MISTAKES = [
+    ("a held position's value left out", bandwidth, "floats_read", ONLY_THE_KEYS_CACHED,
+     r"the lesson's model, its cached step with [1-9]\d* positions held " + READS.format("cache")),
+    ("Wk and Wv counted width x width, as if every head had its key and value", bandwidth,
+     "floats_read", SQUARE_KEY_AND_VALUE_MATRICES,
+     r"grouped-query .*, its cached step with \d+ positions held " + READS.format("weights")),
+    ("one layer counted", bandwidth, "floats_read", ONE_LAYER,
+     r"2-layer .*, its \w+ step with \d+ positions held " + READS.format("weights")),
+    ("a position row counted with rotary positions", bandwidth, "floats_read",
+     A_POSITION_ROW_ALWAYS, r"rotary positions.*step with \d+ positions held "
+                            + READS.format("weights")),
+    ("Wo counted on the absorbed path, which folds it", bandwidth, "floats_read",
+     WO_READ_ON_THE_ABSORBED_PATH, r"latent .*, its absorbed step with \d+ positions held "
+                                   + READS.format("weights")),
+    ("the latent counted without its rotary key", bandwidth, "floats_read",
+     LATENT_WITHOUT_ITS_ROTARY_KEY, r"latent .*rotary key 2.*, its rebuilt step with "
+                                    r"[1-9]\d* positions held " + READS.format("cache")),
+]
+
+
+class Teeth(unittest.TestCase):
+    """Each mistake, planted in the real bandwidth.floats_read (by its syntax tree), makes
+    the layer's quick check fail, naming the model, the path, weights or cache, and both counts."""
+
+    def test_each_mistake_is_named_by_the_quick_check(self):
+        verdicts.assert_verdicts(self, "bandwidth", MISTAKES)
 
 
 class Reads(unittest.TestCase):
+    """What the real steps read, counted apart from the weights and from the cache, on more
+    shapes and held positions than the quick check."""
 
     def test_the_lessons_step_reads_what_the_formula_counts(self):
         """kv_cache.forward_step on a copy of the trained model: its weights once, and
         the 2 x 16 numbers of each held position."""
         for held in (0, 1, 40, model.CONTEXT - 1):
-            params = copy.deepcopy(PARAMS)
-            cache = kv_cache.KVCache(params)
-            kv_cache.feed(params, cache, random_tokens(held))
-            read = count_reads(lambda: kv_cache.forward_step(params, cache, 5, held),
-                               params, cache.columns, cache.keys, cache.values)
             with self.subTest(held=held):
-                self.assertEqual(read, sum(bandwidth.floats_read(bandwidth.LESSON, held).values()))
+                self.assertEqual(lesson_step_reads(random_tokens(held + 1)),
+                                 bandwidth.floats_read(bandwidth.LESSON, held),
+                                 f"the numbers the lesson's step reads with {held} positions "
+                                 f"held, counted (first) and by floats_read")
 
     def test_deeper_steps_read_what_the_formula_counts_on_every_path(self):
         cases = [(deep_model.init_params(2, 4, kv_heads, 16, 0, positions), "cached")
@@ -62,9 +109,11 @@ class Reads(unittest.TestCase):
         for params, path in cases:
             for held in (0, 9):
                 with self.subTest(shape=params["shape"], path=path, held=held):
-                    self.assertEqual(deep_reads(params, path, held),
-                                     sum(bandwidth.floats_read(params["shape"], held,
-                                                               path).values()))
+                    self.assertEqual(deep_step_reads(copy.deepcopy(params), path,
+                                                     random_tokens(held + 1)),
+                                     bandwidth.floats_read(params["shape"], held, path),
+                                     f"the numbers the {path} step reads with {held} positions "
+                                     f"held, counted (first) and by floats_read")
 
 
 class Bound(unittest.TestCase):

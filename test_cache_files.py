@@ -1,6 +1,7 @@
 """Cache files (cache_files.py): a saved cache loads bit for bit, in this process or
 another, and continues exactly; what is not a cache of these weights is refused, naming
 the file."""
+import ast
 import copy
 import json
 import math
@@ -16,8 +17,8 @@ import cache_files
 import generate
 import verdicts
 import lossy
-import paged
 import support
+from instruments import replacing, where_raised
 from kv_cache import feed, generate_cached
 from support import OPENINGS, PARAMS, TOK, assert_equal, filled_cache, snapshot
 
@@ -28,6 +29,78 @@ def setUpModule():
 
 tearDownModule = support.tear_down
 QuickCheck = verdicts.quick_check_case("cache_files", __name__)
+
+
+def attributes(node):
+    """The names of the attributes a tuple of attributes reads (cache.tokens, ...), or []."""
+    return ([getattr(e, "attr", None) for e in node.elts] if isinstance(node, ast.Tuple)
+            else [])
+
+
+SAVED_SWAPPED = replacing(   # cache.tokens, cache.keys, cache.values: keys and values swapped
+    lambda node: attributes(node) == ["tokens", "keys", "values"],
+    lambda node: ast.Tuple([node.elts[0], node.elts[2], node.elts[1]], ast.Load()))
+LOADED_SWAPPED = replacing(   # cache.extend(tokens, keys, values): (tokens, values, keys)
+    lambda node: (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr == "extend" and len(node.args) == 3),
+    lambda node: ast.Call(node.func, [node.args[0], node.args[2], node.args[1]], []))
+A_FULL_CONTEXT_TOO_LONG = replacing(   # len(tokens) == ... <= model.CONTEXT: < model.CONTEXT
+    lambda node: isinstance(node, ast.Compare) and any(
+        getattr(c, "attr", None) == "CONTEXT" for c in node.comparators),
+    lambda node: ast.Compare(node.left, [ast.Lt() if isinstance(op, ast.LtE) else op
+                                         for op in node.ops], node.comparators))
+ONLY_THE_KEYS_COMPUTED_AGAIN = replacing(   # linear(...) != k or linear(...) != v: != k only
+    lambda node: isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or),
+    lambda node: node.values[0])
+SIGNATURE_OF_THE_NAMES = replacing(   # [params[name] for name in sorted(params)]: sorted(params)
+    lambda node: (isinstance(node, ast.ListComp) and isinstance(node.generators[0].iter, ast.Call)
+                  and getattr(node.generators[0].iter.func, "id", None) == "sorted"),
+    lambda node: node.generators[0].iter)
+ONLY_A_KVCACHE_SAVED = replacing(   # isinstance(cache, KVCache): type(cache) is KVCache
+    lambda node: (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance"
+                  and getattr(node.args[1], "id", None) == "KVCache"),
+    lambda node: ast.Compare(ast.Call(ast.Name("type", ast.Load()), node.args[:1], []),
+                             [ast.Is()], node.args[1:]))
+
+MISTAKES = [
+    ("keys saved as values and values as keys", cache_files, "save_cache", SAVED_SWAPPED,
+     r"the first test story's cache.*: load_cache refused the file save_cache wrote: .*"
+     r"position 0"),
+    ("keys loaded as values and values as keys", cache_files, "load_cache", LOADED_SWAPPED,
+     r"the first test story's cache.*: its keys, at position 0, number 0: \S+ from the file, "
+     r"\S+ expected"),
+    ("a whole context refused as too long", cache_files, "_cache_problem",
+     A_FULL_CONTEXT_TOO_LONG, r"64 tokens.*: load_cache refused the file save_cache wrote: "
+                              r".*64 tokens, 64 keys and 64 values"),
+    ("only the keys computed again", cache_files, "_not_computed", ONLY_THE_KEYS_COMPUTED_AGAIN,
+     r"the value of position 3 changed.*loaded"),
+    ("a paged sequence refused, as if only a KVCache could be saved", cache_files,
+     "save_cache", ONLY_A_KVCACHE_SAVED,
+     r"a paged sequence .*: saving it .*raised ValueError: save_cache saves .*PagedSequence"),
+    ("the weights signed by their names only", cache_files, "weights_signature",
+     SIGNATURE_OF_THE_NAMES, r"another model's file.*refused.*not as computed with other weights"),
+]
+
+
+class Teeth(unittest.TestCase):
+    """Each mistake, planted in the real cache_files.py (by its syntax tree), makes the
+    layer's quick check fail, naming the cache, the part and the position."""
+
+    def test_each_mistake_is_named_by_the_quick_check(self):
+        verdicts.assert_verdicts(self, "cache_files", MISTAKES)
+
+
+def refused(test, load, what):
+    """The message of the ValueError load() raises; else a failure saying it loaded what
+    (or raised another exception, from where), where a refusal was expected."""
+    try:
+        load()
+    except ValueError as refusal:
+        return str(refusal)
+    except Exception as error:   # a refusal that is not the one expected
+        test.fail(f"loading {what} raised {support.raised(error)}{where_raised(error)}, where a "
+                  f"ValueError naming the file was expected")
+    test.fail(f"{what} loaded, where load_cache must refuse it, naming the file")
 
 
 class CacheFiles(unittest.TestCase):
@@ -41,18 +114,13 @@ class CacheFiles(unittest.TestCase):
     def tearDown(self):
         self.folder.cleanup()
 
-    def test_a_saved_cache_loads_bit_for_bit_and_continues_exactly(self):
+    def test_a_loaded_cache_continues_exactly_and_loads_for_a_copy_of_the_weights(self):
+        """(That it loads bit for bit, a KVCache and a paged sequence: the quick check.)"""
         ids = TOK.encode(OPENINGS[0])
-        pool = paged.BlockPool(PARAMS, 20, 4)
-        sequence = pool.sequence()
-        feed(PARAMS, sequence, ids)
-        for cache in (filled_cache(ids), sequence):
-            cache_files.save_cache(cache, self.path)
-            loaded = cache_files.load_cache(PARAMS, self.path)
-            with self.subTest(cache=type(cache).__name__):
-                assert_equal(self, snapshot(loaded), snapshot(cache), "the loaded cache")
-                self.assertEqual(generate_cached(PARAMS, TOK, OPENINGS[0], cache=loaded),
-                                 generate.generate(PARAMS, TOK, OPENINGS[0]))
+        cache_files.save_cache(filled_cache(ids), self.path)
+        loaded = cache_files.load_cache(PARAMS, self.path)
+        self.assertEqual(generate_cached(PARAMS, TOK, OPENINGS[0], cache=loaded),
+                         generate.generate(PARAMS, TOK, OPENINGS[0]))
         twin = copy.deepcopy(PARAMS)   # the same weights: the same signature, the same keys
         self.assertEqual(len(cache_files.load_cache(twin, self.path)), len(ids))
 
@@ -114,10 +182,10 @@ class CacheFiles(unittest.TestCase):
             with self.subTest(fragment=fragment):
                 with open(self.path, "w", encoding="utf-8") as f:
                     f.write(text)
-                with self.assertRaises(ValueError) as refused:
-                    cache_files.load_cache(PARAMS, self.path)
-                self.assertIn(self.path, str(refused.exception))
-                self.assertIn(fragment.strip(), str(refused.exception))
+                refusal = refused(self, lambda: cache_files.load_cache(PARAMS, self.path),
+                                  f"a file {fragment.strip()}")
+                self.assertIn(self.path, refusal)
+                self.assertIn(fragment.strip(), refusal)
         with open(self.path, "w", encoding="utf-8") as f:
             json.dump(good, f)
         with self.assertRaisesRegex(ValueError, "computed with other weights .* stale logits"):
@@ -234,11 +302,14 @@ class CacheFiles(unittest.TestCase):
         with open(self.path, encoding="utf-8") as f:
             previous = f.read()
         with mock.patch("checkpoint.os.replace", side_effect=OSError("disk full")), \
-                self.assertRaises(OSError):
+                self.assertRaises(OSError, msg="save_cache with os.replace failing: it writes "
+                                               "through checkpoint.write_atomically"):
             cache_files.save_cache(filled_cache(TOK.encode(OPENINGS[1])), self.path)
         with open(self.path, encoding="utf-8") as f:
-            self.assertEqual(f.read(), previous)
-        self.assertEqual(os.listdir(self.folder.name), ["cache.json"])
+            if f.read() != previous:   # not assertEqual: it would print both files
+                self.fail("a failed save_cache changed the file it was to replace")
+        self.assertEqual(os.listdir(self.folder.name), ["cache.json"],
+                         "the folder's files after a failed save_cache (no temporary file left)")
 
     def test_the_command_line_saves_and_continues_and_refuses_in_one_line(self):
         def run(*args):
@@ -248,7 +319,9 @@ class CacheFiles(unittest.TestCase):
         loaded = run("zoe went to the park.", "--load-cache", self.path)
         for done in (saved, loaded):
             self.assertEqual(done.returncode, 0, done.stderr)
-            self.assertTrue(done.stdout.endswith("identical to the uncached generator: yes\n"))
+            self.assertEqual(done.stdout.splitlines()[-1:],
+                             ["identical to the uncached generator: yes"],
+                             f"the command's last line; it wrote:\n{done.stdout}{done.stderr}")
         self.assertIn("continued from 14 positions of", loaded.stdout)
         refused = run("tom was sad.", "--load-cache", self.path)
         self.assertEqual((refused.returncode, len(refused.stderr.splitlines())), (1, 1))
@@ -276,7 +349,7 @@ class AsksTheProtocol(unittest.TestCase):
                     else:
                         with self.assertRaisesRegex(ValueError, "exact and complete"):
                             cache_files.save_cache(cache, path)
-                        self.assertEqual(os.listdir(folder), [])
+                        self.assertEqual(os.listdir(folder), [], "the files written")
 
 
 if __name__ == "__main__":

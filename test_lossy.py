@@ -1,5 +1,6 @@
 """The lossy caches (lossy.py): each format keeps what its numbers allow and measures its
 bytes; a window equals the band-masked full pass; what a format cannot store is refused."""
+import ast
 import struct
 import unittest
 
@@ -8,6 +9,7 @@ import lossy
 import model
 import prefill
 import support
+from instruments import replacing
 from kv_cache import feed, forward_step, generate_cached
 from support import (OPENINGS, PARAMS, STORIES, TOK, assert_changed, assert_equal,
                      assert_same_generation, assert_same_rows, cached_rows)
@@ -19,6 +21,68 @@ def setUpModule():
 
 tearDownModule = support.tear_down
 QuickCheck = verdicts.quick_check_case("lossy", __name__)
+
+
+def calls(name):
+    """A matcher of calls of the global function name."""
+    return lambda node: (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                         and node.func.id == name)
+
+
+def values_packed_from_keys(tree):
+    """A planting for QuantizedCache.extend(token_ids, keys, values): what it packs from its
+    values it packs from its keys (a line copied and not edited)."""
+    keys, values = (argument.arg for argument in tree.body[0].args.args[2:4])
+    return replacing(lambda node: isinstance(node, ast.comprehension)
+                     and isinstance(node.iter, ast.Name) and node.iter.id == values,
+                     lambda node: ast.comprehension(node.target, ast.Name(keys, ast.Load()),
+                                                    node.ifs, node.is_async))(tree)
+
+
+NIBBLES_SWAPPED = replacing(   # for shift in (0, 4) becomes (4, 0): the high nibble first
+    lambda node: isinstance(node, ast.Tuple) and [getattr(e, "value", None)
+                                                  for e in node.elts] == [0, 4],
+    lambda node: ast.Tuple([ast.Constant(4), ast.Constant(0)], ast.Load()))
+LEVELS_TRUNCATED = replacing(   # round(x / scale) becomes int(x / scale): toward zero
+    calls("round"), lambda node: ast.Call(ast.Name("int", ast.Load()), node.args, []))
+SCALE_FROM_THE_LARGEST_NUMBER = replacing(   # max(map(abs, vector)) becomes max(vector)
+    lambda node: calls("max")(node) and len(node.args) == 1 and calls("map")(node.args[0]),
+    lambda node: ast.Call(node.func, [node.args[0].args[1]], []))
+RING_OF_WINDOW_LESS_SINKS = replacing(   # (position - sinks) % window: % (window - sinks)
+    lambda node: (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod)
+                  and isinstance(node.right, ast.Attribute) and node.right.attr == "window"),
+    lambda node: ast.BinOp(node.left, ast.Mod(), ast.BinOp(
+        node.right, ast.Sub(), ast.Attribute(node.right.value, "sinks", ast.Load()))))
+KEPT_FOR_THE_NEXT_POSITION = replacing(   # band(...)(len(self) - 1) becomes (len(self))
+    lambda node: (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub)
+                  and calls("len")(node.left) and getattr(node.right, "value", None) == 1),
+    lambda node: node.left)
+
+MISTAKES = [
+    ("int4's two numbers of a byte read high nibble first", lossy, "_unpack", NIBBLES_SWAPPED,
+     r"in int4: the keys .*, at position \d+, number \d+: \S+ from the cache, \S+ expected"),
+    ("levels truncated toward zero, not rounded", lossy, "_pack", LEVELS_TRUNCATED,
+     r"in int8: the keys .*, at position \d+, number \d+: \S+ from the cache, \S+ expected"),
+    ("the scale taken from the largest number, not the largest magnitude", lossy, "_pack",
+     SCALE_FROM_THE_LARGEST_NUMBER,
+     r"in int8: the (keys|values) .*, at position \d+, number \d+: \S+ from the cache, "
+     r"\S+ expected"),
+    ("the values packed from the keys", lossy.QuantizedCache, "extend", values_packed_from_keys,
+     r"in float64: the values .*, at position 0, number \d+: \S+ from the cache, \S+ expected"),
+    ("a ring of window - sinks slots", lossy.WindowCache, "_slot", RING_OF_WINDOW_LESS_SINKS,
+     r"window of 8 positions and 2 sinks.*, at position [1-9]\d*, logit \d+: \S+ from the "
+     r"cache, \S+ expected"),
+    ("the positions kept for the next position, not this one", lossy.WindowCache, "_kept",
+     KEPT_FOR_THE_NEXT_POSITION, r"window of 8 positions and 0 sinks.*feeding position 0"),
+]
+
+
+class Teeth(unittest.TestCase):
+    """Each mistake, planted in the real lossy.py (by its syntax tree), makes the layer's
+    quick check fail, naming the format or window, the position and both numbers."""
+
+    def test_each_mistake_is_named_by_the_quick_check(self):
+        verdicts.assert_verdicts(self, "lossy", MISTAKES)
 
 
 class Lossy(unittest.TestCase):
@@ -47,21 +111,11 @@ class Lossy(unittest.TestCase):
         self.assertEqual(unpack("int4", lossy._pack("int4", [7.0, 0.5, 1.5, -0.5])),
                          [7.0, 0.0, 2.0, 0.0])
 
-    def test_each_format_measures_its_bytes(self):
-        ids = TOK.encode(OPENINGS[0])
-        expected = {"float64": 2 * 16 * 8, "float32": 2 * 16 * 4, "float16": 2 * 16 * 2,
-                    "int8": 2 * (16 + 4), "int4": 2 * (8 + 4)}
-        for fmt in lossy.FORMATS:
-            cache = lossy.QuantizedCache(PARAMS, fmt)
-            feed(PARAMS, cache, ids)
-            with self.subTest(fmt=fmt):
-                self.assertEqual(cache.bytes_per_position(), expected[fmt])
-
     def test_a_float64_array_cache_is_exact(self):
+        """On a whole context and in a generation (the quick check: the first test story)."""
         longest = [t for story in STORIES for t in TOK.encode(story)][:model.CONTEXT]
-        for ids in (TOK.encode(STORIES[0]), longest):
-            assert_same_rows(self, feed(PARAMS, lossy.QuantizedCache(PARAMS, "float64"), ids),
-                             cached_rows(PARAMS, ids))
+        assert_same_rows(self, feed(PARAMS, lossy.QuantizedCache(PARAMS, "float64"), longest),
+                         cached_rows(PARAMS, longest))
         assert_same_generation(self, PARAMS, OPENINGS[0], {},
                                cache=lossy.QuantizedCache(PARAMS, "float64"))
 
@@ -97,7 +151,8 @@ class Lossy(unittest.TestCase):
                 feed(PARAMS, cache, ids[:10])
                 fork = cache.copy()
                 assert_same_rows(self, feed(PARAMS, fork, ids), alone[10:])
-                self.assertEqual(len(cache), 10)
+                self.assertEqual(len(cache), 10, "the positions of the cache copied from, after "
+                                 "its copy was fed: a copy must not share what it keeps")
                 cache.crop(6)
                 assert_same_rows(self, feed(PARAMS, cache, ids), alone[6:])
         window = lossy.WindowCache(PARAMS, 8, 2)
@@ -135,7 +190,8 @@ class Lossy(unittest.TestCase):
             with self.subTest(through="forward_step", fmt=fmt):
                 with self.assertRaisesRegex(ValueError, "float32's largest"):
                     forward_step(huge, cache, 5, 0)
-                self.assertEqual((len(cache), cache.tokens), (0, []))
+                self.assertEqual((len(cache), cache.tokens), (0, []),
+                                 "the cache's positions and tokens after a refused step")
 
     def test_a_window_cache_holding_the_whole_prompt_says_so(self):
         ids = TOK.encode(STORIES[0])
