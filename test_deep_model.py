@@ -1,6 +1,7 @@
 """The deeper model's cache is exact too: for multi-head, grouped-query and multi-query
-attention, one to four layers, every cached row equals the full pass's with ==; three
-mistakes of layers and heads, planted in the real forward_step, are caught; a window
+attention, one to four layers, every cached row equals the full pass's with ==; mistakes
+of layers, heads and the turn, planted in the real forward_step and rotate, are caught,
+and the layer's quick check names each by its model, layer, position and logit; a window
 drops what a row sees in one layer but not through several."""
 import ast
 import copy

@@ -1,8 +1,10 @@
 """Latent attention: the absorbed path reads the cached latents with the same math in
 another order, so its rows stay within rounding of the full pass's, while the coupled
 design (rebuilt keys turned, no rotary key of their own) cannot be absorbed; the work of
-a decode step is what the formulas say, counted in the real code; three mistakes are
-caught. (deep_model's tests prove the rebuilding path exact for latent shapes too.)"""
+a decode step is what the formulas say, counted in the real code; mistakes planted in
+the fold, the absorbed path and the rebuilding path are caught, and the layer's quick
+check names each by its model, path, layer, position and logit. (deep_model's tests
+prove the rebuilding path exact for latent shapes too.)"""
 import ast
 import unittest
 
