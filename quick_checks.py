@@ -330,11 +330,13 @@ DEEP_MODELS = ((2, 4, 2, 16, 0), (2, 4, 1, 16, 0, "rotary"), (2, 4, 4, 16, 0, "l
 
 
 def _deep_model():
-    """deep_model.rotate turns (1, 0) and (0, 1) as a turn does; the first 12 tokens of
-    the first test story, fed one at a time through the cache of 2-layer models of
-    grouped-query attention (4 heads, 2 kv heads, learned positions), multi-query
-    attention (rotary) and latent attention (learned, and rotary with a rotary key), give
-    their full pass's rows, ==."""
+    """The deeper model's cached rows are its full pass's, and its turn is a turn.
+
+    Feeds deep_model.rotate the pairs (1, 0) and (0, 1) (where_rotate_turns_wrong); then
+    the first 12 tokens of the first test story, one at a time, through the cache of
+    2-layer models of grouped-query attention (4 heads, 2 kv heads, learned positions),
+    multi-query attention (rotary) and latent attention (learned, and rotary with a
+    rotary key): every row == the full pass's (where_deep_rows_differ)."""
     import deep_model
     ids = TOK.encode(STORIES[0])[:12]
     why = where_rotate_turns_wrong()
@@ -378,7 +380,8 @@ def where_shift_strays(seed=0):
     import deep_model
     from instruments import recording
     params = deep_model.init_params(1, 4, 2, model.WIDTH, seed, "rotary")
-    ids, dropped = context_shift._random_tokens(seed)[:context_shift.SEQUENCE], context_shift.DROPPED
+    dropped = context_shift.DROPPED
+    ids = context_shift._random_tokens(seed)[:context_shift.SEQUENCE]
     label = deep_label(params)
     step(f"{label}: feeding {len(ids)} random tokens, and a new cache the last "
          f"{len(ids) - dropped} (the recompute)")
@@ -389,8 +392,8 @@ def where_shift_strays(seed=0):
     step(f"{label}: turning the kept keys back by {dropped} (context_shift._turned_back), "
          f"which should give the recompute's keys, within rounding")
     return strayed(f"{label}, its oldest {dropped} of {len(ids)} positions dropped: a kept "
-                   f"key turned back by {dropped} (context_shift._turned_back; position p "
-                   f"was position p + {dropped})",
+                   f"key as context_shift._turned_back turns it (back by {dropped}: position "
+                   f"p was position p + {dropped})",
                    context_shift._turned_back(fed, turns[0].args[2]),
                    [layer["keys"] for layer in recomputed.layers], "the shift",
                    names=("layer", "position", "number"),
@@ -406,7 +409,8 @@ def where_shift_record_wrong(seed=0):
     one and exactly as the recompute (in one layer the recompute is the turned-once
     cache); else a Wrong naming the entry of the record, and both values."""
     import context_shift
-    label = f"context_shift._shift of a 1-layer rotary model (4 heads, 2 kv heads, seed {seed})"
+    label = (f"context_shift._shift(1, 2, {seed}, False), of the 1-layer grouped-query model "
+             f"(4 heads, 2 kv heads, rotary positions)")
     step(f"{label}: running it")
     case = context_shift._shift(1, 2, seed, False)
     rounding = case["rounding"]
@@ -432,12 +436,15 @@ def where_shift_record_wrong(seed=0):
 
 
 def _context_shift():
-    """A cache held from kept keys and values (context_shift._held) goes on as the cache
-    it was kept from, in 2-layer models with learned and with rotary positions fed the
-    first 10 tokens of the first test story; in a 1-layer rotary model fed random tokens,
-    the kept keys turned back by the dropped positions are within rounding of those
-    computed at the new positions (where_shift_strays), and context_shift._shift records
-    what one layer gives (where_shift_record_wrong)."""
+    """A held cache goes on as the fed one; a shifted key is the one at its new position.
+
+    Feeds 2-layer models of learned and of rotary positions the first 10 tokens of the
+    first test story: a cache held from the keys and values of the first 6
+    (context_shift._held) goes on as the cache it was kept from (where_held_differs). Then
+    a 1-layer rotary model random tokens: its kept keys turned back by the dropped
+    positions are within rounding of those computed at the new positions
+    (where_shift_strays), and context_shift._shift records what one layer gives
+    (where_shift_record_wrong)."""
     import deep_model
     ids = TOK.encode(STORIES[0])[:10]
     for positions in ("learned", "rotary"):
@@ -505,7 +512,9 @@ def where_absorbed_strays(params, ids):
 
 
 def _latent_attention():
-    """The first 12 tokens of the first test story fed through 2-layer latent models (4
+    """A latent model's rows, rebuilt and absorbed (within rounding), are its full pass's.
+
+    Feeds the first 12 tokens of the first test story through 2-layer latent models (4
     heads, latent 8), of learned positions and of rotary ones with a rotary key: the rows
     of deep_model.forward_step (keys and values rebuilt) == the full pass's, and those of
     latent_attention.absorbed_step (read in latent space) within ROUNDING of them."""

@@ -166,7 +166,7 @@ ROTARY_QUERY_DROPPED = replacing(   # linear(q_h[:d], ...) + q_h[d:] becomes lin
                   and isinstance(node.right.slice, ast.Slice)),
     lambda node: node.left)
 ROTARY_KEY_A_POSITION_ON = replacing(lambda node: is_call_of(node, "compressed"), a_position_on)
-POSITION_FORGOTTEN = replacing(   # add(tok_emb[token_id], pos_emb[position]) becomes tok_emb[token_id]
+POSITION_FORGOTTEN = replacing(   # add(tok_emb[token_id], pos_emb[position]) becomes its first
     lambda node: (is_call_of(node, "add") and len(node.args) == 2
                   and isinstance(node.args[1], ast.Subscript)
                   and isinstance(node.args[1].value, ast.Subscript)
