@@ -13,7 +13,9 @@ import latent_attention
 import support
 import verdicts
 from instruments import recording, replacing
-from quick_checks import ROUNDING, stepped_rows, where_absorbed_strays, where_deep_rows_differ
+import quick_checks
+from quick_checks import (ROUNDING, deep_label, stepped_rows, where_absorbed_strays,
+                          where_deep_rows_differ)
 from verdicts import quick_check_case, set_up
 from support import (assert_each_mistake_is_caught, assert_each_refused, deep_snapshot,
                      random_tokens, tear_down)
@@ -80,12 +82,16 @@ class Work(unittest.TestCase):
             folded = path == "absorbed" and latent_attention._fold(params)
             cache = deep_model.DeepCache(params)
             for position, token_id in enumerate(random_tokens(40)):
-                with recording(deep_model, "dot", "linear") as calls, \
-                        recording(latent_attention, "dot", "linear") as more:
+                def one_step():   # an exception names the model and the position
+                    quick_checks.step(f"the {path} path of {deep_label(params)}, at position "
+                                      f"{position}")
                     if folded:
                         latent_attention.absorbed_step(folded, cache, token_id, position)
                     else:
                         deep_model.forward_step(params, cache, token_id, position)
+                with recording(deep_model, "dot", "linear") as calls, \
+                        recording(latent_attention, "dot", "linear") as more:
+                    assert_none(self, one_step)
                 if position + 1 in (1, 16, 40):
                     with self.subTest(shape=params["shape"], path=path, attended=position + 1):
                         self.assertEqual(latent_attention.products(calls + more),
