@@ -211,9 +211,19 @@ NOT_ITSELF = replacing(   # layer["keys"] + [k] becomes layer["keys"]: the new k
                   and isinstance(node.left.slice, ast.Constant)
                   and node.left.slice.value == "keys"),
     lambda node: node.left)
+SCALED_BY_WIDTH = replacing(   # 1 / sqrt(d_key) becomes 1 / sqrt(width), the lesson's SCALE
+    lambda node: (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr == "sqrt"),
+    lambda node: ast.Call(node.func, [expression('shape["width"]')], []))
+NOT_BY_COLUMNS = replacing(   # [list(column) for column in zip(*matrix)]: zip(*matrix) becomes matrix
+    lambda node: (is_call_of(node, "zip") and len(node.args) == 1
+                  and isinstance(node.args[0], ast.Starred)),
+    lambda node: node.args[0].value)
 
 GROUPED = r"the 2-layer grouped-query model \(4 heads, 2 kv heads, learned positions\)"
 MULTI_QUERY = r"the 2-layer multi-query model \(4 heads, 1 kv head, rotary positions\)"
+LESSON = (r"the 1-layer multi-head model \(1 head, 1 kv head, learned positions\) holding the "
+          r"lesson's weights")
 ROW = r"the cached row, at position \d+, logit \d+: \S+ from forward_step, \S+ expected"
 
 
@@ -238,9 +248,17 @@ class QuickCheckTeeth(unittest.TestCase):
          deep_model, "rotate", SIN_SIGN,
          r"deep_model.rotate's turn of the pairs \(1, 0\) and \(0, 1\) by the angles 1.5 and "
          r"0.75, at number 2: \S+ from rotate, \S+ expected"),
+        ("the scores scaled by 1 / sqrt(width), as the lesson's one head, not by the head's",
+         deep_model, "heads_of", SCALED_BY_WIDTH,
+         GROUPED + r": deep_model.heads_of \(heads, head width, key width, query heads a kv "
+         r"head serves, 1 / sqrt\(key width\)\), at entry 4: 0.25 from heads_of, 0.5 expected"),
+        ("the matrices kept by rows, not by columns, for both paths (_columns)", deep_model,
+         "_columns", NOT_BY_COLUMNS,
+         LESSON + r": the cached row, at position 0: 16 items from forward_step, 96 items "
+         r"expected"),
         ("a position's own key not held when it attends (an IndexError)", deep_model,
          "forward_step", NOT_ITSELF,
-         GROUPED + r": forward_step of token \d+ at position 0, which should give the full "
+         LESSON + r": forward_step of token \d+ at position 0, which should give the full "
          r"pass's row: raised IndexError: .* \(in deep_model.py line \d+, forward_step"),
     ]
 
