@@ -349,7 +349,6 @@ def where_lesson_differs(ids):
     lesson's rows (model.forward's), fed ids through its cache; else a Wrong naming the
     position and the logit. The deeper model does the lesson's arithmetic per layer and
     per head, so this meets what its two paths share (and would share a mistake in)."""
-    import deep_model
     step("holding the lesson's weights in a 1-layer, 1-head deep_model")
     block = {name: PARAMS[name] for name in ("ln1_g", "ln1_b", "Wq", "Wk", "Wv", "Wo", "ln2_g",
                                              "ln2_b", "W1", "b1", "W2", "b2")}
@@ -414,11 +413,13 @@ def where_held_differs(params, ids, kept):
 
 
 def where_shift_strays(seed=0):
-    """The shift itself, in a 1-layer rotary model (4 heads, 2 kv heads, seed): its
-    SEQUENCE random tokens (context_shift._random_tokens) fed, the keys of the kept
-    positions turned back by DROPPED (context_shift._turned_back), against the keys that
-    a new cache fed the kept tokens computes at their new positions: None if within
-    ROUNDING, else a Wrong naming the layer, the position and the number."""
+    """None if the shift itself holds, within ROUNDING, else a Wrong naming the layer, the
+    position and the number of the first kept key that strays.
+
+    In a 1-layer rotary model (4 heads, 2 kv heads, seed) fed its SEQUENCE random tokens
+    (context_shift._random_tokens), the keys of the kept positions turned back by DROPPED
+    (context_shift._turned_back) are met with the keys that a new cache fed the kept
+    tokens computes at their new positions."""
     import context_shift
     import deep_model
     from instruments import recording
