@@ -155,14 +155,6 @@ def a_position_on(call):
     return call
 
 
-def stacked_latent_by_latent(node):
-    node.generators.reverse()
-    return node
-
-
-FOLD_LATENT_BY_LATENT = replacing(   # the folded rows: for h ... for row becomes for row ... for h
-    lambda node: isinstance(node, ast.ListComp) and len(node.generators) == 2,
-    stacked_latent_by_latent)
 OUT_FROM_WUK = replacing(   # block["Wuv"] becomes block["Wuk"] in the folded Wuv_h Wo_h
     lambda node: isinstance(node, ast.Constant) and node.value == "Wuv",
     lambda node: ast.Constant("Wuk"))
@@ -195,17 +187,12 @@ class QuickCheckTeeth(unittest.TestCase):
     path, the layer, the position and the logit, with both numbers."""
 
     MISTAKES = [
-        ("the folded rows stacked latent by latent, not head by head", latent_attention,
-         "_fold", FOLD_LATENT_BY_LATENT, LEARNED + r", wrong from layer 0 on: " + ABSORBED),
         ("the folded output matrix made of Wuk, not Wuv", latent_attention, "_fold",
          OUT_FROM_WUK, LEARNED + r", wrong from layer 0 on: " + ABSORBED),
         ("the learned position left out of the absorbed path's input", latent_attention,
          "absorbed_step", POSITION_FORGOTTEN, LEARNED + r", wrong from layer 0 on: " + ABSORBED),
         ("the query's rotary part left out of the query in latent space", latent_attention,
          "absorbed_step", ROTARY_QUERY_DROPPED, ROTARY + r", wrong from layer 0 on: " + ABSORBED),
-        ("the rotary key turned by the next position on the absorbed path", latent_attention,
-         "absorbed_step", ROTARY_KEY_A_POSITION_ON,
-         ROTARY + r", wrong from layer 0 on: " + ABSORBED),
         ("the rotary key turned by the next position on the rebuilding path", deep_model,
          "forward_step", ROTARY_KEY_A_POSITION_ON,
          ROTARY + r", wrong from layer 0 on: " + REBUILT),
