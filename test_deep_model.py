@@ -1,6 +1,7 @@
 """The deeper model's cache is exact too: for multi-head, grouped-query and multi-query
-attention, one to four layers, every cached row equals the full pass's with ==; three
-mistakes of layers and heads, planted in the real forward_step, are caught; a window
+attention, one to four layers, every cached row equals the full pass's with ==; mistakes
+of layers, heads and the turn, planted in the real forward_step and rotate, are caught,
+and the layer's quick check names each by its model, layer, position and logit; a window
 drops what a row sees in one layer but not through several."""
 import ast
 import copy
@@ -10,15 +11,33 @@ import unittest
 import deep_model
 import model
 import support
+import verdicts
 from generate import load_trained
 from instruments import replacing
 from quick_checks import deep_rows, where_deep_rows_differ
 from verdicts import quick_check_case, set_up
 from support import (assert_each_mistake_is_caught, assert_each_refused, check_random_cases,
-                     deep_snapshot, random_tokens, tear_down)
+                     deep_snapshot, described, random_tokens, tear_down)
 
 SHAPES = [(layers, heads, kv_heads) for layers in (1, 2, 3, 4)
           for heads, kv_heads in ((1, 1), (4, 4), (4, 2), (4, 1))]   # MHA, GQA, MQA
+
+
+def assert_rows_equal(test, params, ids, mask=None):
+    """where_deep_rows_differ finds nothing; an exception the model raises is a failure
+    that names the step it interrupted (the model and the position), not a traceback."""
+    why = verdicts.checked(lambda: where_deep_rows_differ(params, ids, mask))
+    if why:
+        test.fail(why)
+
+
+def fed_rows(test, params, ids):
+    """deep_rows(params, ids), or a failure naming the step an exception interrupted."""
+    fed = []
+    why = verdicts.checked(lambda: fed.append(deep_rows(params, ids)))
+    if why:
+        test.fail(why)
+    return fed[0]
 
 
 def setUpModule():
@@ -38,7 +57,7 @@ class Exactness(unittest.TestCase):
         for layers, heads, kv_heads in SHAPES:
             params = deep_model.init_params(layers, heads, kv_heads, 16, 1)
             with self.subTest(layers=layers, heads=heads, kv_heads=kv_heads):
-                self.assertIsNone(where_deep_rows_differ(params, ids))
+                assert_rows_equal(self, params, ids)
 
     def test_random_shapes_masks_and_inputs(self):
         """Case n draws, from random.Random(n), 1 to 3 layers, a width of 4 to 24, heads
@@ -72,17 +91,20 @@ class Exactness(unittest.TestCase):
             kept = (layers * (latent + rotary_key) if latent
                     else 2 * layers * kv_heads * (width // heads))
             if cache.floats_per_position() != kept:
-                return f"{label}: {cache.floats_per_position()} numbers a position"
+                return (f"{label}: the cache keeps {cache.floats_per_position()} numbers a "
+                        f"position, where the formula counts {kept}")
             return None
         check_random_cases(self, 30, check)
 
     def test_the_cache_keeps_2_x_layers_x_kv_heads_x_head_width_numbers_per_position(self):
         for layers, heads, kv_heads in SHAPES:
             params = deep_model.init_params(layers, heads, kv_heads, 16, 0)
-            _, cache = deep_rows(params, random_tokens(5))
             with self.subTest(layers=layers, heads=heads, kv_heads=kv_heads):
+                _, cache = fed_rows(self, params, random_tokens(5))
                 self.assertEqual(cache.floats_per_position(),
-                                 2 * layers * kv_heads * (16 // heads))
+                                 2 * layers * kv_heads * (16 // heads),
+                                 f"the numbers the cache keeps a position "
+                                 f"({layers} layers, {heads} heads, {kv_heads} kv heads)")
 
 
 def both(*mistakes):
@@ -146,9 +168,102 @@ class Teeth(unittest.TestCase):
     def check_caught(self, params, mistakes):
         """params is a GQA model: two query heads a group."""
         ids = random_tokens(12)
-        self.assertIsNone(where_deep_rows_differ(params, ids))
+        assert_rows_equal(self, params, ids)
         assert_each_mistake_is_caught(self, deep_model, "forward_step", mistakes,
                                       lambda: where_deep_rows_differ(params, ids))
+
+
+def is_call_of(node, name):
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id == name)
+
+
+def expression(source):
+    return ast.parse(source, mode="eval").body
+
+
+def a_position_on(call):
+    """A call of rotate(x, position, thetas) turned into rotate(x, position + 1, thetas)."""
+    call.args[1] = ast.BinOp(call.args[1], ast.Add(), ast.Constant(1))
+    return call
+
+
+KV_HEAD_BY_MODULO = replacing(   # kv = head // group becomes head % group
+    lambda node: isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv),
+    lambda node: ast.BinOp(node.left, ast.Mod(), node.right))
+KV_HEAD_BY_KV_HEADS = replacing(   # kv = head // group becomes head // kv_heads
+    lambda node: isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv),
+    lambda node: ast.BinOp(node.left, ast.FloorDiv(), expression('params["shape"]["kv_heads"]')))
+FIRST_LAYER_S_CACHE = replacing(   # cache.layers becomes [cache.layers[0]] * layers
+    lambda node: (isinstance(node, ast.Attribute) and node.attr == "layers"
+                  and isinstance(node.value, ast.Name) and node.value.id == "cache"),
+    lambda node: expression("[cache.layers[0]] * len(cache.layers)"))
+QUERY_A_POSITION_ON = replacing(   # q, k = rotate(q, position + 1, ...), rotate(k, position, ...)
+    lambda node: (isinstance(node, ast.Tuple) and len(node.elts) == 2
+                  and all(is_call_of(element, "rotate") for element in node.elts)),
+    lambda node: ast.Tuple([a_position_on(node.elts[0]), node.elts[1]], ast.Load()))
+SIN_SIGN = replacing(   # in rotate, (cos, -sin) becomes (cos, sin): no longer a turn
+    lambda node: isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub),
+    lambda node: node.operand)
+NOT_ITSELF = replacing(   # layer["keys"] + [k] becomes layer["keys"]: the new key not held
+    lambda node: (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add)
+                  and isinstance(node.right, ast.List) and isinstance(node.left, ast.Subscript)
+                  and isinstance(node.left.slice, ast.Constant)
+                  and node.left.slice.value == "keys"),
+    lambda node: node.left)
+SCALED_BY_WIDTH = replacing(   # 1 / sqrt(d_key) becomes 1 / sqrt(width), the lesson's SCALE
+    lambda node: (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr == "sqrt"),
+    lambda node: ast.Call(node.func, [expression('shape["width"]')], []))
+NOT_BY_COLUMNS = replacing(   # [list(column) for column in zip(*matrix)]: zip(*matrix) becomes matrix
+    lambda node: (is_call_of(node, "zip") and len(node.args) == 1
+                  and isinstance(node.args[0], ast.Starred)),
+    lambda node: node.args[0].value)
+
+GROUPED = r"the 2-layer grouped-query model \(4 heads, 2 kv heads, learned positions\)"
+MULTI_QUERY = r"the 2-layer multi-query model \(4 heads, 1 kv head, rotary positions\)"
+LESSON = (r"the 1-layer multi-head model \(1 head, 1 kv head, learned positions\) holding the "
+          r"lesson's weights")
+ROW = r"the cached row, at position \d+, logit \d+: \S+ from forward_step, \S+ expected"
+
+
+class QuickCheckTeeth(unittest.TestCase):
+    """Each mistake planted in the real deep_model.py makes the layer's quick check fail
+    with a line that names the model, the layer, the position and the logit (or, for the
+    turn itself, the number), with both numbers."""
+
+    MISTAKES = [
+        ("a query head reads the wrong key-value head (head % group, not head // group)",
+         deep_model, "forward_step", KV_HEAD_BY_MODULO,
+         GROUPED + r", wrong from layer 0 on: " + ROW),
+        ("a query head's key-value head counted by kv_heads (head // kv_heads)",
+         deep_model, "forward_step", KV_HEAD_BY_KV_HEADS,
+         MULTI_QUERY + r", wrong from layer 0 on: " + ROW),
+        ("every layer reads and writes the first layer's cache", deep_model, "forward_step",
+         FIRST_LAYER_S_CACHE,
+         GROUPED + r", wrong from layer 1 on \(layer 0 alone agrees\): " + ROW),
+        ("the query turned by the next position (position + 1)", deep_model, "forward_step",
+         QUERY_A_POSITION_ON, MULTI_QUERY + r", wrong from layer 0 on: " + ROW),
+        ("the turn's sin with the wrong sign in the first number of a pair: not a turn",
+         deep_model, "rotate", SIN_SIGN,
+         r"deep_model.rotate's turn of the pairs \(1, 0\) and \(0, 1\) by the angles 1.5 and "
+         r"0.75, at number 2: \S+ from rotate, \S+ expected"),
+        ("the scores scaled by 1 / sqrt(width), as the lesson's one head, not by the head's",
+         deep_model, "heads_of", SCALED_BY_WIDTH,
+         GROUPED + r": deep_model.heads_of \(heads, head width, key width, query heads a kv "
+         r"head serves, 1 / sqrt\(key width\)\), at entry 4: 0.25 from heads_of, 0.5 expected"),
+        ("the matrices kept by rows, not by columns, for both paths (_columns)", deep_model,
+         "_columns", NOT_BY_COLUMNS,
+         LESSON + r": the cached row, at position 0: 16 items from forward_step, 96 items "
+         r"expected"),
+        ("a position's own key not held when it attends (an IndexError)", deep_model,
+         "forward_step", NOT_ITSELF,
+         LESSON + r": forward_step of token \d+ at position 0, which should give the full "
+         r"pass's row: raised IndexError: .* \(in deep_model.py line \d+, forward_step"),
+    ]
+
+    def test_the_quick_check_names_each_mistake_s_model_layer_and_position(self):
+        verdicts.assert_verdicts(self, "deep_model", self.MISTAKES)
 
 
 class Window(unittest.TestCase):
@@ -163,12 +278,14 @@ class Window(unittest.TestCase):
         for layers in (1, 2, 3):
             params = deep_model.init_params(layers, 4, 2, 16, 0)
             with self.subTest(layers=layers):
-                self.assertIsNone(where_deep_rows_differ(params, ids, band))
+                assert_rows_equal(self, params, ids, band)
                 rows = deep_model.forward(params, ids, band)
                 other = deep_model.forward(params, changed, band)
                 reached = [position for position, (a, b) in enumerate(zip(rows, other))
                            if a != b]
-                self.assertEqual(reached, list(range(layers * 7 + 1)))
+                self.assertEqual(reached, list(range(layers * 7 + 1)),
+                                 "the positions whose rows changing the token at position 0 "
+                                 "changes, with a window of 8")
 
 
 class Refusals(unittest.TestCase):
@@ -185,9 +302,9 @@ class Refusals(unittest.TestCase):
             with self.subTest(args=args), self.assertRaisesRegex(ValueError, fragment):
                 deep_model.init_params(*args)
         params = deep_model.init_params(2, 4, 2, 16, 0)
-        _, cache = deep_rows(params, random_tokens(3))
+        _, cache = fed_rows(self, params, random_tokens(3))
         other = deep_model.init_params(2, 4, 2, 16, 0)    # equal weights, another model
-        _, full = deep_rows(params, random_tokens(model.CONTEXT))
+        _, full = fed_rows(self, params, random_tokens(model.CONTEXT))
         with self.assertRaisesRegex(ValueError, "beyond the 64 positions"):
             deep_model.forward_step(params, full, 5, model.CONTEXT)
         self.assertEqual([len(layer["keys"]) for layer in cache.layers], [3, 3])
@@ -282,8 +399,10 @@ class TheRecord(unittest.TestCase):
     def test_every_shape_s_cached_rows_are_its_full_pass_s(self):
         for shape in support.recorded("deep_models")["shapes"]:
             with self.subTest(layers=shape["layers"], kv_heads=shape["kv_heads"]):
-                self.assertEqual(shape["largest_logit_gap"], 0.0)
-                self.assertEqual(shape["floats_per_position"], shape["formula"])
+                self.assertEqual(shape["largest_logit_gap"], 0.0,
+                                 "the recorded largest gap of the cached rows to the full pass's")
+                self.assertEqual(shape["floats_per_position"], shape["formula"],
+                                 "the recorded numbers a position, against the formula's")
 
 
 if __name__ == "__main__":

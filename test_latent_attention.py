@@ -1,16 +1,21 @@
 """Latent attention: the absorbed path reads the cached latents with the same math in
 another order, so its rows stay within rounding of the full pass's, while the coupled
 design (rebuilt keys turned, no rotary key of their own) cannot be absorbed; the work of
-a decode step is what the formulas say, counted in the real code; three mistakes are
-caught. (deep_model's tests prove the rebuilding path exact for latent shapes too.)"""
+a decode step is what the formulas say, counted in the real code; mistakes planted in
+the fold, the absorbed path and the rebuilding path are caught, and the layer's quick
+check names each by its model, path, layer, position and logit. (deep_model's tests
+prove the rebuilding path exact for latent shapes too.)"""
 import ast
 import unittest
 
 import deep_model
 import latent_attention
 import support
+import verdicts
 from instruments import recording, replacing
-from quick_checks import ROUNDING, where_absorbed_strays, where_deep_rows_differ
+import quick_checks
+from quick_checks import (ROUNDING, deep_label, stepped_rows, where_absorbed_strays,
+                          where_deep_rows_differ)
 from verdicts import quick_check_case, set_up
 from support import (assert_each_mistake_is_caught, assert_each_refused, deep_snapshot,
                      random_tokens, tear_down)
@@ -22,6 +27,14 @@ def setUpModule():
 
 tearDownModule = tear_down
 QuickCheck = quick_check_case("latent_attention", __name__)
+
+
+def assert_none(test, difference):
+    """difference() finds nothing; an exception the model raises is a failure that names
+    the step it interrupted (the model and the position), not a traceback."""
+    why = verdicts.checked(difference)
+    if why:
+        test.fail(why)
 
 
 class Absorption(unittest.TestCase):
@@ -37,20 +50,22 @@ class Absorption(unittest.TestCase):
                                                       (3, "rotary", 8, None)):
             params = deep_model.init_params(layers, 4, 4, 16, 1, positions, latent, rotary_key)
             with self.subTest(layers=layers, positions=positions, latent=latent):
-                self.assertIsNone(where_absorbed_strays(params, ids))
+                assert_none(self, lambda: where_absorbed_strays(params, ids))
 
     def test_a_turn_of_the_rebuilt_keys_cannot_be_absorbed(self):
         coupled = deep_model.init_params(2, 4, 4, 16, 1, "rotary", 8, 0)
         ids = random_tokens(20, 1)
-        self.assertIsNone(where_deep_rows_differ(coupled, ids))   # exact when rebuilt
+        assert_none(self, lambda: where_deep_rows_differ(coupled, ids))   # exact when rebuilt
         with self.assertRaisesRegex(ValueError, "cannot be folded into the query"):
             latent_attention.fold(coupled)
         folded, cache = latent_attention._fold(coupled), deep_model.DeepCache(coupled)
-        rows = [latent_attention.absorbed_step(folded, cache, token_id, position)
-                for position, token_id in enumerate(ids)]
+        rows = []
+        assert_none(self, lambda: rows.extend(stepped_rows(
+            "the coupled model", latent_attention.absorbed_step, folded, cache, ids)))
         gap = max(abs(a - b) for row, full in zip(rows, deep_model.forward(coupled, ids))
                   for a, b in zip(row, full))
-        self.assertGreater(gap, 0.1)
+        self.assertGreater(gap, 0.1, "the largest gap of the coupled model's absorbed rows to "
+                                     "its full pass's")
 
 
 class Work(unittest.TestCase):
@@ -67,17 +82,23 @@ class Work(unittest.TestCase):
             folded = path == "absorbed" and latent_attention._fold(params)
             cache = deep_model.DeepCache(params)
             for position, token_id in enumerate(random_tokens(40)):
-                with recording(deep_model, "dot", "linear") as calls, \
-                        recording(latent_attention, "dot", "linear") as more:
+                def one_step():   # an exception names the model and the position
+                    quick_checks.step(f"the {path} path of {deep_label(params)}, at position "
+                                      f"{position}")
                     if folded:
                         latent_attention.absorbed_step(folded, cache, token_id, position)
                     else:
                         deep_model.forward_step(params, cache, token_id, position)
+                with recording(deep_model, "dot", "linear") as calls, \
+                        recording(latent_attention, "dot", "linear") as more:
+                    assert_none(self, one_step)
                 if position + 1 in (1, 16, 40):
                     with self.subTest(shape=params["shape"], path=path, attended=position + 1):
                         self.assertEqual(latent_attention.products(calls + more),
                                          latent_attention.multiply_adds(params["shape"],
-                                                                        position + 1, path))
+                                                                        position + 1, path),
+                                         "the products the step computed (recorded), against "
+                                         "multiply_adds's count")
 
 
 def in_call_of(name, argument, replacement):
@@ -95,7 +116,7 @@ class Teeth(unittest.TestCase):
     def test_each_mistake_of_the_latent_cache_is_caught(self):
         """Planted in the real deep_model.forward_step: the rebuilding path differs."""
         params, ids = deep_model.init_params(2, 4, 4, 16, 0, "rotary", 8), random_tokens(12)
-        self.assertIsNone(where_deep_rows_differ(params, ids))
+        assert_none(self, lambda: where_deep_rows_differ(params, ids))
         assert_each_mistake_is_caught(self, deep_model, "forward_step", {
             "the rotary key turned by the next position":
                 in_call_of("compressed", 3, "position + 1"),
@@ -111,7 +132,7 @@ class Teeth(unittest.TestCase):
         """Planted in the real latent_attention._fold: the folded rows stacked latent by
         latent instead of head by head, so a head's latent sum meets another's Wuv Wo."""
         params, ids = deep_model.init_params(2, 4, 4, 16, 0, "rotary", 8), random_tokens(12)
-        self.assertIsNone(where_absorbed_strays(params, ids))
+        assert_none(self, lambda: where_absorbed_strays(params, ids))
 
         def swapped(node):
             node.generators.reverse()
@@ -121,6 +142,64 @@ class Teeth(unittest.TestCase):
                 replacing(lambda node: isinstance(node, ast.ListComp)
                           and len(node.generators) == 2, swapped),
         }, lambda: where_absorbed_strays(params, ids))
+
+
+def is_call_of(node, name):
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id == name)
+
+
+def a_position_on(call):
+    """A call of compressed(h1, block, cols, position, ...) with position + 1."""
+    call.args[3] = ast.BinOp(call.args[3], ast.Add(), ast.Constant(1))
+    return call
+
+
+OUT_FROM_WUK = replacing(   # block["Wuv"] becomes block["Wuk"] in the folded Wuv_h Wo_h
+    lambda node: isinstance(node, ast.Constant) and node.value == "Wuv",
+    lambda node: ast.Constant("Wuk"))
+ROTARY_QUERY_DROPPED = replacing(   # linear(q_h[:d], ...) + q_h[d:] becomes linear(q_h[:d], ...)
+    lambda node: (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add)
+                  and is_call_of(node.left, "linear") and isinstance(node.right, ast.Subscript)
+                  and isinstance(node.right.slice, ast.Slice)),
+    lambda node: node.left)
+ROTARY_KEY_A_POSITION_ON = replacing(lambda node: is_call_of(node, "compressed"), a_position_on)
+POSITION_FORGOTTEN = replacing(   # add(tok_emb[token_id], pos_emb[position]) becomes its first
+    lambda node: (is_call_of(node, "add") and len(node.args) == 2
+                  and isinstance(node.args[1], ast.Subscript)
+                  and isinstance(node.args[1].value, ast.Subscript)
+                  and isinstance(node.args[1].value.slice, ast.Constant)
+                  and node.args[1].value.slice.value == "pos_emb"),
+    lambda node: node.args[0])
+
+LEARNED = r"the 2-layer latent model \(4 heads, 4 kv heads, learned positions, latent 8\)"
+ROTARY = (r"the 2-layer latent model \(4 heads, 4 kv heads, rotary positions, latent 8, "
+          r"rotary key 2\)")
+ABSORBED = (r"the absorbed path's row \(read in latent space\), at position \d+, logit \d+: "
+            r"\S+ from absorbed_step, \S+ expected \(\S+ apart, more than rounding, 1e-12\)")
+REBUILT = (r"the cached row \(its keys and values rebuilt from the cached latents\), at "
+           r"position \d+, logit \d+: \S+ from forward_step, \S+ expected")
+
+
+class QuickCheckTeeth(unittest.TestCase):
+    """Each mistake planted in the real latent_attention.py (or in deep_model.forward_step's
+    latent path) makes the layer's quick check fail with a line that names the model, the
+    path, the layer, the position and the logit, with both numbers."""
+
+    MISTAKES = [
+        ("the folded output matrix made of Wuk, not Wuv", latent_attention, "_fold",
+         OUT_FROM_WUK, LEARNED + r", wrong from layer 0 on: " + ABSORBED),
+        ("the learned position left out of the absorbed path's input", latent_attention,
+         "absorbed_step", POSITION_FORGOTTEN, LEARNED + r", wrong from layer 0 on: " + ABSORBED),
+        ("the query's rotary part left out of the query in latent space", latent_attention,
+         "absorbed_step", ROTARY_QUERY_DROPPED, ROTARY + r", wrong from layer 0 on: " + ABSORBED),
+        ("the rotary key turned by the next position on the rebuilding path", deep_model,
+         "forward_step", ROTARY_KEY_A_POSITION_ON,
+         ROTARY + r", wrong from layer 0 on: " + REBUILT),
+    ]
+
+    def test_the_quick_check_names_each_mistake_s_model_path_layer_and_position(self):
+        verdicts.assert_verdicts(self, "latent_attention", self.MISTAKES)
 
 
 class Refusals(unittest.TestCase):
@@ -162,13 +241,19 @@ class TheRecord(unittest.TestCase):
             coupled = shape["positions"] == "rotary" and not shape["rotary_key"]
             with self.subTest(positions=shape["positions"], latent=shape["latent"],
                               rotary_key=shape["rotary_key"], layers=shape["layers"]):
-                self.assertEqual(shape["largest_gap_rebuilt"], 0.0)
-                self.assertEqual(shape["floats_per_position"], shape["formula"])
+                self.assertEqual(shape["largest_gap_rebuilt"], 0.0,
+                                 "the recorded largest gap of the rebuilt rows to the full pass's")
+                self.assertEqual(shape["floats_per_position"], shape["formula"],
+                                 "the recorded numbers a position, against the formula's")
                 if coupled:   # a turn between the query and Wuk cannot be folded
-                    self.assertGreater(shape["largest_gap_absorbed"], 0.1)
+                    self.assertGreater(shape["largest_gap_absorbed"], 0.1,
+                                       "the coupled control's recorded absorbed gap")
                 else:         # the same math in another order
-                    self.assertLess(shape["largest_gap_absorbed"], ROUNDING)
-                    self.assertIsNone(shape["continuation_parts_at"])
+                    self.assertLess(shape["largest_gap_absorbed"], ROUNDING,
+                                    "the recorded largest gap of the absorbed rows")
+                    self.assertIsNone(shape["continuation_parts_at"],
+                                      "the recorded new token where the absorbed greedy "
+                                      "continuation parts")
 
 
 if __name__ == "__main__":
