@@ -10,9 +10,12 @@ import deep_model
 import model
 import verdicts
 from instruments import replacing
-from quick_checks import deep_step_reads, lesson_step_reads
 from support import random_tokens, tear_down
 from verdicts import quick_check_case, set_up
+import kv_cache
+from support import PARAMS, STORIES, TOK
+from kv_cache import KVCache, feed
+from quick_checks import Wrong, step
 
 
 def setUpModule():
@@ -20,6 +23,79 @@ def setUpModule():
 
 
 tearDownModule = tear_down
+def reads_of(decode, weights, cache):
+    """The distinct numbers decode() reads (instruments.count_reads) from the holders of
+    weights and from those of cache, apart: {"weights": ..., "cache": ...}, as
+    bandwidth.floats_read counts them."""
+    from instruments import count_reads
+    from_cache = []
+    from_weights = count_reads(lambda: from_cache.append(count_reads(decode, *cache)),
+                               *weights)
+    return {"weights": from_weights, "cache": from_cache[0]}
+
+
+def lesson_step_reads(ids):
+    """What the lesson's step of ids[-1] reads (reads_of), on a copy of the trained model
+    (count_reads watches the vectors it is given for good), its cache holding the rest."""
+    params = copy.deepcopy(PARAMS)
+    cache = KVCache(params)
+    feed(params, cache, ids[:-1])
+    return reads_of(lambda: kv_cache.forward_step(params, cache, ids[-1], len(ids) - 1),
+                    [params, cache.columns], [cache.keys, cache.values])
+
+
+def deep_step_reads(params, path, ids):
+    """What the step of ids[-1] of a deep_model (for path "cached" or "rebuilt",
+    deep_model.forward_step; for "absorbed", latent_attention.absorbed_step) reads
+    (reads_of), its cache holding the rest. Watched for good: pass params made for it."""
+    import deep_model
+    import latent_attention
+    cache = deep_model.DeepCache(params)
+    folded = path == "absorbed" and latent_attention.fold(params)
+
+    def decode(position):
+        if folded:
+            return latent_attention.absorbed_step(folded, cache, ids[position], position)
+        return deep_model.forward_step(params, cache, ids[position], position)
+    for position in range(len(ids) - 1):
+        decode(position)
+    return reads_of(lambda: decode(len(ids) - 1),
+                    [params, cache.block_columns, cache.out_columns,
+                     folded.blocks if folded else []], [cache.layers])
+
+
+def quick_check():
+    """A decode step's reads, counted apart from the weights and from the cache, against
+    bandwidth.floats_read's: the lesson's model with 5 positions held; with 3 held, a
+    2-layer grouped-query model (4 heads, 2 key-value heads) with rotary positions, and a
+    2-layer latent model (latent 8, rotary key 2), its rebuilt and its absorbed path."""
+    import bandwidth
+    import deep_model
+    ids = TOK.encode(STORIES[0])
+    latent = ("a 2-layer latent model (latent 8, rotary key 2)", (2, 4, 4, 16, 0, "rotary", 8))
+    for label, made, path, held in (
+            ("the lesson's model", None, "cached", 5),
+            ("a 2-layer grouped-query model (4 heads, 2 key-value heads, rotary positions)",
+             (2, 4, 2, 16, 0, "rotary"), "cached", 3),
+            (*latent, "rebuilt", 3), (*latent, "absorbed", 3)):
+        where = f"{label}, its {path} step with {held} positions held"
+        step(f"{where}: counting what it reads")
+        if made is None:
+            shape, read = bandwidth.LESSON, lesson_step_reads(ids[:held + 1])
+        else:
+            params = deep_model.init_params(*made)   # layers, heads, kv_heads, width, seed, ...
+            shape, read = params["shape"], deep_step_reads(params, path, ids[:held + 1])
+        step(f"{where}: bandwidth.floats_read({shape}, {held}, {path!r})")
+        counted = bandwidth.floats_read(shape, held, path)
+        for part in ("weights", "cache"):
+            if read[part] != counted.get(part):
+                return Wrong(f"{where} reads {read[part]} numbers of the {part}, and "
+                             f"bandwidth.floats_read counts {counted.get(part)}",
+                             f"  fed: the shape {shape}, {held} positions held, path {path!r}\n"
+                             f"  the step read: {read}\n  floats_read:   {counted}")
+    return None
+
+
 QuickCheck = quick_check_case("bandwidth", __name__)
 
 

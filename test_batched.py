@@ -18,6 +18,8 @@ from kv_cache import KVCache, feed
 from lossy import QuantizedCache, WindowCache
 from support import (PARAMS, STORIES, TOK, assert_changed, assert_each_mistake_is_caught,
                      assert_same_rows)
+from support import first_difference
+from quick_checks import Wrong, differ, step, story_name
 
 IDS = [TOK.encode(story) for story in STORIES[:3]]
 
@@ -31,6 +33,120 @@ def setUpModule():
 
 
 tearDownModule = support.tear_down
+def in_batches(params, caches, ids, seed=0, steps=None):
+    """Feed each cache its ids through batched.forward_rows, in steps that mix, at random
+    from seed, a chunk of one cache's next tokens with one next token of each other
+    cache: the rows of each cache, in position order. Each step's (cache index, position)
+    pairs are appended to steps, if given, before the step runs."""
+    import batched
+    rng = random.Random(seed)
+    rows = [[] for _ in caches]
+    while any(len(cache) < len(own) for cache, own in zip(caches, ids)):
+        items, owners = [], []
+        for index, (cache, own) in enumerate(zip(caches, ids)):
+            count = min(rng.choice((0, 1, 1, 3)), len(own) - len(cache))
+            for position in range(len(cache), len(cache) + count):
+                items.append((cache, own[position], position))
+                owners.append(index)
+        if items:
+            if steps is not None:
+                steps.append([(index, position) for index, (_, _, position)
+                              in zip(owners, items)])
+            for index, logits in zip(owners, batched.forward_rows(params, items)):
+                rows[index].append(logits)
+    return rows
+
+
+def _batch_words(batch, labels):
+    """A step's batch in words: how many rows, and whose positions."""
+    owners = {}
+    for index, position in batch:
+        owners.setdefault(index, []).append(position)
+    return f"a batch of {len(batch)} rows: " + "; ".join(
+        f"{labels[index]}, position{'s' * (len(positions) > 1)} "
+        f"{', '.join(map(str, positions))}" for index, positions in owners.items())
+
+
+def where_batches_differ(params, caches, ids, seed=0, labels=None):
+    """None if each cache's rows, fed in_batches, are forward_step's, else (a Wrong) the
+    first number that differs, named by its sequence (labels[index], else "sequence
+    index"), position and logit, and the batch that computed it; or the ValueError
+    forward_rows raised (a refusal) and the batch it raised it for."""
+    labels = labels or [f"sequence {index}" for index in range(len(ids))]
+    steps = []
+    try:
+        rows = in_batches(params, caches, ids, seed=seed, steps=steps)
+    except ValueError as refused:   # a refusal, or a planted mistake's ValueError
+        return Wrong(f"forward_rows, at step {len(steps)} of the mixed batches (seed {seed}), "
+                     f"{_batch_words(steps[-1], labels)}, raised ValueError: {refused}")
+    for index, (got, own) in enumerate(zip(rows, ids)):
+        wanted = feed(params, KVCache(params), own)
+        why = differ(f"the logits of {labels[index]}, fed in mixed batches (seed {seed})", got,
+                     wanted, "forward_rows", fed=f"token IDs {own}")
+        if why and first_difference(got, wanted)[0].startswith("["):   # a row, not the count
+            position = int(first_difference(got, wanted)[0][1:].split("]")[0])
+            batch = next(number for number, batch in enumerate(steps, 1)
+                         if (index, position) in batch)
+            return Wrong(f"{why} (step {batch}, {_batch_words(steps[batch - 1], labels)})",
+                         why.detail)
+        if why:
+            return why
+    return None
+
+
+KERNEL_ROW = [1.0] * 16
+
+
+KERNEL_COLUMNS = [[1.0, 2 ** -24, 2 ** -26, 0.0, -1.0] + [0.0] * 11,
+                  [1.0, 2 ** -11, 0.0, 0.0, 2 ** -40] + [0.0] * 11]
+
+
+KERNEL_OUTPUTS = {   # (kernel, rows): each row's two outputs
+    ("exact", 1): [2 ** -24 + 2 ** -26, 1 + 2 ** -11 + 2 ** -40],
+    ("by_batch", 1): [0.0, 1.0],                 # each piece, and the total, to 16 bits
+    ("by_batch", 3): [2 ** -24, 1 + 2 ** -10],   # one piece: the sum rounded once
+    ("by_batch_float32", 1): [2 ** -23, 1.0],    # pieces and total to 32 bits, then 16
+    ("by_batch_float32", 3): [2 ** -24, 1.0],
+    ("batch_invariant", 1): [2 ** -24, 1 + 2 ** -10],
+}
+
+
+def where_kernels_round_otherwise():
+    """None if each product kernel of batched.py gives KERNEL_OUTPUTS for rows of
+    KERNEL_ROW times KERNEL_COLUMNS, else a Wrong naming the kernel, the batch, the row
+    and the output. The two dot products have 16 terms, which a row alone cuts into four
+    pieces of four terms and three rows leave in one, their terms chosen so that every
+    rounding shows. Column 0: pieces adding to 1 + 2**-24 + 2**-26 and -1, so a first
+    piece rounded to 32 bits (1 + 2**-23) leaves 2**-23, rounded to 16 bits (1.0)
+    nothing; in one piece the sum is 2**-24 + 2**-26, which a 16-bit output makes 2**-24.
+    Column 1: pieces adding to 1 + 2**-11 and 2**-40, a total just above halfway between
+    the 16-bit floats 1 and 1 + 2**-10, and exactly halfway once rounded to 32 bits (a
+    tie goes to the even one, 1.0)."""
+    import batched
+    for (kernel, rows), wanted in KERNEL_OUTPUTS.items():
+        step(f"multiplying {rows} row(s) of 16 terms by two columns with batched.{kernel}")
+        why = differ(f"batched.{kernel} on a batch of {rows} row{'s' * (rows > 1)} of 16 terms",
+                     getattr(batched, kernel)([KERNEL_ROW] * rows, KERNEL_COLUMNS),
+                     [wanted] * rows, kernel, names=("row", "output"),
+                     fed=f"rows of {KERNEL_ROW}, columns {KERNEL_COLUMNS}")
+        if why:
+            return why
+    return None
+
+
+def quick_check():
+    """Three test stories fed in mixed batches (chunks of one story's next tokens beside
+    one next token of each other) give forward_step's rows; and each product kernel rounds
+    two dot products of 16 terms, alone and in a batch of 3, as its docstring says
+    (where_kernels_round_otherwise)."""
+    step("feeding three test stories through batched.forward_rows in mixed batches, "
+         "expecting forward_step's rows")
+    ids = [TOK.encode(story) for story in STORIES[:3]]
+    return (where_batches_differ(PARAMS, [KVCache(PARAMS) for _ in ids], ids,
+                                 labels=[story_name(index) for index in range(3)])
+            or where_kernels_round_otherwise())
+
+
 QuickCheck = verdicts.quick_check_case("batched", __name__)
 
 
@@ -40,7 +156,7 @@ class ExactProduct(unittest.TestCase):
         """Three stories in mixed steps (chunks and single tokens), in paged sequences of
         one pool (the quick check feeds them in KVCaches)."""
         pool = paged.BlockPool(PARAMS, 64, 4)
-        self.assertIsNone(quick_checks.where_batches_differ(
+        self.assertIsNone(where_batches_differ(
             PARAMS, [pool.sequence() for _ in IDS], IDS,
             labels=[quick_checks.story_name(index) for index in range(len(IDS))]))
 
@@ -57,7 +173,7 @@ class ExactProduct(unittest.TestCase):
             ids = [[rng.randrange(model.VOCAB_SIZE) for _ in range(rng.randint(1, 20))]
                    for _ in range(rng.randint(1, 5))]
             caches = [KVCache(params) for _ in ids]
-            why = quick_checks.where_batches_differ(params, caches, ids, seed=index)
+            why = where_batches_differ(params, caches, ids, seed=index)
             if why:
                 return why
             flaw = rng.choice(("position", "token", "storage"))
@@ -129,7 +245,7 @@ class Kernels(unittest.TestCase):
 
 class WhatTheKernelsRound(unittest.TestCase):
     """The quick check's two dot products of 16 terms, whose every rounding shows
-    (quick_checks.where_kernels_round_otherwise): the kernels round them as their
+    (where_kernels_round_otherwise): the kernels round them as their
     docstrings say (the quick check), and each mistake in in_pieces' rounding is caught
     (Verdicts plants another, the pieces' total not rounded, and asks for its name)."""
 
@@ -145,7 +261,7 @@ class WhatTheKernelsRound(unittest.TestCase):
                 replacing(lambda node: isinstance(node, ast.Call)
                           and isinstance(node.func, ast.Name) and node.func.id == "_output",
                           lambda node: node.args[0]),
-        }, quick_checks.where_kernels_round_otherwise)
+        }, where_kernels_round_otherwise)
 
 
 class Teeth(unittest.TestCase):
@@ -171,7 +287,7 @@ class Teeth(unittest.TestCase):
     def test_each_mistake_in_forward_rows_is_caught(self):
         """Each makes a row differ; the real forward_rows gives none (setUpModule)."""
         assert_each_mistake_is_caught(self, batched, "forward_rows", self.MISTAKES,
-                                      lambda: quick_checks.where_batches_differ(PARAMS, [KVCache(PARAMS) for _ in IDS], IDS))
+                                      lambda: where_batches_differ(PARAMS, [KVCache(PARAMS) for _ in IDS], IDS))
 
 
 def _call_of(node, name):

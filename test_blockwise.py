@@ -12,9 +12,10 @@ import blockwise
 import support
 from instruments import replacing
 from kv_cache import KVCache
-from quick_checks import ROUNDING, attention_reads, story_name, where_kind_reads_otherwise
+from quick_checks import ROUNDING, story_name
 from verdicts import assert_verdicts, quick_check_case, set_up
 from support import OPENINGS, PARAMS, STORIES, TOK, assert_each_mistake_is_caught, tear_down
+from quick_checks import Wrong, excerpt, step
 
 READS = []   # (story's name, the (q, keys, values) of each of its rows) for two stories
 
@@ -26,6 +27,81 @@ def setUpModule():
 
 
 tearDownModule = tear_down
+def attention_reads(story):
+    """The (q, keys, values) that every row of story, fed to the trained model in one
+    batch by batched.forward_rows, hands its attention."""
+    import batched
+    cache, reads = KVCache(PARAMS), []
+    batched.forward_rows(PARAMS, [(cache, token_id, position) for position, token_id
+                                  in enumerate(TOK.encode(story))],
+                         attention=lambda q, keys, values, rows: reads.append(
+                             (q, keys, values)) or batched.exact_attention(q, keys, values))
+    return reads
+
+
+def where_kind_reads_otherwise(name, kind, parts, label, reads, exact_bits):
+    """None if the attention kind (named name, splitting a row into parts, or None for
+    one pass) gives, for every (q, keys, values) of reads (the rows of label, in order),
+    forward_step's mixed values, bit for bit if exact_bits, else within ROUNDING; else a
+    Wrong naming the kind, the row, its length and parts, and the first value that strays,
+    with both."""
+    import batched
+    import blockwise
+    for row, (q, keys, values) in enumerate(reads):
+        shape = f"{len(keys)} position{'s' * (len(keys) > 1)}"
+        if parts:
+            step(f"cutting row {row} of {label} ({shape}) into parts with "
+                 f"blockwise.parts_of({len(keys)}, {parts}), expecting at most {parts} runs "
+                 f"of whole blocks")
+            cuts = blockwise.parts_of(len(keys), parts)
+            if (len(cuts) > parts or [p for cut in cuts for p in cut] != list(range(len(keys)))
+                    or any(cut.start % blockwise.BLOCK for cut in cuts)):
+                return Wrong(f"the parts of row {row} of {label} ({shape}) for {name}, "
+                             f"blockwise.parts_of({len(keys)}, {parts}): {cuts}, not at most "
+                             f"{parts} runs of whole blocks of {blockwise.BLOCK} covering "
+                             f"positions 0 to {len(keys) - 1} once each")
+            shape += f", parts of {', '.join(str(len(cut)) for cut in cuts)}"
+        step(f"reading row {row} of {label} ({shape}) with {name}, expecting "
+             f"forward_step's mixed values")
+        wanted, got = batched.exact_attention(q, keys, values), kind(q, keys, values, 1)
+        strays = [index for index, (a, b) in enumerate(zip(got, wanted))
+                  if (a != b if exact_bits else not abs(a - b) <= ROUNDING)]
+        if strays or len(got) != len(wanted):
+            index = strays[0] if strays else min(len(got), len(wanted))
+            mine = got[index] if index < len(got) else "nothing"
+            wanted_one = wanted[index] if index < len(wanted) else "nothing"
+            gap = "" if exact_bits or not strays else (
+                f" ({abs(got[index] - wanted[index]):.3g} apart, more than rounding)")
+            return Wrong(f"the mixed values of {name}, at row {row} of {label} ({shape}), "
+                         f"value {index}: {mine} from blockwise, {wanted_one} from "
+                         f"forward_step's attention{gap}",
+                         f"  fed: row {row}'s query and its {len(keys)} keys and values, as "
+                         f"forward_rows reads them\n  query: {excerpt(q)}\n"
+                         f"  {name} gave: {excerpt(got)}\n  expected:  {excerpt(wanted)}")
+    return None
+
+
+def quick_check():
+    """Every row of the first test story (1 to 30 positions), read by the online kind
+    (blocks of 4) and split in 3 and in 5 parts (counts that divide few rows' blocks), by
+    the split kind within ROUNDING of forward_step's attention, by the exact kind bit for
+    bit."""
+    import blockwise
+    step("reading the first test story's rows through batched.forward_rows")
+    reads = attention_reads(STORIES[0])
+    for name, kind, parts, exact_bits in (
+            ("the online kind", blockwise.online, None, False),
+            ("the split kind in 3 parts", blockwise.split(3), 3, False),
+            ("the split kind in 5 parts", blockwise.split(5), 5, False),
+            ("the exact kind in 3 parts", blockwise.exact(3), 3, True),
+            ("the exact kind in 5 parts", blockwise.exact(5), 5, True)):
+        why = where_kind_reads_otherwise(name, kind, parts, "the first test story", reads,
+                                         exact_bits)
+        if why:
+            return why
+    return None
+
+
 QuickCheck = quick_check_case("blockwise", __name__)
 
 

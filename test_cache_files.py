@@ -21,6 +21,10 @@ import support
 from instruments import replacing, where_raised
 from kv_cache import feed, generate_cached
 from support import OPENINGS, PARAMS, TOK, assert_equal, filled_cache, snapshot
+import model
+from kv_cache import KVCache
+from support import STORIES, random_model
+from quick_checks import Wrong, step, where_cache_differs
 
 
 def setUpModule():
@@ -28,6 +32,95 @@ def setUpModule():
 
 
 tearDownModule = support.tear_down
+def refusal(error, path):
+    """What a refusal of the file at path says, without the file's name it opens with."""
+    return str(error).replace(f"{path}: ", "")
+
+
+def saved_and_loaded(params, cache, path, label):
+    """The cache load_cache gives for params from the file save_cache writes of cache at
+    path, and None; or None and a Wrong: the cache loaded is not the one saved, or load_cache
+    refused it (the file named "the file")."""
+    import cache_files
+    step(f"{label}: saving it (save_cache; expected: it saves every cache that stores exactly)")
+    cache_files.save_cache(cache, path)
+    step(f"{label}: loading it (load_cache; expected: the very cache saved)")
+    try:
+        loaded = cache_files.load_cache(params, path)
+    except ValueError as refused:
+        return None, Wrong(f"{label}: load_cache refused the file save_cache wrote: "
+                           f"{refusal(refused, path)}",
+                           f"  fed: token IDs {list(cache.tokens)}")
+    return loaded, where_cache_differs(f"{label}, saved and loaded", loaded, cache, "the file")
+
+
+TAMPERED = 3   # the position whose value _cache_files changes in a file, signed again
+
+
+def quick_check():
+    """Caches saved to a file and loaded: the first test story's KVCache, a paged sequence
+    (blocks of 4) of a whole context (the test stories' first 64 tokens), another model's
+    (random weights) KVCache of the first opening, each load as the very cache; the other
+    model's file is refused by the trained weights as computed with other weights; a file
+    with the value of position TAMPERED changed in its last bit, and signed again, is
+    refused, naming that position."""
+    import cache_files
+    import paged
+    story = TOK.encode(STORIES[0])
+    context = [t for text in STORIES for t in TOK.encode(text)][:model.CONTEXT]
+    other = random_model(random.Random(0), 1.0, 1.0)
+    pool = paged.BlockPool(PARAMS, model.CONTEXT // 4, 4)
+    cases = ((f"the first test story's cache ({len(story)} positions)", PARAMS, KVCache(PARAMS),
+              story),
+             (f"a paged sequence (blocks of 4) of the test stories' first {len(context)} "
+              f"tokens, a whole context", PARAMS, pool.sequence(), context),
+             ("another model's cache (random weights) of the first opening", other,
+              KVCache(other), TOK.encode(OPENINGS[0])))
+    with tempfile.TemporaryDirectory() as folder:
+        story_file, context_file, other_file, tampered_file = (
+            os.path.join(folder, f"{name}.json") for name in ("story", "context", "other",
+                                                              "tampered"))
+        for (label, params, cache, ids), file in zip(cases, (story_file, context_file,
+                                                             other_file)):
+            step(f"{label}: feeding it")
+            feed(params, cache, ids)
+            _, why = saved_and_loaded(params, cache, file, label)
+            if why:
+                return why
+        step("loading another model's file with the trained weights (expected: refused, as "
+             "computed with other weights)")
+        try:
+            cache_files.load_cache(PARAMS, other_file)
+            return Wrong("another model's file (random weights) of the first opening loaded "
+                         "with the trained weights, where load_cache must refuse it")
+        except ValueError as refused:
+            if "other weights" not in str(refused):
+                return Wrong(f"another model's file (random weights) of the first opening was "
+                             f"refused by the trained weights, but not as computed with other "
+                             f"weights: {refusal(refused, other_file)}")
+        step(f"the first test story's file with the value of position {TAMPERED} changed and "
+             f"signed again (expected: refused, naming position {TAMPERED})")
+        with open(story_file, encoding="utf-8") as f:
+            record = json.load(f)
+        value = record["values"][TAMPERED]
+        value[0] = math.nextafter(value[0], math.inf)
+        record["content"] = cache_files.content_signature(record["tokens"], record["keys"],
+                                                          record["values"])
+        with open(tampered_file, "w", encoding="utf-8") as f:
+            json.dump(record, f)
+        try:
+            cache_files.load_cache(PARAMS, tampered_file)
+            return Wrong(f"the first test story's file with the value of position {TAMPERED} "
+                         f"changed in its last bit and signed again loaded, where load_cache "
+                         f"must refuse it (it computes every key and value again)")
+        except ValueError as refused:
+            if f"position {TAMPERED}" not in str(refused):
+                return Wrong(f"the first test story's file with the value of position "
+                             f"{TAMPERED} changed and signed again was refused without naming "
+                             f"position {TAMPERED}: {refusal(refused, tampered_file)}")
+    return None
+
+
 QuickCheck = verdicts.quick_check_case("cache_files", __name__)
 
 

@@ -15,6 +15,9 @@ import verdicts
 from instruments import replacing
 from verdicts import quick_check_case, set_up
 from support import tear_down
+import model
+from support import STORIES, TOK
+from quick_checks import ROUNDING, Wrong, deep_label, differ, excerpt, step, strayed
 
 
 def setUpModule():
@@ -22,6 +25,114 @@ def setUpModule():
 
 
 tearDownModule = tear_down
+def where_held_differs(params, ids, kept):
+    """None if a cache held (context_shift._held) from the keys and values of a cache fed
+    the first kept of ids, fed the rest, gives the rows of the fed cache fed the rest;
+    else a Wrong naming the model, the row and the logit."""
+    import context_shift
+    import deep_model
+    label = deep_label(params)
+    step(f"{label}: feeding {kept} tokens, and holding its keys and values in a new cache "
+         f"(context_shift._held)")
+    fed = deep_model.DeepCache(params)
+    context_shift._fed(params, fed, ids[:kept])
+    held = context_shift._held(params, fed.tokens, [(layer["keys"], layer["values"])
+                                                    for layer in fed.layers])
+    step(f"{label}: feeding the held cache the next {len(ids) - kept} tokens, which should "
+         f"give the fed cache's rows")
+    return differ(f"{label}, a cache held from the keys and values of the first {kept} "
+                  f"tokens (context_shift._held) and fed the next {len(ids) - kept} (row r is "
+                  f"position {kept} + r)", context_shift._fed(params, held, ids[kept:]),
+                  context_shift._fed(params, fed, ids[kept:]), "the held cache",
+                  names=("row", "logit"), fed=f"token IDs {ids}")
+
+
+def where_shift_strays(seed=0):
+    """None if the shift itself holds, within ROUNDING, else a Wrong naming the layer, the
+    position and the number of the first kept key that strays.
+
+    In a 1-layer rotary model (4 heads, 2 kv heads, seed) fed its SEQUENCE random tokens
+    (context_shift._random_tokens), the keys of the kept positions turned back by DROPPED
+    (context_shift._turned_back) are met with the keys that a new cache fed the kept
+    tokens computes at their new positions."""
+    import context_shift
+    import deep_model
+    from instruments import recording
+    params = deep_model.init_params(1, 4, 2, model.WIDTH, seed, "rotary")
+    dropped = context_shift.DROPPED
+    ids = context_shift._random_tokens(seed)[:context_shift.SEQUENCE]
+    label = deep_label(params)
+    step(f"{label}: feeding {len(ids)} random tokens, and a new cache the last "
+         f"{len(ids) - dropped} (the recompute)")
+    fed, recomputed = deep_model.DeepCache(params), deep_model.DeepCache(params)
+    with recording(deep_model, "rotate") as turns:
+        context_shift._fed(params, fed, ids)
+    context_shift._fed(params, recomputed, ids[dropped:])
+    step(f"{label}: turning the kept keys back by {dropped} (context_shift._turned_back), "
+         f"which should give the recompute's keys, within rounding")
+    return strayed(f"{label}, its oldest {dropped} of {len(ids)} positions dropped: a kept "
+                   f"key as context_shift._turned_back turns it (back by {dropped}: position "
+                   f"p was position p + {dropped})",
+                   context_shift._turned_back(fed, turns[0].args[2]),
+                   [layer["keys"] for layer in recomputed.layers], "the shift",
+                   names=("layer", "position", "number"),
+                   fed=f"token IDs {ids}; expected: the keys of a new cache fed the kept "
+                       f"{ids[dropped:]}, computed at their new positions")
+
+
+def where_shift_record_wrong(seed=0):
+    """None if context_shift._shift of a 1-layer rotary model (4 heads, 2 kv heads, seed;
+    without the cases elsewhere) records what one layer gives: its cached rows the full
+    pass's, its keys turned back within rounding of those turned once, those turned once
+    the recompute's, and its shifted cache continued within rounding of the turned-once
+    one and exactly as the recompute (in one layer the recompute is the turned-once
+    cache); else a Wrong naming the entry of the record, and both values."""
+    import context_shift
+    label = (f"context_shift._shift(1, 2, {seed}, False), of the 1-layer grouped-query model "
+             f"(4 heads, 2 kv heads, rotary positions)")
+    step(f"{label}: running it")
+    case = context_shift._shift(1, 2, seed, False)
+    rounding = case["rounding"]
+    for name, holds, wanted in (
+            ("largest_logit_gap", case["largest_logit_gap"] == 0.0,
+             "0.0 (the cached rows are the full pass's)"),
+            ("key_gap_rotated_back_vs_rotated_once",
+             case["key_gap_rotated_back_vs_rotated_once"] <= ROUNDING,
+             f"at most rounding, {ROUNDING:g}"),
+            ("layer_1_keys_rotated_once_equal_recomputed",
+             case["layer_1_keys_rotated_once_equal_recomputed"] is True,
+             "True (a key turned once to its new position is the recompute's)"),
+            ("rounding", rounding["largest_logit_gap"] <= ROUNDING
+             and rounding["continuation_changed"] is False,
+             f"a largest_logit_gap of at most {ROUNDING:g}, the continuation unchanged"),
+            ("against_recompute", case["against_recompute"] == rounding,
+             f"{rounding} (its rounding's: the recompute is the turned-once cache)")):
+        if not holds:
+            return Wrong(f"{label}: its {name} is {case[name]!r}, where one layer gives {wanted}",
+                         f"  fed: context_shift._shift(1, 2, {seed}, False)\n"
+                         f"  _shift gave: {excerpt(case, 2000)}")
+    return None
+
+
+def quick_check():
+    """A held cache goes on as the fed one; a shifted key is the one at its new position.
+
+    Feeds 2-layer models of learned and of rotary positions the first 10 tokens of the
+    first test story: a cache held from the keys and values of the first 6
+    (context_shift._held) goes on as the cache it was kept from (where_held_differs). Then
+    a 1-layer rotary model random tokens: its kept keys turned back by the dropped
+    positions are within rounding of those computed at the new positions
+    (where_shift_strays), and context_shift._shift records what one layer gives
+    (where_shift_record_wrong)."""
+    import deep_model
+    ids = TOK.encode(STORIES[0])[:10]
+    for positions in ("learned", "rotary"):
+        why = where_held_differs(deep_model.init_params(2, 4, 2, 16, 0, positions), ids, 6)
+        if why:
+            return why
+    return where_shift_strays() or where_shift_record_wrong()
+
+
 QuickCheck = quick_check_case("context_shift", __name__)
 
 

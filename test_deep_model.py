@@ -18,6 +18,8 @@ from quick_checks import deep_rows, where_deep_rows_differ
 from verdicts import quick_check_case, set_up
 from support import (assert_each_mistake_is_caught, assert_each_refused, check_random_cases,
                      deep_snapshot, described, random_tokens, tear_down)
+from support import PARAMS, STORIES, TOK
+from quick_checks import deep_label, differ, step
 
 SHAPES = [(layers, heads, kv_heads) for layers in (1, 2, 3, 4)
           for heads, kv_heads in ((1, 1), (4, 4), (4, 2), (4, 1))]   # MHA, GQA, MQA
@@ -45,6 +47,88 @@ def setUpModule():
 
 
 tearDownModule = tear_down
+def where_rotate_turns_wrong():
+    """None if deep_model.rotate turns the pairs (1, 0) and (0, 1) by their angles
+    (position x theta) to (cos, sin) and (-sin, cos), as a turn does, exactly (each
+    number a sum of one product and a zero); else a Wrong naming the number."""
+    import math
+    import deep_model
+    position, thetas = 3, [0.5, 0.25]
+    first, second = (position * theta for theta in thetas)
+    step("turning the pairs (1, 0) and (0, 1) with deep_model.rotate")
+    return differ(f"deep_model.rotate's turn of the pairs (1, 0) and (0, 1) by the angles "
+                  f"{first:g} and {second:g}", deep_model.rotate([1.0, 0.0, 0.0, 1.0],
+                                                                 position, thetas),
+                  [math.cos(first), math.sin(first), -math.sin(second), math.cos(second)],
+                  "rotate", names=("number",),
+                  fed=f"x = [1.0, 0.0, 0.0, 1.0], position {position}, thetas {thetas}: a "
+                      f"turn by the angle a takes (1, 0) to (cos a, sin a), (0, 1) to "
+                      f"(-sin a, cos a)")
+
+
+def where_heads_of_wrong(params):
+    """None if deep_model.heads_of gives, for params' shape, what its docstring says: the
+    heads, the head width d, a head's key width (d and the rotary key), the query heads a
+    key-value head serves and 1 / sqrt(key width); else a Wrong naming the entry."""
+    import math
+    import deep_model
+    shape = params["shape"]
+    d = shape["width"] // shape["heads"]
+    d_key = d + shape["rotary_key"]
+    step(f"{deep_label(params)}: its heads (deep_model.heads_of)")
+    return differ(f"{deep_label(params)}: deep_model.heads_of (heads, head width, key width, "
+                  f"query heads a kv head serves, 1 / sqrt(key width))",
+                  list(deep_model.heads_of(shape)),
+                  [shape["heads"], d, d_key, shape["heads"] // shape["kv_heads"],
+                   1 / math.sqrt(d_key)], "heads_of", names=("entry",), fed=f"shape {shape}")
+
+
+def where_lesson_differs(ids):
+    """None if a 1-layer, 1-head deep_model holding the lesson's trained weights gives the
+    lesson's rows (model.forward's), fed ids through its cache; else a Wrong naming the
+    position and the logit. The deeper model does the lesson's arithmetic per layer and
+    per head, so this meets what its two paths share (and would share a mistake in)."""
+    step("holding the lesson's weights in a 1-layer, 1-head deep_model")
+    block = {name: PARAMS[name] for name in ("ln1_g", "ln1_b", "Wq", "Wk", "Wv", "Wo", "ln2_g",
+                                             "ln2_b", "W1", "b1", "W2", "b2")}
+    params = {"shape": {"layers": 1, "heads": 1, "kv_heads": 1, "width": model.WIDTH,
+                        "positions": "learned", "latent": None, "rotary_key": 0},
+              "blocks": [block], **{name: PARAMS[name] for name in ("tok_emb", "pos_emb", "lnf_g",
+                                                                     "lnf_b", "W_out", "b_out")}}
+    label = f"{deep_label(params)} holding the lesson's weights"
+    rows, _ = deep_rows(params, ids, label=label)
+    step("the lesson's full pass (model.forward)")
+    return differ(f"{label}: the cached row",
+                  rows, model.forward(PARAMS, ids)[0], "forward_step",
+                  fed=f"token IDs {ids}; expected: the lesson's model.forward")
+
+
+DEEP_MODELS = ((2, 4, 2, 16, 0), (2, 4, 1, 16, 0, "rotary"), (2, 4, 4, 16, 0, "learned", 8),
+               (2, 4, 4, 16, 0, "rotary", 8))   # deep_model.init_params's arguments
+
+
+def quick_check():
+    """The deeper model's cached rows are its full pass's and the lesson's; a turn is a turn.
+
+    Feeds deep_model.rotate the pairs (1, 0) and (0, 1) (where_rotate_turns_wrong); the
+    first 12 tokens of the first test story through a 1-layer, 1-head deep_model holding
+    the lesson's weights, whose rows are the lesson's (where_lesson_differs); then through
+    the cache of 2-layer models of grouped-query attention (4 heads, 2 kv heads, learned
+    positions), multi-query attention (rotary) and latent attention (learned, and rotary
+    with a rotary key): their heads as heads_of's docstring says (where_heads_of_wrong),
+    and every row == the full pass's (where_deep_rows_differ)."""
+    import deep_model
+    ids = TOK.encode(STORIES[0])[:12]
+    why = where_rotate_turns_wrong() or where_lesson_differs(ids)
+    for args in DEEP_MODELS:
+        if why:
+            return why
+        step(f"making a model of deep_model.init_params{args}")
+        params = deep_model.init_params(*args)
+        why = where_heads_of_wrong(params) or where_deep_rows_differ(params, ids)
+    return why
+
+
 QuickCheck = quick_check_case("deep_model", __name__)
 
 

@@ -41,6 +41,12 @@ tearDownModule = support.tear_down
 NEXT = object()   # stands for "the cache's next position" in Misuse.assertRefused
 
 
+def quick_check():
+    """Every row of the first test story, fed through the cache, is model.forward's."""
+    return where_rows_differ(PARAMS, TOK.encode(STORIES[0]))
+
+
+
 class BuiltOnTheLesson(unittest.TestCase):
     """A class of tests that need the lesson's rows to be right: when Exactness's quick
     check fails, they skip (one verdict for one mistake: Exactness's)."""

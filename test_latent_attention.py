@@ -14,11 +14,12 @@ import support
 import verdicts
 from instruments import recording, replacing
 import quick_checks
-from quick_checks import (ROUNDING, deep_label, stepped_rows, where_absorbed_strays,
-                          where_deep_rows_differ)
+from quick_checks import ROUNDING, deep_label, stepped_rows, where_deep_rows_differ
 from verdicts import quick_check_case, set_up
 from support import (assert_each_mistake_is_caught, assert_each_refused, deep_snapshot,
                      random_tokens, tear_down)
+from support import STORIES, TOK
+from quick_checks import by_layer, step, strayed
 
 
 def setUpModule():
@@ -26,6 +27,44 @@ def setUpModule():
 
 
 tearDownModule = tear_down
+def where_absorbed_strays(params, ids):
+    """None if a latent model's rows read through latent_attention.absorbed_step (fed
+    ids one at a time through a new cache) stay within ROUNDING of its full pass's, else
+    a Wrong naming the model, the first layer whose rows stray (by_layer), the position
+    and the logit, with both numbers."""
+    import deep_model
+    import latent_attention
+
+    def compare(weights):
+        label = deep_label(weights)
+        step(f"{label}: folding it (latent_attention.fold)")
+        folded = latent_attention.fold(weights)
+        rows = stepped_rows(label, latent_attention.absorbed_step, folded,
+                            deep_model.DeepCache(weights), ids)
+        step(f"{label}: its full pass (deep_model.forward)")
+        return strayed("the absorbed path's row (read in latent space)", rows,
+                       deep_model.forward(weights, ids), "absorbed_step",
+                       fed=f"token IDs {ids}, one at a time through a new DeepCache")
+    return by_layer(params, compare)
+
+
+def quick_check():
+    """A latent model's rows, rebuilt and absorbed (within rounding), are its full pass's.
+
+    Feeds the first 12 tokens of the first test story through 2-layer latent models (4
+    heads, latent 8), of learned positions and of rotary ones with a rotary key: the rows
+    of deep_model.forward_step (keys and values rebuilt) == the full pass's, and those of
+    latent_attention.absorbed_step (read in latent space) within ROUNDING of them."""
+    import deep_model
+    ids = TOK.encode(STORIES[0])[:12]
+    for positions in ("learned", "rotary"):
+        params = deep_model.init_params(2, 4, 4, 16, 0, positions, 8)
+        why = where_deep_rows_differ(params, ids) or where_absorbed_strays(params, ids)
+        if why:
+            return why
+    return None
+
+
 QuickCheck = quick_check_case("latent_attention", __name__)
 
 

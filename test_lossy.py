@@ -13,6 +13,9 @@ from instruments import replacing
 from kv_cache import feed, forward_step, generate_cached
 from support import (OPENINGS, PARAMS, STORIES, TOK, assert_changed, assert_equal,
                      assert_same_generation, assert_same_rows, cached_rows)
+import kv_cache
+from kv_cache import KVCache
+from quick_checks import Wrong, differ, step
 
 
 def setUpModule():
@@ -20,6 +23,92 @@ def setUpModule():
 
 
 tearDownModule = support.tear_down
+def as_stored(fmt, vector):
+    """vector as a QuantizedCache of format fmt gives it back, by its docstring, worked out
+    plainly: float32 and float16 through struct; int8 and int4 as the nearest of the levels
+    -top..top (127 or 7, ties to the even one) of a scale, largest magnitude / top, kept
+    as a 32-bit float."""
+    if fmt == "float64":
+        return list(vector)
+    if fmt in ("float32", "float16"):
+        code = "f" if fmt == "float32" else "e"
+        return [struct.unpack(code, struct.pack(code, x))[0] for x in vector]
+    top = 127 if fmt == "int8" else 7
+    scale = struct.unpack("f", struct.pack("f", max(abs(x) for x in vector) / top))[0]
+    return [max(-top, min(top, round(x / scale))) * scale if scale else 0.0 for x in vector]
+
+
+BYTES_PER_POSITION = {"float64": 2 * 16 * 8, "float32": 2 * 16 * 4, "float16": 2 * 16 * 2,
+                      "int8": 2 * (16 + 4), "int4": 2 * (8 + 4)}   # a key and a value:
+
+
+def fed_one_by_one(params, cache, ids, label, expected):
+    """The rows of ids fed through cache one forward_step at a time, each step said (step),
+    with what its row is expected to be."""
+    rows = []
+    for position, token_id in enumerate(ids):
+        step(f"{label}: feeding position {position} ({TOK.vocab[token_id]!r}; expected: "
+             f"{expected})")
+        rows.append(kv_cache.forward_step(params, cache, token_id, position))
+    return rows
+
+
+def quick_check():
+    """The keys and values of the first test story (30 tokens) appended to a QuantizedCache
+    of each format, one position at a time as forward_step appends them: every key and
+    value it gives back (and stored()) is as_stored's, and it measures BYTES_PER_POSITION;
+    the story fed through a float64 one gives forward_step's rows; fed through WindowCaches
+    of 8 positions, without and with 2 sinks, the full pass's rows with model.band's mask."""
+    import lossy
+    ids = TOK.encode(STORIES[0])
+    step("feeding the first test story through a KVCache")
+    exact = KVCache(PARAMS)
+    exact_rows = feed(PARAMS, exact, ids)
+    for fmt in lossy.FORMATS:
+        label = f"the first test story's keys and values in {fmt}"
+        cache = lossy.QuantizedCache(PARAMS, fmt)
+        if fmt == "float64":
+            rows = fed_one_by_one(PARAMS, cache, ids, f"the first test story through a {fmt} "
+                                  f"QuantizedCache", "forward_step's row")
+        else:
+            for position, kept in enumerate(zip(exact.tokens, exact.keys, exact.values)):
+                step(f"{label}: appending position {position} to a QuantizedCache")
+                cache.append(*kept)
+        for part in ("keys", "values"):
+            step(f"{label}: reading its {part} back")
+            wanted = [as_stored(fmt, vector) for vector in getattr(exact, part)]
+            fed = f"the {part} of the first test story's positions (token IDs {ids})"
+            why = (differ(f"{label}: the {part} a QuantizedCache gives back",
+                          getattr(cache, part), wanted, "the cache",
+                          names=("position", "number"), fed=fed)
+                   or differ(f"{label}: the {part} as QuantizedCache.stored gives them",
+                             [cache.stored(vector) for vector in getattr(exact, part)], wanted,
+                             "the cache", names=("position", "number"), fed=fed))
+            if why:
+                return why
+        step(f"{label}: measuring a QuantizedCache's bytes a position")
+        if cache.bytes_per_position() != BYTES_PER_POSITION[fmt]:
+            return Wrong(f"{label}: a QuantizedCache measures {cache.bytes_per_position()} "
+                         f"bytes a position, {BYTES_PER_POSITION[fmt]} expected (a key and a "
+                         f"value of 16 numbers)")
+        if fmt == "float64":
+            why = differ(f"the first test story through a {fmt} QuantizedCache", rows,
+                         exact_rows, "the cache", fed=f"token IDs {ids}")
+            if why:
+                return why
+    for window, sinks in ((8, 0), (8, 2)):
+        label = (f"the first test story through a window of {window} positions and {sinks} "
+                 f"sinks (WindowCache(params, {window}, {sinks}))")
+        rows = fed_one_by_one(PARAMS, lossy.WindowCache(PARAMS, window, sinks), ids, label,
+                              f"the row of the full pass with model.band({window}, {sinks})")
+        why = differ(label, rows, model.forward(PARAMS, ids, model.band(window, sinks))[0],
+                     "the cache", fed=f"token IDs {ids}; the full pass's mask model.band"
+                                      f"({window}, {sinks})")
+        if why:
+            return why
+    return None
+
+
 QuickCheck = verdicts.quick_check_case("lossy", __name__)
 
 

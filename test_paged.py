@@ -21,10 +21,11 @@ from kv_cache import feed, forward_step, generate_cached
 from stories import story_ids
 from support import (OPENINGS, PARAMS, STORIES, TOK, assert_equal, assert_same_generation,
                      assert_same_rows, cached_rows, chunked_rows, filled_cache, snapshot)
+from quick_checks import STEPS, Wrong, excerpt, step
 
 
 def setUpModule():
-    """The paged cache's quick check (quick_checks.paged_scenario), before any test of this
+    """The paged cache's quick check (quick_check), before any test of this
     module: sequences written, forked, found by their prefix, freed and found again,
     compared slot by slot with a KVCache fed the same tokens. If it fails, its QuickCheck
     names the sequence, the block and the position where a mistake in the pool shows, and
@@ -34,6 +35,97 @@ def setUpModule():
 
 
 tearDownModule = support.tear_down
+def where_sequence_differs(label, seq, tokens):
+    """None if the paged sequence seq holds, position by position, what a KVCache fed
+    tokens holds, where its block table says: position p in block table[p // block_size],
+    slot p % block_size. Else a Wrong naming the position, the block and the slot, and
+    what differs there; its detail, the tokens, the table and both values."""
+    reference, size = filled_cache(tokens), seq.pool.block_size
+    fed = f"  {label}: token IDs {tokens}, block table {seq.table}"
+    if seq.length != len(reference):
+        return Wrong(f"{label} holds {seq.length} positions, where {len(reference)} were "
+                     f"written", fed)
+    for position in range(len(reference)):
+        block_id, slot = seq.table[position // size], position % size
+        block = seq.pool.blocks[block_id]
+        where = f"{label}, position {position} (block {block_id}, slot {slot})"
+        if slot >= len(block.tokens):
+            return Wrong(f"{where}: the block holds only {len(block.tokens)} positions", fed)
+        for part in ("tokens", "keys", "values"):
+            held, wanted = getattr(block, part)[slot], getattr(reference, part)[position]
+            if held != wanted:
+                return Wrong(f"{where}: its {part[:-1]} is not the one a KVCache fed the same "
+                             f"tokens holds", f"{fed}\n  the block holds: {excerpt(held)}\n"
+                                              f"  a KVCache:       {excerpt(wanted)}")
+    return None
+
+
+def quick_check():
+    """Sequences of one pool (blocks of 4) written one forward_step at a time: a parent of
+    10 positions; its fork, writing into the partly filled block they share; the parent
+    going on to 12; a new sequence finding the parent's first two blocks by their prefix;
+    one opening with the tokens of the parent's second block (found nowhere: a block is
+    found by every token from position 0, not by its own); and, once the parent and the
+    fork are freed, one finding their three full blocks again, as a preempted request
+    readmitted does. None if each holds, slot by slot, what a KVCache fed its tokens
+    holds, each found as many blocks as hold its first tokens, and each block counts the
+    tables that hold it; else a Wrong naming the sequence, the position and the block."""
+    import paged
+    ids = TOK.encode(OPENINGS[0] + " she was")
+    pool = paged.BlockPool(PARAMS, 16, 4)
+
+    def write(seq, tokens):
+        for token_id in tokens[len(seq):]:
+            kv_cache.forward_step(PARAMS, seq, token_id, len(seq))
+        return seq
+
+    def new(label, tokens, hits):
+        step(f"starting {label} with pool.sequence({tokens})")
+        seq = pool.sequence(tokens)
+        if len(seq.table) != hits:
+            raise LookupError(f"{label} found {len(seq.table)} cached block"
+                              f"{'s' * (len(seq.table) != 1)} (table {seq.table}), where "
+                              f"{hits} hold its first tokens")
+        step(f"writing {label}, one forward_step a position")
+        return write(seq, tokens)
+    moved = ids[4:8] + ids[:4]
+    try:
+        parent = new("the parent", ids[:10], 0)                   # blocks of 4, 4 and 2
+        step("forking the parent, and writing the fork into the block they share")
+        fork = write(parent.copy(), ids[:12])
+        step("writing the parent on, after its fork wrote")
+        write(parent, ids[:10] + TOK.encode(" tom"))
+        live = {"the prefix hit": (new("the prefix hit", ids[:10], 2), ids[:10]),
+                "the sequence opening with the second block's tokens": (
+                    new("the sequence opening with the second block's tokens", moved, 0), moved)}
+        for label, seq, tokens in (("the parent", parent, ids[:10] + TOK.encode(" tom")),
+                                   ("the fork", fork, ids[:12])):
+            why = where_sequence_differs(label, seq, tokens)
+            if why:
+                return why
+        step("freeing the parent and the fork")
+        parent.free()
+        fork.free()
+        tokens = ids[:10] + TOK.encode(" tom")
+        live["the readmitted parent"] = (new("the readmitted parent", tokens, 3), tokens)
+    except LookupError as wrong_hit:
+        return Wrong(str(wrong_hit), f"  while {STEPS[-1]}")
+    except ValueError as refused:                   # the pool's own guards
+        return Wrong(f"{STEPS[-1]}: {refused}")
+    for label, (seq, tokens) in live.items():
+        why = where_sequence_differs(label, seq, tokens)
+        if why:
+            return why
+    for block_id, block in enumerate(pool.blocks):
+        held = [label for label, (seq, _) in live.items() if block_id in seq.table]
+        if block.ref_count != len(held):
+            return Wrong(f"block {block_id} counts {block.ref_count} tables holding it, where "
+                         f"{len(held)} do ({', '.join(held) or 'none'})",
+                         "  " + "\n  ".join(f"{label}: block table {seq.table}"
+                                            for label, (seq, _) in live.items()))
+    return None
+
+
 QuickCheck = verdicts.quick_check_case("paged", __name__)
 
 

@@ -13,6 +13,8 @@ from instruments import recording, replacing, where_raised
 from kv_cache import KVCache, feed, forward_step, generate_cached
 from support import (OPENINGS, PARAMS, STORIES, TOK, assert_equal, assert_same_generation,
                      assert_same_rows, cached_rows, chunked_rows, filled_cache, snapshot)
+from instruments import replaced
+from quick_checks import Wrong, differ, step, where_cache_differs
 
 
 def setUpModule():
@@ -20,6 +22,54 @@ def setUpModule():
 
 
 tearDownModule = support.tear_down
+PREFILL_HELD = 7   # the positions a cache already holds when _prefill prefills the rest
+
+
+def saying_each_chunk(label):
+    """A stand-in for prefill.prefill (instruments.replaced): each call first says, as the
+    check's step, the positions of the chunk it prefills, so that an exception names them."""
+    def stand_in(real):
+        def prefill(params, cache, token_ids, start):
+            step(f"{label}: prefilling the chunk of positions {start} to "
+                 f"{start + len(token_ids) - 1} (expected: forward_step's rows)")
+            return real(params, cache, token_ids, start)
+        return prefill
+    return stand_in
+
+
+def quick_check():
+    """The first test story (30 tokens) prefilled in chunks of 4 (the last one short), 5
+    (which divide it) and the whole story at once, each into a new cache, and in chunks of
+    4 after a cache already holds its first PREFILL_HELD tokens: every row and the cache
+    after are forward_step's."""
+    import prefill
+    ids = TOK.encode(STORIES[0])
+    step("feeding the first test story one forward_step at a time")
+    reference = KVCache(PARAMS)
+    expected = feed(PARAMS, reference, ids)
+    for held, size in ((0, 4), (0, 5), (0, model.CONTEXT), (PREFILL_HELD, 4)):
+        short = len(ids[held:]) % size
+        label = (f"the first test story ({len(ids)} tokens) prefilled "
+                 + (f"in chunks of {size}" + (f" (the last of {short})" if short else "")
+                    if size < len(ids) else f"in one chunk (size {size})")
+                 + (f" after a cache holds its first {held} tokens" if held else ""))
+        step(f"{label}: feeding the first {held} one forward_step at a time")
+        cache = KVCache(PARAMS)
+        rows = feed(PARAMS, cache, ids[:held])
+        with replaced(prefill, "prefill", saying_each_chunk(label)):
+            rows += prefill.prefill_in_chunks(PARAMS, cache, ids, size)
+        if len(rows) != len(expected):
+            return Wrong(f"{label}: {len(rows) - held} rows from prefill, "
+                         f"{len(expected) - held} expected (one for each position from {held})",
+                         f"  fed: token IDs {ids}")
+        why = (differ(label, rows, expected, "prefill",
+                      fed=f"token IDs {ids}, {held} held, chunks of {size} from position {held}")
+               or where_cache_differs(label, cache, reference, "prefill"))
+        if why:
+            return why
+    return None
+
+
 QuickCheck = verdicts.quick_check_case("prefill", __name__)
 
 

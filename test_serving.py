@@ -17,6 +17,8 @@ import verdicts
 from instruments import replacing
 from kv_cache import feed, generate_cached
 from support import OPENINGS, PARAMS, STORIES, TOK, assert_equal
+import kv_cache
+from quick_checks import Wrong, step
 
 
 def setUpModule():
@@ -24,6 +26,59 @@ def setUpModule():
 
 
 tearDownModule = support.tear_down
+def parting(result, expected):
+    """Where a generation parts from the one expected, in words: "at new token 5 ('x',
+    where 'y' was expected)", or how it stopped otherwise. New tokens count from 1."""
+    for number, (mine, theirs) in enumerate(zip(result["steps"], expected["steps"]), 1):
+        if mine != theirs:
+            return (f"at new token {number} ({mine['token']!r} with probability "
+                    f"{mine['probability']}, where {theirs['token']!r} with "
+                    f"{theirs['probability']} was expected)")
+    return (f"in where it stopped (after {len(result['steps'])} new tokens, "
+            f"{result['stopped']}; expected after {len(expected['steps'])}, "
+            f"{expected['stopped']})")
+
+
+def quick_check():
+    """Requests served from one pool, each against generate_cached: four (three greedy, one
+    sampled) in 14 blocks of 4 with batches of up to 4, which must preempt and readmit;
+    a request and another whose prompt starts with the first's, in blocks of 4, so that
+    the second finds the first's full blocks; and one prompt twice in blocks of 1, one at
+    a time, so that the second finds all but its last position. None if each result is
+    generate_cached's and each run did what it is there for, else a Wrong naming the run,
+    the request and the new token where it parts."""
+    import paged
+    import serving
+    shared = OPENINGS[1] + " she was"
+    runs = (("four requests that preempt", [{"prompt": prompt, "max_new_tokens": 12}
+                                           for prompt in OPENINGS[:3]]
+             + [{"prompt": OPENINGS[3], "max_new_tokens": 12, "temperature": 1.0, "seed": 3}],
+             paged.BlockPool(PARAMS, 14, 4), 4, "readmitted_prefix_hits"),
+            ("two requests sharing a prefix", [{"prompt": shared[:-8], "max_new_tokens": 6},
+                                               {"prompt": shared, "max_new_tokens": 6,
+                                                "temperature": 1.0, "seed": 1}],
+             paged.BlockPool(PARAMS, 40, 4), 1, "prefix_hits"),
+            ("one prompt twice", [{"prompt": OPENINGS[0], "max_new_tokens": 4}] * 2,
+             paged.BlockPool(PARAMS, 40, 1), 1, "prefix_hits"))
+    for label, requests, pool, max_batch, exercised in runs:
+        where = f"{label} (blocks of {pool.block_size}, batches of up to {max_batch})"
+        step(f"serving {where}")
+        served, counts = serving.serve(PARAMS, TOK, requests, pool, max_batch, log=lambda s, i, e:
+                                       step(f"serving {where}, after step {s}: request {i} {e}"))
+        for index, (request, result) in enumerate(zip(requests, served)):
+            expected = kv_cache.generate_cached(PARAMS, TOK, **request)
+            if result != expected:
+                return Wrong(f"{where}: request {index} parts from generate_cached's "
+                             f"{parting(result, expected)}; {counts['preemptions']} "
+                             f"preemptions, {counts['prefix_hits']} prefix hits",
+                             f"  request {index}: {request}\n  served:   {result['text']!r}"
+                             f"\n  expected: {expected['text']!r}")
+        if not counts[exercised]:
+            return Wrong(f"{where}: no {exercised.replace('_', ' ')[:-1]} in this run, "
+                         f"which is there to make them", f"  counts: {counts}")
+    return None
+
+
 QuickCheck = verdicts.quick_check_case("serving", __name__)
 
 

@@ -14,6 +14,9 @@ from instruments import recording, replacing
 from kv_cache import generate_cached
 from stories import split_stories, story_ids
 from support import OPENINGS, PARAMS, TOK, assert_equal, filled_cache, snapshot
+import kv_cache
+from support import first_difference
+from quick_checks import Wrong, differ, step, strayed
 
 
 def setUpModule():
@@ -21,6 +24,150 @@ def setUpModule():
 
 
 tearDownModule = support.tear_down
+class OneWrongDrafter:
+    """A drafter for the speculative check: the next tokens of a known story (truth),
+    with the one at index calls % (lookahead + 1) changed to another token, so that its
+    drafts are rejected at each place in turn (the first, the second, ...), and one in
+    lookahead + 1 is accepted whole."""
+
+    def __init__(self, truth):
+        self.truth, self.calls = truth, 0
+
+    def propose(self, ids, lookahead):
+        draft = list(self.truth[len(ids):len(ids) + lookahead])
+        wrong, self.calls = self.calls % (lookahead + 1), self.calls + 1
+        if wrong < len(draft):
+            draft[wrong] = (draft[wrong] + 1) % model.VOCAB_SIZE
+        return draft
+
+
+class _Strayed(Exception):
+    """Raised from inside generate_speculative by the check's watch on prefill: the Wrong
+    it found (args[0])."""
+
+
+def _token(token_id):
+    return f"{token_id} ({TOK.vocab[token_id]!r})"
+
+
+def _accepted(draft, story):
+    """How many of draft's tokens, from the first, are the story's."""
+    return next((j for j, (a, b) in enumerate(zip(draft, story)) if a != b),
+                min(len(draft), len(story)))
+
+
+def where_speculation_strays(label, prompt, settings, drafter_for, lookahead, max_new_tokens=16):
+    """None if generate_speculative(prompt, with settings, the drafter drafter_for(the
+    story generate_cached gives) and lookahead) gives
+    generate_cached's result, and every prefill call it makes finds the cache holding
+    exactly generate's story so far: the prompt, then each draft's accepted tokens and
+    the token chosen after them, every rejected position rolled back. Else a Wrong naming
+    the run (label), the draft and the position, with both tokens or counts. Also the
+    number of drafts whose rejected positions were rolled back."""
+    import prefill
+    import speculative
+    from instruments import replaced
+    from stories import story_ids
+    step(f"{label}: generate_cached's result, for the story to expect")
+    expected = kv_cache.generate_cached(PARAMS, TOK, prompt, max_new_tokens, **settings)
+    story = story_ids(TOK, prompt, expected)
+    drafter, calls, rolled_back = drafter_for(story), [], 0
+
+    def watched(real):
+        def checking_prefill(params, cache, token_ids, start):
+            nonlocal rolled_back
+            draft = f"draft {len(calls)}" if calls else "the prompt"
+            where = f"{label}, before {draft} is checked (from position {start})"
+            if calls:
+                last_start, last_ids = calls[-1]
+                accepted = _accepted(last_ids[1:], story[last_start + 1:])
+                wanted = last_start + 1 + accepted
+                if last_start + len(last_ids) > wanted:   # a rejected draft's positions
+                    rolled_back += 1
+                if len(cache) != wanted:
+                    kept = len(cache) - wanted
+                    after = ("the prompt" if len(calls) == 1 else f"draft {len(calls) - 1}, "
+                             f"{accepted} of its {len(last_ids) - 1} tokens accepted")
+                    raise _Strayed(Wrong(
+                        f"{where}: the cache holds {len(cache)} positions, where generate's "
+                        f"story so far leaves {wanted} (after {after}): "
+                        + (f"{kept} rejected position(s) not rolled back" if kept > 0 else
+                           f"{-kept} position(s) of the story rolled back too"),
+                        f"  fed: {after.split(',')[0]} checked as {last_ids}, from position "
+                        f"{last_start}\n  generate's story: "
+                        f"{story}\n  the cache holds: {cache.tokens}"))
+                if start != wanted:
+                    raise _Strayed(Wrong(f"{where}: the draft is checked from position "
+                                         f"{start}, where generate's story so far leaves "
+                                         f"{wanted}"))
+            held = first_difference(cache.tokens, story[:len(cache)])
+            if held:
+                position = int(held[0][1:-1])
+                raise _Strayed(Wrong(f"{where}: the cache holds token "
+                                     f"{_token(cache.tokens[position])} at position {position}, "
+                                     f"where generate's story has {_token(story[position])}",
+                                     f"  generate's story: {story}\n  the cache holds: "
+                                     f"{cache.tokens}"))
+            if start < len(story) and token_ids[0] != story[start]:
+                raise _Strayed(Wrong(
+                    f"{where}: the tokens checked start with {_token(token_ids[0])} at "
+                    f"position {start} (the token chosen there), where generate's story has "
+                    f"{_token(story[start])}",
+                    f"  fed: {list(token_ids)} from position {start}\n  generate's story: "
+                    f"{story}"))
+            calls.append((start, list(token_ids)))
+            rows = real(params, cache, token_ids, start)
+            step(f"{label}: choosing tokens from the rows of {draft} (positions {start} to "
+                 f"{start + len(token_ids) - 1}) and rolling back the rejected ones, "
+                 f"expecting generate's story")
+            return rows
+        return checking_prefill
+    step(f"{label}: running generate_speculative, expecting generate's story, each draft "
+         f"checked from a cache holding the story so far")
+    try:
+        with replaced(prefill, "prefill", watched):
+            got = speculative.generate_speculative(PARAMS, TOK, prompt, max_new_tokens,
+                                                   lookahead=lookahead, drafter=drafter,
+                                                   **settings)
+    except _Strayed as strayed:
+        return strayed.args[0], rolled_back
+    fed = f"the prompt {prompt!r}, token IDs {TOK.encode(prompt)}"
+    return (differ(f"{label}: the story's token IDs", story_ids(TOK, prompt, got), story,
+                   "generate_speculative", names=("position",), fed=fed)
+            or differ(f"{label}: the chosen tokens and their probabilities",
+                      [[s["token"], s["probability"]] for s in got["steps"]],
+                      [[s["token"], s["probability"]] for s in expected["steps"]],
+                      "generate_speculative", names=("generated token", "entry"), fed=fed)
+            or (None if got == expected else Wrong(
+                f"{label}: the generation stopped for {got['stopped']!r}, where generate's "
+                f"stopped for {expected['stopped']!r}"))), rolled_back
+
+
+def quick_check():
+    """The first opening, greedy and sampled, with a drafter that drafts the story with
+    one token wrong, at each place of a draft in turn (OneWrongDrafter, lookahead 3), and
+    greedy with the default drafter: each run gives generate_cached's result, and checks
+    every draft from a cache holding exactly the story so far (where_speculation_strays).
+    Each run with the wrong tokens must reject and roll back some drafts (counted)."""
+    prompt = OPENINGS[0]
+    for settings, drafted in (({}, "drafted with one token wrong"),
+                              ({"temperature": 1.0, "seed": 1}, "drafted with one token wrong"),
+                              ({}, "drafted by prompt lookup")):
+        how = "greedy" if not settings else "sampled ({})".format(
+            ", ".join(f"{key} {value}" for key, value in settings.items()))
+        label = f"generate_speculative on the first opening ({prompt!r}), {how}, {drafted}"
+        one_wrong = drafted.endswith("wrong")
+        why, rolled_back = where_speculation_strays(
+            label + (", lookahead 3" if one_wrong else ""), prompt, settings,
+            OneWrongDrafter if one_wrong else lambda story: None, 3 if one_wrong else 4)
+        if why:
+            return why
+        if one_wrong and not rolled_back:
+            return Wrong(f"{label}: no draft was rejected and rolled back, so the check did "
+                         f"not test the rollback")
+    return None
+
+
 QuickCheck = verdicts.quick_check_case("speculative", __name__)
 
 

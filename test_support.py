@@ -109,7 +109,8 @@ class Layers(unittest.TestCase):
             verdicts.set_up("eviction")
         self.assertIn("quick_checks.LAYERS has no layer 'eviction'", str(missing.exception))
         self.assertIn('LAYERS[\'eviction\'] = Layer("what it is (eviction.py)", ("lesson",), '
-                      '"python3 -m unittest test_eviction", _eviction)', str(missing.exception))
+                      '"python3 -m unittest test_eviction")', str(missing.exception))
+        self.assertIn("quick_check() in test_eviction.py", str(missing.exception))
 
     def test_a_record_entry_no_stage_writes_says_the_line_to_add(self):
         with self.assertRaises(AssertionError) as missing:

@@ -13,7 +13,7 @@ from unittest import mock
 
 import quick_checks
 from instruments import plant
-from quick_checks import LAYERS, Wrong, module_of
+from quick_checks import LAYERS, Wrong, check_of, module_of
 from support import described, enter_another_folder
 
 __unittest = True   # unittest leaves this module's lines out of the tracebacks it prints
@@ -28,16 +28,17 @@ def layer(name):
             f"quick_checks.LAYERS has no layer {name!r}: a new Part's test module names its "
             f"layer, so add its line before LAYERS[\"every Part\"], for instance\n"
             f"LAYERS[{name!r}] = Layer(\"what it is ({name}.py)\", (\"lesson\",), "
-            f"\"python3 -m unittest test_{name}\", _{name})\n"
-            f"with _{name}, its quick check (None if it holds, else why not, in a line)")
+            f"\"python3 -m unittest test_{name}\")\n"
+            f"and its quick check, quick_check() in test_{name}.py (None if it holds, else "
+            f"a quick_checks.Wrong naming what differs and where)")
     return LAYERS[name]
 
 
 def verdict(name):
     """None if layer name's own check holds, else why not (checked once in a run)."""
     if name not in _verdicts:
-        check = layer(name).check
-        _verdicts[name] = check and checked(check)
+        layer(name)
+        _verdicts[name] = checked(lambda: check_of(name)())
     return _verdicts[name]
 
 
@@ -109,7 +110,7 @@ def quick_check_case(name, module):
             detail = getattr(why, "detail", "")
             self.fail(f"{layer(name).title} is wrong: {why}" + (f"\n{detail}" if detail else "")
                       + f"\nThis check alone: python3 -m unittest {module}.QuickCheck")
-    test_the_layer_s_quick_check.__doc__ = layer(name).check.__doc__
+    test_the_layer_s_quick_check.__doc__ = check_of(name).__doc__
     return type("QuickCheck", (unittest.TestCase,),
                 {"__module__": module, "__qualname__": "QuickCheck",
                  "__doc__": f"The quick check of {layer(name).title}, first.",
@@ -122,7 +123,8 @@ def assert_verdicts(test, name, mistakes):
     and assert that layer name's quick check then fails with a line that matches the
     pattern: the quantity that differs and where. First, that it holds with none planted.
     A mistake whose planting site an edit removed is skipped, named."""
-    test.assertIsNone(checked(layer(name).check), "the check fails with no mistake planted")
+    check = check_of(name)
+    test.assertIsNone(checked(check), "the check fails with no mistake planted")
     for what, owner, function, planting, pattern in mistakes:
         with test.subTest(mistake=what):
             planted = plant(owner, function, planting)
@@ -130,5 +132,5 @@ def assert_verdicts(test, name, mistakes):
                 test.skipTest(f"the planting site of {what!r} is gone from "
                               f"{owner.__name__}.{function}")
             with mock.patch.object(owner, function, planted):
-                why = checked(layer(name).check)
+                why = checked(check)
             test.assertRegex(why or "", pattern, f"with {what}, the check said {why!r}")
