@@ -7,15 +7,14 @@ import unittest
 
 import bandwidth
 import deep_model
+import kv_cache
 import model
 import verdicts
 from instruments import replacing
-from support import random_tokens, tear_down
-from verdicts import quick_check_case, set_up
-import kv_cache
-from support import PARAMS, STORIES, TOK
 from kv_cache import KVCache, feed
 from quick_checks import Wrong, step
+from support import PARAMS, STORIES, TOK, random_tokens, tear_down
+from verdicts import quick_check_case, set_up
 
 
 def setUpModule():

@@ -8,18 +8,17 @@ import random
 import unittest
 
 import batched
-import quick_checks
-import verdicts
 import model
 import paged
+import quick_checks
 import support
+import verdicts
 from instruments import replacing
 from kv_cache import KVCache, feed
 from lossy import QuantizedCache, WindowCache
-from support import (PARAMS, STORIES, TOK, assert_changed, assert_each_mistake_is_caught,
-                     assert_same_rows)
-from support import first_difference
 from quick_checks import Wrong, differ, step, story_name
+from support import (PARAMS, STORIES, TOK, assert_changed, assert_each_mistake_is_caught,
+                     assert_same_rows, first_difference)
 
 IDS = [TOK.encode(story) for story in STORIES[:3]]
 

@@ -12,10 +12,9 @@ import blockwise
 import support
 from instruments import replacing
 from kv_cache import KVCache
-from quick_checks import ROUNDING, story_name
-from verdicts import assert_verdicts, quick_check_case, set_up
+from quick_checks import ROUNDING, Wrong, excerpt, step, story_name
 from support import OPENINGS, PARAMS, STORIES, TOK, assert_each_mistake_is_caught, tear_down
-from quick_checks import Wrong, excerpt, step
+from verdicts import assert_verdicts, quick_check_case, set_up
 
 READS = []   # (story's name, the (q, keys, values) of each of its rows) for two stories
 

@@ -15,16 +15,15 @@ from unittest import mock
 
 import cache_files
 import generate
-import verdicts
 import lossy
-import support
-from instruments import replacing, where_raised
-from kv_cache import feed, generate_cached
-from support import OPENINGS, PARAMS, TOK, assert_equal, filled_cache, snapshot
 import model
-from kv_cache import KVCache
-from support import STORIES, random_model
+import support
+import verdicts
+from instruments import replacing, where_raised
+from kv_cache import KVCache, feed, generate_cached
 from quick_checks import Wrong, step, where_cache_differs
+from support import (OPENINGS, PARAMS, STORIES, TOK, assert_equal, filled_cache,
+                     random_model, snapshot)
 
 
 def setUpModule():

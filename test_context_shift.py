@@ -10,14 +10,13 @@ import unittest
 
 import context_shift
 import deep_model
+import model
 import support
 import verdicts
 from instruments import replacing
-from verdicts import quick_check_case, set_up
-from support import tear_down
-import model
-from support import STORIES, TOK
 from quick_checks import ROUNDING, Wrong, deep_label, differ, excerpt, step, strayed
+from support import STORIES, TOK, tear_down
+from verdicts import quick_check_case, set_up
 
 
 def setUpModule():

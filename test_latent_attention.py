@@ -10,16 +10,15 @@ import unittest
 
 import deep_model
 import latent_attention
+import quick_checks
 import support
 import verdicts
 from instruments import recording, replacing
-import quick_checks
-from quick_checks import ROUNDING, deep_label, stepped_rows, where_deep_rows_differ
+from quick_checks import (ROUNDING, by_layer, deep_label, step, stepped_rows, strayed,
+                          where_deep_rows_differ)
+from support import (STORIES, TOK, assert_each_mistake_is_caught, assert_each_refused,
+                     deep_snapshot, random_tokens, tear_down)
 from verdicts import quick_check_case, set_up
-from support import (assert_each_mistake_is_caught, assert_each_refused, deep_snapshot,
-                     random_tokens, tear_down)
-from support import STORIES, TOK
-from quick_checks import by_layer, step, strayed
 
 
 def setUpModule():

@@ -4,18 +4,17 @@ import ast
 import struct
 import unittest
 
-import verdicts
+import kv_cache
 import lossy
 import model
 import prefill
 import support
+import verdicts
 from instruments import replacing
-from kv_cache import feed, forward_step, generate_cached
+from kv_cache import KVCache, feed, forward_step, generate_cached
+from quick_checks import Wrong, differ, step
 from support import (OPENINGS, PARAMS, STORIES, TOK, assert_changed, assert_equal,
                      assert_same_generation, assert_same_rows, cached_rows)
-import kv_cache
-from kv_cache import KVCache
-from quick_checks import Wrong, differ, step
 
 
 def setUpModule():

@@ -6,22 +6,20 @@ import math
 import os
 import random
 import unittest
-from unittest import mock
 
-import quick_checks
-import verdicts
 import batched
 import kv_cache
 import model
 import paged
 import prefill
 import support
-from instruments import plant, recording, replacing
+import verdicts
+from instruments import recording, replacing
 from kv_cache import feed, forward_step, generate_cached
+from quick_checks import STEPS, Wrong, excerpt, step
 from stories import story_ids
 from support import (OPENINGS, PARAMS, STORIES, TOK, assert_equal, assert_same_generation,
                      assert_same_rows, cached_rows, chunked_rows, filled_cache, snapshot)
-from quick_checks import STEPS, Wrong, excerpt, step
 
 
 def setUpModule():

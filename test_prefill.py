@@ -5,16 +5,15 @@ import copy
 import reprlib
 import unittest
 
-import verdicts
 import model
 import prefill
 import support
-from instruments import recording, replacing, where_raised
+import verdicts
+from instruments import recording, replaced, replacing, where_raised
 from kv_cache import KVCache, feed, forward_step, generate_cached
+from quick_checks import Wrong, differ, step, where_cache_differs
 from support import (OPENINGS, PARAMS, STORIES, TOK, assert_equal, assert_same_generation,
                      assert_same_rows, cached_rows, chunked_rows, filled_cache, snapshot)
-from instruments import replaced
-from quick_checks import Wrong, differ, step, where_cache_differs
 
 
 def setUpModule():

@@ -9,6 +9,7 @@ import unittest
 
 import batched
 import generate
+import kv_cache
 import model
 import paged
 import serving
@@ -16,9 +17,8 @@ import support
 import verdicts
 from instruments import replacing
 from kv_cache import feed, generate_cached
-from support import OPENINGS, PARAMS, STORIES, TOK, assert_equal
-import kv_cache
 from quick_checks import Wrong, step
+from support import OPENINGS, PARAMS, STORIES, TOK, assert_equal
 
 
 def setUpModule():

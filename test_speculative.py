@@ -4,19 +4,19 @@ import ast
 import random
 import unittest
 
-import verdicts
+import kv_cache
 import lossy
 import model
 import prefill
 import speculative
 import support
+import verdicts
 from instruments import recording, replacing
 from kv_cache import generate_cached
-from stories import split_stories, story_ids
-from support import OPENINGS, PARAMS, TOK, assert_equal, filled_cache, snapshot
-import kv_cache
-from support import first_difference
 from quick_checks import Wrong, differ, step, strayed
+from stories import split_stories, story_ids
+from support import (OPENINGS, PARAMS, TOK, assert_equal, filled_cache, first_difference,
+                     snapshot)
 
 
 def setUpModule():
