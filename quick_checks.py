@@ -204,17 +204,17 @@ LAYERS = {
     "lesson": Layer("the lesson (kv_cache.forward_step against model.forward)", (),
                     "python3 -m unittest test_kv_cache.Exactness"),
     "prefill": Layer("one-pass prefill (prefill.py)", ("lesson",), "python3 -m unittest test_prefill"),
-    "paged": Layer("the paged cache (paged.py)", ("lesson",), "python3 -m unittest test_paged"),
-    "lossy": Layer("the lossy caches (lossy.py)", ("lesson",), "python3 -m unittest test_lossy"),
-    "batched": Layer("batched rows (batched.py)", ("lesson", "paged"),
+    "paged": Layer("the paged cache (paged.py)", ("lesson", "prefill"), "python3 -m unittest test_paged"),
+    "lossy": Layer("the lossy caches (lossy.py)", ("lesson", "prefill"), "python3 -m unittest test_lossy"),
+    "batched": Layer("batched rows (batched.py)", ("lesson", "paged", "lossy"),
                      "python3 -m unittest test_batched"),
     "serving": Layer("serving (serving.py)", ("prefill", "paged", "batched"),
                      "python3 -m unittest test_serving"),
-    "speculative": Layer("speculative decoding (speculative.py)", ("prefill",),
+    "speculative": Layer("speculative decoding (speculative.py)", ("prefill", "lossy"),
                          "python3 -m unittest test_speculative"),
-    "cache_files": Layer("cache files (cache_files.py)", ("lesson", "paged"),
+    "cache_files": Layer("cache files (cache_files.py)", ("lesson", "paged", "lossy"),
                          "python3 -m unittest test_cache_files"),
-    "deep_model": Layer("the deeper model (deep_model.py)", (), "python3 -m unittest test_deep_model"),
+    "deep_model": Layer("the deeper model (deep_model.py)", ("lesson",), "python3 -m unittest test_deep_model"),
     "context_shift": Layer("the context shift (context_shift.py)", ("deep_model",),
                            "python3 -m unittest test_context_shift"),
     "latent_attention": Layer("latent attention read in latent space (latent_attention.py)",
@@ -224,7 +224,7 @@ LAYERS["bandwidth"] = Layer("the numbers a step reads (bandwidth.py)",
                             ("lesson", "deep_model", "latent_attention"),
                             "python3 -m unittest test_bandwidth")
 LAYERS["blockwise"] = Layer("attention read block by block (blockwise.py)",
-                            ("lesson", "batched"), "python3 -m unittest test_blockwise")
+                            ("lesson", "batched", "serving"), "python3 -m unittest test_blockwise")
 LAYERS["every Part"] = Layer("every Part", tuple(LAYERS), "python3 -m unittest", lambda: None)
 
 

@@ -550,6 +550,10 @@ class RecordedSlots(unittest.TestCase):
 
 class RoomHasOneOwner(unittest.TestCase):
 
+    @classmethod
+    def setUpClass(cls):
+        verdicts.skip_unless_sound("batched")   # it feeds batches through forward_rows
+
     def test_the_pool_s_room_answers_are_what_it_then_does(self):
         """On random pairs of small pools holding sequences of one story (new ones,
         found by their prefix, forked, cropped, freed): room_for of one sequence is whether
