@@ -13,7 +13,6 @@ run.
 import importlib
 from collections import namedtuple
 
-from support import first_difference
 
 
 class Wrong(str):
@@ -42,22 +41,50 @@ def excerpt(values, width=100):
     return text if len(text) <= width else text[:width - 5] + " ...]"
 
 
-def differ(what, got, expected, source, names=("position", "logit"), fed=""):
-    """None if got == expected, else a Wrong naming the first number that differs by its
-    indices (names: what each level of nesting counts, "position 9, logit 3"), with both
-    numbers; its detail shows what was fed and the two vectors that hold the difference."""
+def differ(what, got, expected, source, names=("position", "logit"), fed="", within=None):
+    """None if got == expected (given within, if each number of got is within that of
+    expected's), else a Wrong naming the first number that differs by its indices (names:
+    what each level of nesting counts, "position 9, logit 3"), with both numbers; its
+    detail shows what was fed and the two vectors that hold the difference."""
     if got == expected:
         return None
-    where, mine, wanted = first_difference(got, expected)
-    indices = [int(i) for i in where.strip("[]").split("][")] if where.startswith("[") else []
-    place = ", ".join(f"{name} {i}" for name, i in zip(names, indices)) or where
+    found = first_gap(got, expected, within)
+    if found is None:
+        return None
+    indices, mine, wanted, numbers = found
+    place = ", ".join(f"{name} {i}" for name, i in zip(names, indices)) or "the lists"
     outer_got, outer_wanted = got, expected
-    for i in indices[:-1]:
+    for i in (indices[:-1] if numbers else indices):
         outer_got, outer_wanted = outer_got[i], outer_wanted[i]
-    detail = (f"  fed: {fed}\n" if fed else "") + (
-        f"  {source} gave: {excerpt(outer_got)}\n  expected:  {excerpt(outer_wanted)}")
-    return Wrong(f"{what}, at {place}: {mine} from {source}, {wanted} expected", detail)
+    gap = (f" ({abs(mine - wanted):.3g} apart, more than rounding, {within:g})"
+           if numbers and within is not None else "")
+    return Wrong(f"{what}, at {place}: {mine} from {source}, {wanted} expected{gap}",
+                 (f"  fed: {fed}\n" if fed else "") + f"  {source} gave: {excerpt(outer_got)}\n"
+                 f"  expected:  {excerpt(outer_wanted)}")
 
+
+def first_gap(got, expected, within=None, where=()):
+    """Where two nested lists (or tuples) of numbers first differ (given within, by more
+    than that), as (indices, got's number, expected's, True), or where two of their lists
+    differ in length, as (indices, both lengths in words, False); None if nowhere."""
+    if isinstance(got, (list, tuple)) and isinstance(expected, (list, tuple)):
+        if len(got) != len(expected):
+            return where, f"{len(got)} items", f"{len(expected)} items", False
+        for index, (a, b) in enumerate(zip(got, expected)):
+            found = first_gap(a, b, within, where + (index,))
+            if found:
+                return found
+        return None
+    equal = got == expected if within is None else abs(got - expected) <= within
+    return None if equal else (where, got, expected, True)
+
+
+ROUNDING = 1e-12   # far above the absorbed path's gaps (about 1e-15), far below a mistake's
+
+
+def strayed(what, got, expected, source, names=("position", "logit"), fed=""):
+    """differ within ROUNDING."""
+    return differ(what, got, expected, source, names, fed, within=ROUNDING)
 
 
 def where_cache_differs(label, cache, reference, source):
@@ -70,9 +97,6 @@ def where_cache_differs(label, cache, reference, source):
         if why:
             return why
     return None
-
-
-# 16 numbers of 8, 4 or 2 bytes; 16 levels of a byte or of half a byte, and a 4-byte scale
 
 
 def story_name(index):
@@ -157,42 +181,6 @@ def where_deep_rows_differ(params, ids, mask=None):
                       fed=f"token IDs {ids}, one at a time through a new DeepCache"
                           + ("" if mask is deep_model.causal else ", with a mask"))
     return by_layer(params, compare)
-
-
-ROUNDING = 1e-12   # far above the absorbed path's gaps (about 1e-15), far below a mistake's
-
-
-def first_gap(got, expected, where=()):
-    """Where two equally nested lists of numbers first differ by more than ROUNDING, as
-    (indices, got's number, expected's, True), or where two of their lists differ in
-    length, as (indices, both lengths in words, False); None if nowhere."""
-    if isinstance(got, list) and isinstance(expected, list):
-        if len(got) != len(expected):
-            return where, f"{len(got)} items", f"{len(expected)} items", False
-        for index, (a, b) in enumerate(zip(got, expected)):
-            found = first_gap(a, b, where + (index,))
-            if found:
-                return found
-        return None
-    return None if abs(got - expected) <= ROUNDING else (where, got, expected, True)
-
-
-def strayed(what, got, expected, source, names=("position", "logit"), fed=""):
-    """As differ, within ROUNDING: None if every number of got is within ROUNDING of
-    expected's, else a Wrong naming the first that is not by its indices, with both
-    numbers and their gap; its detail shows what was fed and the two vectors that hold it."""
-    found = first_gap(got, expected)
-    if found is None:
-        return None
-    indices, mine, wanted, numbers = found
-    place = ", ".join(f"{name} {i}" for name, i in zip(names, indices)) or "the lists"
-    outer_got, outer_wanted = got, expected
-    for i in (indices[:-1] if numbers else indices):
-        outer_got, outer_wanted = outer_got[i], outer_wanted[i]
-    gap = f" ({abs(mine - wanted):.3g} apart, more than rounding, {ROUNDING:g})" if numbers else ""
-    return Wrong(f"{what}, at {place}: {mine} from {source}, {wanted} expected{gap}",
-                 (f"  fed: {fed}\n" if fed else "") + f"  {source} gave: {excerpt(outer_got)}\n"
-                 f"  expected:  {excerpt(outer_wanted)}")
 
 
 Layer = namedtuple("Layer", "title builds_on command check", defaults=(None,))

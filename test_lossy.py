@@ -37,6 +37,7 @@ def as_stored(fmt, vector):
     return [max(-top, min(top, round(x / scale))) * scale if scale else 0.0 for x in vector]
 
 
+# 16 numbers of 8, 4 or 2 bytes; 16 levels of a byte or of half a byte, and a 4-byte scale
 BYTES_PER_POSITION = {"float64": 2 * 16 * 8, "float32": 2 * 16 * 4, "float16": 2 * 16 * 2,
                       "int8": 2 * (16 + 4), "int4": 2 * (8 + 4)}   # a key and a value:
 
