@@ -123,8 +123,8 @@ def assert_verdicts(test, name, mistakes):
     and assert that layer name's quick check then fails with a line that matches the
     pattern: the quantity that differs and where. First, that it holds with none planted.
     A mistake whose planting site an edit removed is skipped, named."""
+    test.assertIsNone(verdict(name), "the check fails with no mistake planted")
     check = check_of(name)
-    test.assertIsNone(checked(check), "the check fails with no mistake planted")
     for what, owner, function, planting, pattern in mistakes:
         with test.subTest(mistake=what):
             planted = plant(owner, function, planting)
