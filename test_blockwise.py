@@ -80,11 +80,32 @@ def where_kind_reads_otherwise(name, kind, parts, label, reads, exact_bits):
     return None
 
 
+def where_split_counts_stray():
+    """None if blockwise.split_count gives, for steps of 1 to 8 rows and rows of 1 to 64
+    positions, a count of parts from 1 to the row's blocks (and PROCESSORS), and 1 where
+    the rows alone fill 80% of the processors; else a Wrong naming the rows and length."""
+    import blockwise
+    for rows in range(1, blockwise.PROCESSORS + 1):
+        for length in range(1, 65):
+            step(f"blockwise.split_count({rows}, {length}), expecting a count of parts from 1 "
+                 f"to the row's {-(-length // blockwise.BLOCK)} blocks of {blockwise.BLOCK}")
+            parts = blockwise.split_count(rows, length)
+            most = min(blockwise.PROCESSORS, -(-length // blockwise.BLOCK))
+            if not (type(parts) is int and 1 <= parts <= most) or (
+                    rows >= 0.8 * blockwise.PROCESSORS and parts != 1):
+                return Wrong(f"blockwise.split_count({rows}, {length}) for {rows} row(s) of "
+                             f"{length} positions is {parts!r}, where a count from 1 to {most} "
+                             f"is expected" + (" (1: the rows alone fill the processors)"
+                                               if rows >= 0.8 * blockwise.PROCESSORS else ""))
+    return None
+
+
 def quick_check():
     """Every row of the first test story (1 to 30 positions), read by the online kind
     (blocks of 4) and split in 3 and in 5 parts (counts that divide few rows' blocks), by
     the split kind within ROUNDING of forward_step's attention, by the exact kind bit for
-    bit."""
+    bit; and FlashAttention-2's split counts, each a count the row's blocks allow
+    (where_split_counts_stray)."""
     import blockwise
     step("reading the first test story's rows through batched.forward_rows")
     reads = attention_reads(STORIES[0])
@@ -98,7 +119,7 @@ def quick_check():
                                          exact_bits)
         if why:
             return why
-    return None
+    return where_split_counts_stray()
 
 
 QuickCheck = quick_check_case("blockwise", __name__)

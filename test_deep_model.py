@@ -106,6 +106,22 @@ DEEP_MODELS = ((2, 4, 2, 16, 0), (2, 4, 1, 16, 0, "rotary"), (2, 4, 4, 16, 0, "l
                (2, 4, 4, 16, 0, "rotary", 8))   # deep_model.init_params's arguments
 
 
+def with_biases_and_gains_drawn(params, seed=0):
+    """params with every gain and bias (each vector of a layer, and the final ones) drawn
+    at random, each layer its own: init_params makes them 1 and 0 in every layer, and then
+    a row that reads another layer's would look right."""
+    rng = random.Random(seed)
+
+    def drawn(name, value):
+        if isinstance(value, list) and value and not isinstance(value[0], list):
+            return [rng.gauss(1.0 if name.endswith("_g") else 0.0, 0.3) for _ in value]
+        return value
+    return dict(params, blocks=[{name: drawn(name, value) for name, value in block.items()}
+                                for block in params["blocks"]],
+                **{name: drawn(name, value) for name, value in params.items()
+                   if name not in ("shape", "blocks")})
+
+
 def quick_check():
     """The deeper model's cached rows are its full pass's and the lesson's; a turn is a turn.
 
@@ -123,7 +139,7 @@ def quick_check():
         if why:
             return why
         step(f"making a model of deep_model.init_params{args}")
-        params = deep_model.init_params(*args)
+        params = with_biases_and_gains_drawn(deep_model.init_params(*args))
         why = where_heads_of_wrong(params) or where_deep_rows_differ(params, ids)
     return why
 

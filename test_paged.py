@@ -65,9 +65,11 @@ def quick_check():
     one opening with the tokens of the parent's second block (found nowhere: a block is
     found by every token from position 0, not by its own); and, once the parent and the
     fork are freed, one finding their three full blocks again, as a preempted request
-    readmitted does. None if each holds, slot by slot, what a KVCache fed its tokens
-    holds, each found as many blocks as hold its first tokens, and each block counts the
-    tables that hold it; else a Wrong naming the sequence, the position and the block."""
+    readmitted does; then one taking every free block (the cached ones evicted), freed,
+    and the fork's tokens again: only the blocks still held are found. None if each holds,
+    slot by slot, what a KVCache fed its tokens holds, each found as many blocks as hold
+    its first tokens, and each block counts the tables that hold it; else a Wrong naming
+    the sequence, the position and the block."""
     import paged
     ids = TOK.encode(OPENINGS[0] + " she was")
     pool = paged.BlockPool(PARAMS, 16, 4)
@@ -106,6 +108,17 @@ def quick_check():
         fork.free()
         tokens = ids[:10] + TOK.encode(" tom")
         live["the readmitted parent"] = (new("the readmitted parent", tokens, 3), tokens)
+        other = list(reversed(ids)) * 4   # tokens no cached block holds from position 0
+        other = other[:pool.block_size * pool.free_blocks()]
+        label = "a sequence taking every free block (the cached ones evicted)"
+        taking = new(label, other, 0)
+        why = where_sequence_differs(label, taking, other)
+        if why:
+            return why
+        step(f"freeing {label}")
+        taking.free()
+        live["the fork's tokens after its own block was evicted"] = (
+            new("the fork's tokens after its own block was evicted", ids[:12], 2), ids[:12])
     except LookupError as wrong_hit:
         return Wrong(str(wrong_hit), f"  while {STEPS[-1]}")
     except ValueError as refused:                   # the pool's own guards
@@ -165,6 +178,9 @@ class PagedTeeth(unittest.TestCase):
          _block_s_own_tokens("tuple(ids[:end])", "tuple(ids[end - self.block_size:end])")),
         ("a full block indexed by its own tokens", paged.BlockPool, "append",
          _block_s_own_tokens("tuple(prefix)", "tuple(prefix[-self.block_size:])")),
+        ("a cached block taken for a new table left in the prefix index", paged.BlockPool,
+         "take", replacing(lambda node: isinstance(node, ast.stmt) and ast.unparse(node)
+                           == "self._unindex(block_id)", lambda node: ast.Pass())),
         ("a freed full block emptied, though it stays findable", paged.BlockPool, "release",
          replacing(lambda node: isinstance(node, ast.Compare) and ast.unparse(node)
                    == "block.prefix is None", lambda node: ast.Constant(True)))]

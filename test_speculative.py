@@ -61,7 +61,8 @@ def where_speculation_strays(label, prompt, settings, drafter_for, lookahead, ma
     story generate_cached gives) and lookahead) gives
     generate_cached's result, and every prefill call it makes finds the cache holding
     exactly generate's story so far: the prompt, then each draft's accepted tokens and
-    the token chosen after them, every rejected position rolled back. Else a Wrong naming
+    the token chosen after them, every rejected position rolled back, and no draft longer
+    than the lookahead. Else a Wrong naming
     the run (label), the draft and the position, with both tokens or counts. Also the
     number of drafts whose rejected positions were rolled back."""
     import prefill
@@ -115,6 +116,10 @@ def where_speculation_strays(label, prompt, settings, drafter_for, lookahead, ma
                     f"{_token(story[start])}",
                     f"  fed: {list(token_ids)} from position {start}\n  generate's story: "
                     f"{story}"))
+            if calls and len(token_ids) - 1 > lookahead:
+                raise _Strayed(Wrong(
+                    f"{where}: {len(token_ids) - 1} drafted tokens are checked, more than the "
+                    f"lookahead of {lookahead}", f"  fed: {list(token_ids)} from position {start}"))
             calls.append((start, list(token_ids)))
             rows = real(params, cache, token_ids, start)
             step(f"{label}: choosing tokens from the rows of {draft} (positions {start} to "
