@@ -302,6 +302,13 @@ class Verdicts(unittest.TestCase):
     test story, its length and parts, and the mixed value that strays, with both."""
 
     MISTAKES = [
+        ("a row's blocks counted by floor division in split_count (a partial block left out)",
+         blockwise, "split_count",
+         replacing(lambda node: isinstance(node, ast.Call) and ast.unparse(node)
+                   == "math.ceil(length / BLOCK)",
+                   lambda node: ast.BinOp(node.args[0].left, ast.FloorDiv(),
+                                          node.args[0].right)),
+         r"blockwise\.split_count\(\d+, \d+\)"),
         ("the running sum kept as it is when a block raises the maximum", blockwise, "online",
          not_rescaled_beside("fsum"),
          r"the mixed values of the online kind, " + ROW_OF_THE_STORY + MIXED_VALUE

@@ -332,6 +332,11 @@ class QuickCheckTeeth(unittest.TestCase):
     turn itself, the number), with both numbers."""
 
     MISTAKES = [
+        ("every layer's MLP adds the first layer's output bias", deep_model, "forward_step",
+         replacing(lambda node: isinstance(node, ast.Subscript) and ast.unparse(node)
+                   == "block['b2']", lambda node: ast.parse("params['blocks'][0]['b2']",
+                                                            mode="eval").body),
+         GROUPED + r", wrong from layer 1 on \(layer 0 alone agrees\): " + ROW),
         ("a query head reads the wrong key-value head (head % group, not head // group)",
          deep_model, "forward_step", KV_HEAD_BY_MODULO,
          GROUPED + r", wrong from layer 0 on: " + ROW),

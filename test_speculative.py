@@ -310,6 +310,14 @@ class Verdicts(unittest.TestCase):
     position, and what the cache holds there or the token chosen, against generate's."""
 
     MISTAKES = [
+        ("the room for a draft one token more than the lookahead", speculative,
+         "generate_speculative",
+         replacing(lambda node: isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                   and node.func.id == "min" and ast.unparse(node.args[0]) == "lookahead",
+                   lambda node: ast.Call(node.func, [ast.BinOp(node.args[0], ast.Add(),
+                                                               ast.Constant(1))]
+                                         + node.args[1:], [])),
+         BEFORE_A_DRAFT + r"\d+ drafted tokens are checked, more than the lookahead of 3"),
         ("the rollback left out: rejected drafted positions stay in the cache", speculative,
          "generate_speculative", no_rollback,
          HELD + r"\d+ rejected position\(s\) not rolled back"),
