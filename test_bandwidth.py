@@ -47,7 +47,6 @@ def deep_step_reads(params, path, ids):
     """What the step of ids[-1] of a deep_model (for path "cached" or "rebuilt",
     deep_model.forward_step; for "absorbed", latent_attention.absorbed_step) reads
     (reads_of), its cache holding the rest. Watched for good: pass params made for it."""
-    import deep_model
     import latent_attention
     cache = deep_model.DeepCache(params)
     folded = path == "absorbed" and latent_attention.fold(params)
@@ -68,8 +67,6 @@ def quick_check():
     bandwidth.floats_read's: the lesson's model with 5 positions held; with 3 held, a
     2-layer grouped-query model (4 heads, 2 key-value heads) with rotary positions, and a
     2-layer latent model (latent 8, rotary key 2), its rebuilt and its absorbed path."""
-    import bandwidth
-    import deep_model
     ids = TOK.encode(STORIES[0])
     latent = ("a 2-layer latent model (latent 8, rotary key 2)", (2, 4, 4, 16, 0, "rotary", 8))
     for label, made, path, held in (

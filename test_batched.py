@@ -37,7 +37,6 @@ def in_batches(params, caches, ids, seed=0, steps=None):
     from seed, a chunk of one cache's next tokens with one next token of each other
     cache: the rows of each cache, in position order. Each step's (cache index, position)
     pairs are appended to steps, if given, before the step runs."""
-    import batched
     rng = random.Random(seed)
     rows = [[] for _ in caches]
     while any(len(cache) < len(own) for cache, own in zip(caches, ids)):
@@ -121,7 +120,6 @@ def where_kernels_round_otherwise():
     Column 1: pieces adding to 1 + 2**-11 and 2**-40, a total just above halfway between
     the 16-bit floats 1 and 1 + 2**-10, and exactly halfway once rounded to 32 bits (a
     tie goes to the even one, 1.0)."""
-    import batched
     for (kernel, rows), wanted in KERNEL_OUTPUTS.items():
         step(f"multiplying {rows} row(s) of 16 terms by two columns with batched.{kernel}")
         why = differ(f"batched.{kernel} on a batch of {rows} row{'s' * (rows > 1)} of 16 terms",

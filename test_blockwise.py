@@ -29,7 +29,6 @@ tearDownModule = tear_down
 def attention_reads(story):
     """The (q, keys, values) that every row of story, fed to the trained model in one
     batch by batched.forward_rows, hands its attention."""
-    import batched
     cache, reads = KVCache(PARAMS), []
     batched.forward_rows(PARAMS, [(cache, token_id, position) for position, token_id
                                   in enumerate(TOK.encode(story))],
@@ -44,8 +43,6 @@ def where_kind_reads_otherwise(name, kind, parts, label, reads, exact_bits):
     forward_step's mixed values, bit for bit if exact_bits, else within ROUNDING; else a
     Wrong naming the kind, the row, its length and parts, and the first value that strays,
     with both."""
-    import batched
-    import blockwise
     for row, (q, keys, values) in enumerate(reads):
         shape = f"{len(keys)} position{'s' * (len(keys) > 1)}"
         if parts:
@@ -84,7 +81,6 @@ def where_split_counts_stray():
     """None if blockwise.split_count gives, for steps of 1 to 8 rows and rows of 1 to 64
     positions, a count of parts from 1 to the row's blocks (and PROCESSORS), and 1 where
     the rows alone fill 80% of the processors; else a Wrong naming the rows and length."""
-    import blockwise
     for rows in range(1, blockwise.PROCESSORS + 1):
         for length in range(1, 65):
             step(f"blockwise.split_count({rows}, {length}), expecting a count of parts from 1 "
@@ -106,7 +102,6 @@ def quick_check():
     the split kind within ROUNDING of forward_step's attention, by the exact kind bit for
     bit; and FlashAttention-2's split counts, each a count the row's blocks allow
     (where_split_counts_stray)."""
-    import blockwise
     step("reading the first test story's rows through batched.forward_rows")
     reads = attention_reads(STORIES[0])
     for name, kind, parts, exact_bits in (

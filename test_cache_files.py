@@ -40,7 +40,6 @@ def saved_and_loaded(params, cache, path, label):
     """The cache load_cache gives for params from the file save_cache writes of cache at
     path, and None; or None and a Wrong: the cache loaded is not the one saved, or load_cache
     refused it (the file named "the file")."""
-    import cache_files
     step(f"{label}: saving it (save_cache; expected: it saves every cache that stores exactly)")
     cache_files.save_cache(cache, path)
     step(f"{label}: loading it (load_cache; expected: the very cache saved)")
@@ -63,7 +62,6 @@ def quick_check():
     model's file is refused by the trained weights as computed with other weights; a file
     with the value of position TAMPERED changed in its last bit, and signed again, is
     refused, naming that position."""
-    import cache_files
     import paged
     story = TOK.encode(STORIES[0])
     context = [t for text in STORIES for t in TOK.encode(text)][:model.CONTEXT]

@@ -28,8 +28,6 @@ def where_held_differs(params, ids, kept):
     """None if a cache held (context_shift._held) from the keys and values of a cache fed
     the first kept of ids, fed the rest, gives the rows of the fed cache fed the rest;
     else a Wrong naming the model, the row and the logit."""
-    import context_shift
-    import deep_model
     label = deep_label(params)
     step(f"{label}: feeding {kept} tokens, and holding its keys and values in a new cache "
          f"(context_shift._held)")
@@ -54,8 +52,6 @@ def where_shift_strays(seed=0):
     (context_shift._random_tokens), the keys of the kept positions turned back by DROPPED
     (context_shift._turned_back) are met with the keys that a new cache fed the kept
     tokens computes at their new positions."""
-    import context_shift
-    import deep_model
     from instruments import recording
     params = deep_model.init_params(1, 4, 2, model.WIDTH, seed, "rotary")
     dropped = context_shift.DROPPED
@@ -86,7 +82,6 @@ def where_shift_record_wrong(seed=0):
     the recompute's, and its shifted cache continued within rounding of the turned-once
     one and exactly as the recompute (in one layer the recompute is the turned-once
     cache); else a Wrong naming the entry of the record, and both values."""
-    import context_shift
     label = (f"context_shift._shift(1, 2, {seed}, False), of the 1-layer grouped-query model "
              f"(4 heads, 2 kv heads, rotary positions)")
     step(f"{label}: running it")
@@ -123,7 +118,6 @@ def quick_check():
     positions are within rounding of those computed at the new positions
     (where_shift_strays), and context_shift._shift records what one layer gives
     (where_shift_record_wrong)."""
-    import deep_model
     ids = TOK.encode(STORIES[0])[:10]
     for positions in ("learned", "rotary"):
         why = where_held_differs(deep_model.init_params(2, 4, 2, 16, 0, positions), ids, 6)

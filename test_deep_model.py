@@ -51,7 +51,6 @@ def where_rotate_turns_wrong():
     (position x theta) to (cos, sin) and (-sin, cos), as a turn does, exactly (each
     number a sum of one product and a zero); else a Wrong naming the number."""
     import math
-    import deep_model
     position, thetas = 3, [0.5, 0.25]
     first, second = (position * theta for theta in thetas)
     step("turning the pairs (1, 0) and (0, 1) with deep_model.rotate")
@@ -70,7 +69,6 @@ def where_heads_of_wrong(params):
     heads, the head width d, a head's key width (d and the rotary key), the query heads a
     key-value head serves and 1 / sqrt(key width); else a Wrong naming the entry."""
     import math
-    import deep_model
     shape = params["shape"]
     d = shape["width"] // shape["heads"]
     d_key = d + shape["rotary_key"]
@@ -132,7 +130,6 @@ def quick_check():
     positions), multi-query attention (rotary) and latent attention (learned, and rotary
     with a rotary key): their heads as heads_of's docstring says (where_heads_of_wrong),
     and every row == the full pass's (where_deep_rows_differ)."""
-    import deep_model
     ids = TOK.encode(STORIES[0])[:12]
     why = where_rotate_turns_wrong() or where_lesson_differs(ids)
     for args in DEEP_MODELS:

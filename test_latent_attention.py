@@ -31,8 +31,6 @@ def where_absorbed_strays(params, ids):
     ids one at a time through a new cache) stay within ROUNDING of its full pass's, else
     a Wrong naming the model, the first layer whose rows stray (by_layer), the position
     and the logit, with both numbers."""
-    import deep_model
-    import latent_attention
 
     def compare(weights):
         label = deep_label(weights)
@@ -54,7 +52,6 @@ def quick_check():
     heads, latent 8), of learned positions and of rotary ones with a rotary key: the rows
     of deep_model.forward_step (keys and values rebuilt) == the full pass's, and those of
     latent_attention.absorbed_step (read in latent space) within ROUNDING of them."""
-    import deep_model
     ids = TOK.encode(STORIES[0])[:12]
     for positions in ("learned", "rotary"):
         params = deep_model.init_params(2, 4, 4, 16, 0, positions, 8)

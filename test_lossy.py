@@ -59,7 +59,6 @@ def quick_check():
     value it gives back (and stored()) is as_stored's, and it measures BYTES_PER_POSITION;
     the story fed through a float64 one gives forward_step's rows; fed through WindowCaches
     of 8 positions, without and with 2 sinks, the full pass's rows with model.band's mask."""
-    import lossy
     ids = TOK.encode(STORIES[0])
     step("feeding the first test story through a KVCache")
     exact = KVCache(PARAMS)

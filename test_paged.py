@@ -70,7 +70,6 @@ def quick_check():
     slot by slot, what a KVCache fed its tokens holds, each found as many blocks as hold
     its first tokens, and each block counts the tables that hold it; else a Wrong naming
     the sequence, the position and the block."""
-    import paged
     ids = TOK.encode(OPENINGS[0] + " she was")
     pool = paged.BlockPool(PARAMS, 16, 4)
 

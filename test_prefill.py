@@ -41,7 +41,6 @@ def quick_check():
     (which divide it) and the whole story at once, each into a new cache, and in chunks of
     4 after a cache already holds its first PREFILL_HELD tokens: every row and the cache
     after are forward_step's."""
-    import prefill
     ids = TOK.encode(STORIES[0])
     step("feeding the first test story one forward_step at a time")
     reference = KVCache(PARAMS)

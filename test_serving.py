@@ -47,8 +47,6 @@ def quick_check():
     a time, so that the second finds all but its last position. None if each result is
     generate_cached's and each run did what it is there for, else a Wrong naming the run,
     the request and the new token where it parts."""
-    import paged
-    import serving
     shared = OPENINGS[1] + " she was"
     runs = (("four requests that preempt", [{"prompt": prompt, "max_new_tokens": 12}
                                            for prompt in OPENINGS[:3]]

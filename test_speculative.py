@@ -65,8 +65,6 @@ def where_speculation_strays(label, prompt, settings, drafter_for, lookahead, ma
     than the lookahead. Else a Wrong naming
     the run (label), the draft and the position, with both tokens or counts. Also the
     number of drafts whose rejected positions were rolled back."""
-    import prefill
-    import speculative
     from instruments import replaced
     from stories import story_ids
     step(f"{label}: generate_cached's result, for the story to expect")
