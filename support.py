@@ -2,8 +2,9 @@
 test stories; comparisons that name the first number that differs instead of printing
 thousands; loops over many cases that fail once, naming the case (a random one by its
 seed, with the command that reruns it alone); and running from another folder. The
-layers of the lab, and the skips they decide, are quick_checks.py's. No test module imports
-another; they import these two.
+layers of the lab are quick_checks.py's, and the skips they decide verdicts.py's. No test
+module imports another; they import these three (verdicts.py alone imports a test
+module, for its layer's quick_check).
 """
 import contextlib
 import functools
