@@ -86,7 +86,10 @@ def quick_check():
                               f"{'s' * (len(seq.table) != 1)} (table {seq.table}), where "
                               f"{hits} hold its first tokens")
         step(f"writing {label}, one forward_step a position")
-        return write(seq, tokens)
+        why = where_sequence_differs(label, write(seq, tokens), tokens)
+        if why:
+            raise LookupError(why)
+        return seq
     moved = ids[4:8] + ids[:4]
     try:
         parent = new("the parent", ids[:10], 0)                   # blocks of 4, 4 and 2
@@ -111,15 +114,13 @@ def quick_check():
         other = other[:pool.block_size * pool.free_blocks()]
         label = "a sequence taking every free block (the cached ones evicted)"
         taking = new(label, other, 0)
-        why = where_sequence_differs(label, taking, other)
-        if why:
-            return why
         step(f"freeing {label}")
         taking.free()
         live["the fork's tokens after its own block was evicted"] = (
             new("the fork's tokens after its own block was evicted", ids[:12], 2), ids[:12])
-    except LookupError as wrong_hit:
-        return Wrong(str(wrong_hit), f"  while {STEPS[-1]}")
+    except LookupError as wrong:                     # a wrong hit, or a wrong slot
+        why = wrong.args[0]
+        return why if isinstance(why, Wrong) else Wrong(why, f"  while {STEPS[-1]}")
     except ValueError as refused:                   # the pool's own guards
         return Wrong(f"{STEPS[-1]}: {refused}")
     for label, (seq, tokens) in live.items():
