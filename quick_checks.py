@@ -13,6 +13,8 @@ run.
 import importlib
 from collections import namedtuple
 
+from support import first_gap
+
 
 
 class Wrong(str):
@@ -26,13 +28,13 @@ class Wrong(str):
         return wrong
 
 
-STEPS = []   # what the running check is doing (step), so that an exception can say it
+STEPS = []   # what the running check is doing now (step), so that an exception can say it
 
 
 def step(what):
     """Say what the running check does next ("finding the prefix again"): an exception it
     raises from here on is named with it."""
-    STEPS.append(what)
+    STEPS[:] = [what]
 
 
 def excerpt(values, width=100):
@@ -61,22 +63,6 @@ def differ(what, got, expected, source, names=("position", "logit"), fed="", wit
     return Wrong(f"{what}, at {place}: {mine} from {source}, {wanted} expected{gap}",
                  (f"  fed: {fed}\n" if fed else "") + f"  {source} gave: {excerpt(outer_got)}\n"
                  f"  expected:  {excerpt(outer_wanted)}")
-
-
-def first_gap(got, expected, within=None, where=()):
-    """Where two nested lists (or tuples) of numbers first differ (given within, by more
-    than that), as (indices, got's number, expected's, True), or where two of their lists
-    differ in length, as (indices, both lengths in words, False); None if nowhere."""
-    if isinstance(got, (list, tuple)) and isinstance(expected, (list, tuple)):
-        if len(got) != len(expected):
-            return where, f"{len(got)} items", f"{len(expected)} items", False
-        for index, (a, b) in enumerate(zip(got, expected)):
-            found = first_gap(a, b, within, where + (index,))
-            if found:
-                return found
-        return None
-    equal = got == expected if within is None else abs(got - expected) <= within
-    return None if equal else (where, got, expected, True)
 
 
 ROUNDING = 1e-12   # far above the absorbed path's gaps (about 1e-15), far below a mistake's

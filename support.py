@@ -109,20 +109,33 @@ def pool_snapshot(pool):
             pool.prefix_hits, pool.evictions)
 
 
-def first_difference(got, expected, where=""):
-    """Where two nested lists (or tuples, numbers) first differ, as (where, got, expected)
-    in a few words ("[3][5]", "0.25", "0.5"), or None if they are equal."""
+def first_gap(got, expected, within=None, where=()):
+    """Where two nested lists (or tuples) of numbers first differ (given within, by more
+    than that), as (indices, got's number, expected's, True), or where two of their lists
+    differ in length, as (indices, both lengths in words, False); None if nowhere."""
     if isinstance(got, (list, tuple)) and isinstance(expected, (list, tuple)):
         if len(got) != len(expected):
-            return where or "the lists", f"{len(got)} items", f"{len(expected)} items"
+            return where, f"{len(got)} items", f"{len(expected)} items", False
         for index, (a, b) in enumerate(zip(got, expected)):
-            found = first_difference(a, b, f"{where}[{index}]")
+            found = first_gap(a, b, within, where + (index,))
             if found:
                 return found
         return None
-    if got != expected:
-        return where or "the value", str(got)[:80], str(expected)[:80]
-    return None
+    equal = got == expected if within is None else abs(got - expected) <= within
+    return None if equal else (where, got, expected, True)
+
+
+def first_difference(got, expected, where=""):
+    """Where two nested lists (or tuples, numbers) first differ (first_gap), as (where,
+    got, expected) in a few words ("[3][5]", "0.25", "0.5"), or None if they are equal."""
+    found = first_gap(got, expected)
+    if found is None:
+        return None
+    indices, mine, wanted, numbers = found
+    place = where + "".join(f"[{index}]" for index in indices)
+    if not numbers:
+        return place or "the lists", mine, wanted
+    return place or "the value", str(mine)[:80], str(wanted)[:80]
 
 
 def assert_equal(test, got, expected, what):

@@ -81,8 +81,9 @@ def where_batches_differ(params, caches, ids, seed=0, labels=None):
         wanted = feed(params, KVCache(params), own)
         why = differ(f"the logits of {labels[index]}, fed in mixed batches (seed {seed})", got,
                      wanted, "forward_rows", fed=f"token IDs {own}")
-        if why and first_difference(got, wanted)[0].startswith("["):   # a row, not the count
-            position = int(first_difference(got, wanted)[0][1:].split("]")[0])
+        found = why and first_difference(got, wanted)
+        if found and found[0].startswith("["):   # a row, not the count
+            position = int(found[0][1:].split("]")[0])
             batch = next(number for number, batch in enumerate(steps, 1)
                          if (index, position) in batch)
             return Wrong(f"{why} (step {batch}, {_batch_words(steps[batch - 1], labels)})",
