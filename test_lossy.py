@@ -146,17 +146,21 @@ KEPT_FOR_THE_NEXT_POSITION = replacing(   # band(...)(len(self) - 1) becomes (le
                   and calls("len")(node.left) and getattr(node.right, "value", None) == 1),
     lambda node: node.left)
 
+def given_back(fmt, parts="keys", position=r"\d+"):
+    """The verdict's pattern for a number the cache gives back wrong, in format fmt."""
+    return (rf"in {fmt}: the {parts} .*, at position {position}, number \d+: \S+ from the "
+            rf"cache, \S+ expected")
+
+
 MISTAKES = [
     ("int4's two numbers of a byte read high nibble first", lossy, "_unpack", NIBBLES_SWAPPED,
-     r"in int4: the keys .*, at position \d+, number \d+: \S+ from the cache, \S+ expected"),
+     given_back("int4")),
     ("levels truncated toward zero, not rounded", lossy, "_pack", LEVELS_TRUNCATED,
-     r"in int8: the keys .*, at position \d+, number \d+: \S+ from the cache, \S+ expected"),
+     given_back("int8")),
     ("the scale taken from the largest number, not the largest magnitude", lossy, "_pack",
-     SCALE_FROM_THE_LARGEST_NUMBER,
-     r"in int8: the (keys|values) .*, at position \d+, number \d+: \S+ from the cache, "
-     r"\S+ expected"),
+     SCALE_FROM_THE_LARGEST_NUMBER, given_back("int8", "(keys|values)")),
     ("the values packed from the keys", lossy.QuantizedCache, "extend", values_packed_from_keys,
-     r"in float64: the values .*, at position 0, number \d+: \S+ from the cache, \S+ expected"),
+     given_back("float64", "values", "0")),
     ("a ring of window - sinks slots", lossy.WindowCache, "_slot", RING_OF_WINDOW_LESS_SINKS,
      r"window of 8 positions and 2 sinks.*, at position [1-9]\d*, logit \d+: \S+ from the "
      r"cache, \S+ expected"),
