@@ -12,7 +12,8 @@ import model
 import svg
 from documents import shown, table
 from instruments import largest_gap, sums_in_another_order
-from kv_cache import KVCache, feed, generate_cached
+from generate import Generation
+from kv_cache import KVCache, feed
 from stories import story_ids
 
 FORMATS = ("float64", "float32", "float16", "int8", "int4")
@@ -200,8 +201,9 @@ def ladder_rung(lab, rung, runs):
     window), the largest logit gap against the exact rows over every position of the
     greedy stories (their tokens fed through that cache), and how many greedy and sampled
     stories change their text (a greedy story changes where a fed row's best token is not
-    the next one; a sampled one is generated again through that cache). The prompt but its
-    last token is fed once, and both stories go on from copies of that cache."""
+    the next one; a sampled one is generated again through that cache, with its own random
+    numbers, up to the first token it chooses otherwise). The prompt but its last token is
+    fed once, and both stories go on from copies of that cache."""
     params, tok, prompts = lab.params, lab.tok, lab.prompts
     name, kind = RUNGS[rung]
 
@@ -224,14 +226,28 @@ def ladder_rung(lab, rung, runs):
             gap = max(gap, largest_gap(fed, rows))
             chosen = range(prompt_tokens - 1, len(fed))   # rows that chose
             greedy_changed += any(fed[p].index(max(fed[p])) != ids[p + 1] for p in chosen)
-            again = generate_cached(params, tok, prompt, temperature=1.0, seed=index,
-                                    cache=start)
-            sampled_changed += again["text"] != runs.sampled[index]["text"]
+            sampled = runs.sampled[index]   # as generate made it: seed index
+            generation = Generation(tok, ids[:prompt_tokens], len(sampled["steps"]), 1.0,
+                                    None, index)
+            sampled_changed += _strays(params, start.copy(), generation,
+                                       story_ids(tok, prompt, sampled))
     return {"cache": name,
             "bytes_per_position": cache.bytes_per_position() if kind in FORMATS else None,
             "positions_kept": sum(kind) if isinstance(kind, tuple) else None,
             "largest_logit_gap": gap, "greedy_stories_changed": greedy_changed,
             "sampled_stories_changed": sampled_changed}
+
+
+def _strays(params, cache, generation, story):
+    """Whether generation, continued through cache from story's prompt for as many tokens
+    as story has, chooses another token than story's somewhere. Up to the first other
+    token it makes generate_cached's choices through cache (the same random numbers); from
+    there on it is another story, so that is where it stops."""
+    while not generation.stopped:
+        generation.choose(feed(params, cache, generation.ids)[-1])
+        if generation.ids[-1] != story[len(generation.ids) - 1]:
+            return True
+    return False
 
 
 def ladder(lab, rungs):
