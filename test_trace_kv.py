@@ -10,11 +10,13 @@ trace_kv.py --write records the new run."""
 import atexit
 import io
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 from contextlib import redirect_stderr, redirect_stdout
 from unittest import mock
@@ -128,6 +130,65 @@ class FailingStage(unittest.TestCase):
                          r"^stage sums_in_another_order \(Part 1\) failed: ValueError: chunk "
                          r"size must be an int >= 1, got 0 \(in .*model\.py line \d+, "
                          r"check_int\)$")
+
+
+@unittest.skipUnless(hasattr(signal, "SIGKILL") and multiprocessing.get_start_method() == "fork",
+                     "the workers must inherit the stages this test plants (fork, on POSIX)")
+class TheWorkerPool(unittest.TestCase):
+
+    def test_a_killed_worker_ends_the_command_at_once_in_one_line_leaving_no_process(self):
+        """With the command's SIGTERM handler in force, as run_command sets it: a worker
+        that inherited it would block when the pool ends it."""
+        folder = tempfile.TemporaryDirectory()
+        self.addCleanup(folder.cleanup)
+
+        def started(lab):   # each stage leaves its worker's pid
+            open(os.path.join(folder.name, str(os.getpid())), "w").close()
+
+        def killed(lab):   # as the out-of-memory killer does
+            started(lab)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        def slow(lab):   # still running when the other dies
+            started(lab)
+            time.sleep(60)
+        stages = (trace_kv.Stage(1, "killed", killed), trace_kv.Stage(1, "slow", slow))
+        handler = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+        self.addCleanup(signal.signal, signal.SIGTERM, handler)
+        start = time.monotonic()
+        with mock.patch.object(trace_kv, "STAGES", stages), redirect_stderr(io.StringIO()), \
+                self.assertRaises(SystemExit) as ended:
+            trace_kv.main(["--workers", "2"])
+        self.assertLess(time.monotonic() - start, 3)
+        self.assertRegex(str(ended.exception.code),
+                         r"^trace_kv\.py: error: a worker process died during stage killed "
+                         r"\(Part 1\) or slow \(Part 1\), [^\n]*$")
+        for pid in map(int, os.listdir(folder.name)):
+            with self.assertRaises(ProcessLookupError):
+                os.kill(pid, 0)
+
+    def test_a_failing_stage_ends_the_run_at_once_with_the_stages_still_running(self):
+        def failing(lab):
+            raise ValueError("a planted mistake")
+
+        def slow(lab):
+            time.sleep(30)
+        stages = (trace_kv.Stage(1, "failing", failing), trace_kv.Stage(1, "slow", slow))
+        start = time.monotonic()
+        with mock.patch.object(trace_kv, "STAGES", stages), \
+                self.assertRaisesRegex(trace_kv.StageFailed, "stage failing .* planted mistake"):
+            trace_kv.run(workers=2, stories=1, parts=1)
+        self.assertLess(time.monotonic() - start, 3)
+
+    def test_workers_start_with_the_default_signal_handlers(self):
+        def interrupted(signum, frame):
+            raise KeyboardInterrupt
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self.addCleanup(signal.signal, signum, signal.signal(signum, interrupted))
+        with mock.patch.object(trace_kv, "_load"):
+            trace_kv._start_worker(HERE, 1)
+        self.assertEqual([signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)],
+                         [signal.SIG_DFL, signal.SIG_DFL])
 
 
 class RecordFiles(unittest.TestCase):

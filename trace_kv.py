@@ -26,9 +26,11 @@ if __name__ == "__main__":   # first: Ctrl-C while the modules below load ends i
 import argparse
 import json
 import platform
+import signal
 import time
 from collections import namedtuple
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from math import fsum
 
 import bandwidth
@@ -55,6 +57,7 @@ from stories import openings, split_stories
 from trace_lesson import FULL_RECORD, summary
 
 MAX_WORKERS = 64   # the largest stage has 60 cases
+STOP_SECONDS = 5   # how long a terminated worker has to end before it is killed
 
 
 # ---- the stages of every Part, and the loop that runs them ---------------------------
@@ -116,29 +119,34 @@ def run(full_timing=False, folder=LAB, progress=None, workers=None, stories=None
     start = time.perf_counter()
     lab = _load(folder, stories)
     done, started = {}, {}
-    with _workers(workers, folder, stories) as pool:
-        try:
-            while len(done) < len(stages):
-                for stage in stages:   # start each stage whose needs are done, in table order
-                    if stage.name not in started and all(need in done for need in stage.needs):
-                        needs = [done[need] for need in stage.needs]
-                        cases = stage.cases(lab) if callable(stage.cases) else stage.cases
-                        started[stage.name] = [pool.submit(_stage, stage.name, case, needs)
-                                               for case in ([None] if cases is None else cases)]
-                wait([f for futures in started.values() for f in futures if not f.done()],
-                     return_when=FIRST_COMPLETED)
-                for stage in stages:
-                    futures = started.get(stage.name)
-                    if stage.name not in done and futures and all(f.done() for f in futures):
-                        values = [f.result() for f in futures]
-                        done[stage.name] = (values[0] if stage.cases is None else
-                                            stage.gather(lab, values) if stage.gather else values)
-                        progress(stage.name, len(done), len(stages))
-        except BaseException:   # a stage that failed, or Ctrl-C: start nothing more
-            for futures in started.values():
-                for future in futures:
-                    future.cancel()
-            raise
+    pool = _workers(workers, folder, stories)
+    try:
+        while len(done) < len(stages):
+            for stage in stages:   # start each stage whose needs are done, in table order
+                if stage.name not in started and all(need in done for need in stage.needs):
+                    needs = [done[need] for need in stage.needs]
+                    cases = stage.cases(lab) if callable(stage.cases) else stage.cases
+                    started[stage.name] = [pool.submit(_stage, stage.name, case, needs)
+                                           for case in ([None] if cases is None else cases)]
+            wait([f for futures in started.values() for f in futures if not f.done()],
+                 return_when=FIRST_COMPLETED)
+            for stage in stages:
+                futures = started.get(stage.name)
+                if stage.name not in done and futures and all(f.done() for f in futures):
+                    values = [f.result() for f in futures]
+                    done[stage.name] = (values[0] if stage.cases is None else
+                                        stage.gather(lab, values) if stage.gather else values)
+                    progress(stage.name, len(done), len(stages))
+    except BrokenProcessPool:   # a worker killed (by the out-of-memory killer, say)
+        _stop(pool)
+        running = [f"{stage.name} (Part {stage.part})" for stage in stages
+                   if stage.name in started and stage.name not in done]
+        raise StageFailed(f"a worker process died during stage {' or '.join(running)}, "
+                          f"killed by a signal or out of memory; the run was stopped") from None
+    except BaseException:   # a stage that failed, or Ctrl-C: start nothing more
+        _stop(pool)
+        raise
+    pool.shutdown()
     record = {}
     for stage in stages:
         if stage.record == "top":
@@ -194,18 +202,38 @@ class _Here:
         future.set_result(function(*args))
         return future
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    def shutdown(self, wait=True, cancel_futures=False):
+        pass
 
 
 def _workers(count, folder, stories):
     """Where the stages run: count processes (each loads the lab once), or this one."""
     if count == 1:
         return _Here()
-    return ProcessPoolExecutor(count, initializer=_load, initargs=(folder, stories))
+    return ProcessPoolExecutor(count, initializer=_start_worker, initargs=(folder, stories))
+
+
+def _start_worker(folder, stories):
+    """A worker's start: the default signal handlers, not the command's (a fork inherits
+    them; a worker that turned SIGTERM into SystemExit would take it for a stage's failure
+    and block, its result unread, when the pool ends it), then the lab."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _load(folder, stories)
+
+
+def _stop(pool):
+    """End a pool at once, its running stages too: cancel what has not started, terminate
+    its workers, and kill any still alive a few seconds later (never wait for ever)."""
+    workers = list((getattr(pool, "_processes", None) or {}).values())   # public in 3.14
+    for worker in workers:
+        worker.terminate()
+    pool.shutdown(wait=False, cancel_futures=True)
+    for worker in workers:
+        worker.join(STOP_SECONDS)
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
 
 
 # ---- timing (kv-time.json: it varies, and is never compared) ------------------------
