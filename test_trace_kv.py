@@ -21,6 +21,7 @@ import unittest
 from contextlib import redirect_stderr, redirect_stdout
 from unittest import mock
 
+import checkpoint
 import kv_cache
 import model
 import support
@@ -132,8 +133,8 @@ class FailingStage(unittest.TestCase):
                          r"check_int\)$")
 
 
-@unittest.skipUnless(hasattr(signal, "SIGKILL") and multiprocessing.get_start_method() == "fork",
-                     "the workers must inherit the stages this test plants (fork, on POSIX)")
+@unittest.skipUnless(hasattr(signal, "SIGKILL")
+                     and multiprocessing.get_start_method() == "fork", "the workers must inherit the stages this test plants (fork, on POSIX)")
 class TheWorkerPool(unittest.TestCase):
 
     def test_a_killed_worker_ends_the_command_at_once_in_one_line_leaving_no_process(self):
@@ -306,4 +307,30 @@ class Summary(unittest.TestCase):
         shown = os.path.relpath(os.path.join(HERE, "kv-trace.json"))
         self.assertTrue(out.endswith(f"{shown} matches this run\n"), out)
 
+    def assert_save_fails_in_one_line(self, folder, fragment):
+        with self.assertRaises(SystemExit) as ended:
+            self.run_main("--write", "--folder", folder)
+        self.assertRegex(str(ended.exception.code), r"^trace_kv\.py: error: [^\n]*$")
+        self.assertIn(fragment, str(ended.exception.code))
 
+    def test_a_save_that_fails_after_the_run_is_one_line_and_writes_nothing(self):
+        with tempfile.TemporaryDirectory() as folder:
+            os.mkdir(os.path.join(folder, trace_kv.TIMES))
+            self.assert_save_fails_in_one_line(folder, "kv-time.json: it is a folder")
+            self.assertEqual(os.listdir(folder), [trace_kv.TIMES])
+        with tempfile.TemporaryDirectory() as folder, mock.patch(
+                "checkpoint.os.fsync", side_effect=OSError(28, "No space left on device")):
+            self.assert_save_fails_in_one_line(folder, "No space left on device")
+            self.assertEqual(os.listdir(folder), [])
+
+    def test_a_write_stopped_among_its_renames_is_finished_before_anything_else(self):
+        with tempfile.TemporaryDirectory() as folder:
+            tmp = f".{trace_kv.TRACE}.tmp-99999999-0a1b2c3d.part"   # a killed process's
+            with open(os.path.join(folder, tmp), "w", encoding="utf-8") as f:
+                f.write(trace_kv._dumps(self.record))
+            with open(os.path.join(folder, checkpoint.JOURNAL), "w", encoding="utf-8") as f:
+                json.dump({"format": checkpoint.JOURNAL_FORMAT,
+                           "renames": [[tmp, trace_kv.TRACE]]}, f)
+            out, _ = self.run_main("--check", "--folder", folder)
+            self.assertIn("matches this run", out)
+            self.assertEqual(os.listdir(folder), [trace_kv.TRACE])

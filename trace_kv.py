@@ -47,8 +47,8 @@ import paged
 import prefill
 import serving
 import speculative
-from checkpoint import (LAB, add_folder_flag, positive_int, read_json, run_command,
-                        write_atomically)
+from checkpoint import (LAB, add_folder_flag, finish_saving, positive_int, read_json,
+                        run_command, write_together)
 from documents import TIMES, TRACE
 from generate import load_trained
 from instruments import where_raised
@@ -262,8 +262,8 @@ def _dumps(data):
 
 def save_records(record, timing, folder=LAB):
     """Write kv-trace.json and kv-time.json in folder, and every document there (its
-    marked figures and blocks, and the pictures it marks), each file atomically, all
-    drawn before any is written: the names of what it wrote."""
+    marked figures and blocks, and the pictures it marks), all drawn before any is written,
+    and written as one set (checkpoint.write_together): the names of what it wrote."""
     texts, drawn = {}, {}
     for name in documents.documents(folder):
         with open(os.path.join(folder, name), encoding="utf-8") as f:
@@ -274,10 +274,7 @@ def save_records(record, timing, folder=LAB):
         except (KeyError, IndexError, TypeError, ValueError) as e:
             raise ValueError(f"{name}: a mark cannot be filled from this run "
                              f"({type(e).__name__}: {e}); nothing was written") from None
-    write_atomically(os.path.join(folder, TRACE), _dumps(record))
-    write_atomically(os.path.join(folder, TIMES), _dumps(timing))
-    for name, text in {**drawn, **texts}.items():
-        write_atomically(os.path.join(folder, name), text)
+    write_together(folder, {TRACE: _dumps(record), TIMES: _dumps(timing), **drawn, **texts})
     return [TRACE, TIMES] + ([f"the figures and pictures of {', '.join(texts)}"]
                              if texts else [])
 
@@ -369,6 +366,10 @@ def main(argv=None):
     if args.write and args.part != PARTS:
         parser.error(f"--write records every Part: leave out --part {args.part}")
     trace = _shown(os.path.join(args.folder, TRACE))
+    try:
+        finish_saving(args.folder)   # a --write stopped midway: its files all new, first
+    except (OSError, ValueError) as e:
+        sys.exit(f"trace_kv.py: error: {e}")
     unknown = unknown_names(args.folder) if args.write else []   # in a moment, before the run
     if unknown:
         sys.exit("trace_kv.py: error: marks that name nothing, so nothing was run or "
