@@ -134,7 +134,8 @@ class FailingStage(unittest.TestCase):
 
 
 @unittest.skipUnless(hasattr(signal, "SIGKILL")
-                     and multiprocessing.get_start_method() == "fork", "the workers must inherit the stages this test plants (fork, on POSIX)")
+                     and multiprocessing.get_start_method() == "fork",
+                     "the workers must inherit the stages this test plants (fork, on POSIX)")
 class TheWorkerPool(unittest.TestCase):
 
     def test_a_killed_worker_ends_the_command_at_once_in_one_line_leaving_no_process(self):
