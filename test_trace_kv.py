@@ -139,8 +139,9 @@ class FailingStage(unittest.TestCase):
 class TheWorkerPool(unittest.TestCase):
 
     def test_a_killed_worker_ends_the_command_at_once_in_one_line_leaving_no_process(self):
-        """With the command's SIGTERM handler in force, as run_command sets it: a worker
-        that inherited it would block when the pool ends it."""
+        """The line names the stages that were running (the killed one among them), with
+        the command's SIGTERM handler in force, as run_command sets it: a worker that
+        inherited it would block when the pool ends it."""
         folder = tempfile.TemporaryDirectory()
         self.addCleanup(folder.cleanup)
 
@@ -154,7 +155,8 @@ class TheWorkerPool(unittest.TestCase):
         def slow(lab):   # still running when the other dies
             started(lab)
             time.sleep(60)
-        stages = (trace_kv.Stage(1, "killed", killed), trace_kv.Stage(1, "slow", slow))
+        stages = (trace_kv.Stage(1, "killed", killed), trace_kv.Stage(1, "slow", slow),
+                  trace_kv.Stage(1, "waiting", slow))   # for a worker: not named
         handler = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         self.addCleanup(signal.signal, signal.SIGTERM, handler)
         start = time.monotonic()

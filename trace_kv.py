@@ -118,30 +118,35 @@ def run(full_timing=False, folder=LAB, progress=None, workers=None, stories=None
     stages = [stage for stage in STAGES if stage.part <= parts]
     start = time.perf_counter()
     lab = _load(folder, stories)
-    done, started = {}, {}
+    done, results, left, waiting, running = {}, {}, {}, [], {}
     pool = _workers(workers, folder, stories)
     try:
         while len(done) < len(stages):
-            for stage in stages:   # start each stage whose needs are done, in table order
-                if stage.name not in started and all(need in done for need in stage.needs):
+            for stage in stages:   # queue each stage whose needs are done, in table order
+                if stage.name not in left and all(need in done for need in stage.needs):
                     needs = [done[need] for need in stage.needs]
                     cases = stage.cases(lab) if callable(stage.cases) else stage.cases
-                    started[stage.name] = [pool.submit(_stage, stage.name, case, needs)
-                                           for case in ([None] if cases is None else cases)]
-            wait([f for futures in started.values() for f in futures if not f.done()],
-                 return_when=FIRST_COMPLETED)
-            for stage in stages:
-                futures = started.get(stage.name)
-                if stage.name not in done and futures and all(f.done() for f in futures):
-                    values = [f.result() for f in futures]
+                    cases = [None] if cases is None else list(cases)
+                    results[stage.name], left[stage.name] = [None] * len(cases), len(cases)
+                    waiting += [(stage, i, case, needs) for i, case in enumerate(cases)]
+            while waiting and len(running) < workers:   # no more: a dead worker's is known
+                stage, i, case, needs = waiting.pop(0)
+                running[pool.submit(_stage, stage.name, case, needs)] = stage, i
+            for future in wait(running, return_when=FIRST_COMPLETED).done:
+                stage, i = running[future]
+                results[stage.name][i] = future.result()
+                del running[future]
+                left[stage.name] -= 1
+                if not left[stage.name]:
+                    values = results[stage.name]
                     done[stage.name] = (values[0] if stage.cases is None else
                                         stage.gather(lab, values) if stage.gather else values)
                     progress(stage.name, len(done), len(stages))
     except BrokenProcessPool:   # a worker killed (by the out-of-memory killer, say)
         _stop(pool)
-        running = [f"{stage.name} (Part {stage.part})" for stage in stages
-                   if stage.name in started and stage.name not in done]
-        raise StageFailed(f"a worker process died during stage {' or '.join(running)}, "
+        stopped = dict.fromkeys(f"{stage.name} (Part {stage.part})"
+                                for stage, _ in running.values())
+        raise StageFailed(f"a worker process died during stage {' or '.join(stopped)}, "
                           f"killed by a signal or out of memory; the run was stopped") from None
     except BaseException:   # a stage that failed, or Ctrl-C: start nothing more
         _stop(pool)
