@@ -5,7 +5,8 @@ repr, so they read back exactly.
 
 Also what every command of the lab shares about files: each file this lab writes goes
 through write_atomically (a temporary file beside the target, then a rename, so a crash
-leaves either the old file or the new one); the lab's files are found in its own folder,
+leaves either the old file or the new one), and a set of files that belong together
+through write_together (all old or all new); the lab's files are found in its own folder,
 wherever the command runs from; and Ctrl-C or a closed pipe end a command quietly.
 """
 import contextlib
@@ -15,8 +16,13 @@ import os
 import signal
 import stat
 import sys
-import tempfile
 import time
+
+try:
+    import fcntl   # POSIX
+except ImportError:
+    fcntl = None
+    import msvcrt   # Windows
 
 import model
 
@@ -84,8 +90,11 @@ def run_command(main):
 
 
 MAX_BYTES = 16 * 1024 * 1024   # far more than any file of the lab (best.json: 150 kB)
-STALE_SECONDS = 10             # a temporary file left this long is a killed save's
 NAME_MAX = 255                 # the longest file name most file systems take
+LOCK = ".kv-save.lock"         # held (by the operating system) while a set of files is saved
+JOURNAL = ".kv-save.journal"   # the renames of a set being saved, until the last is done
+JOURNAL_FORMAT = "kv-lab-renames-1"
+LOCK_SECONDS = 30              # how long a save of a set waits for another to end
 
 
 def file_path(path):
@@ -99,44 +108,217 @@ def file_path(path):
     return path
 
 
-def write_atomically(path, text):
-    """Write text to path through a temporary file beside it and a rename; never a
-    half-written file. The temporary file is named after the target
-    (.NAME.tmp-XXXX.part, NAME a hash of a name too long to lengthen): a save interrupted
-    by Ctrl-C or a termination removes its own, and one killed outright leaves it for the
-    next save of the same file to remove."""
+def _target(path):
+    """path checked as a file to write: (path, its folder), or an error naming it."""
     path = file_path(path)
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"cannot write {path}: the folder {folder} does not exist")
     if os.path.isdir(path):
         raise ValueError(f"cannot write {path}: it is a folder")
-    name = os.path.basename(path)
-    if len(name.encode("utf-8")) > NAME_MAX - 20:   # the temporary name adds 20 at most
-        name = hashlib.sha256(name.encode("utf-8")).hexdigest()[:16]
-    prefix = f".{name}.tmp-"
-    for entry in os.listdir(folder):
-        stale = os.path.join(folder, entry)
-        if entry.startswith(prefix) and entry.endswith(".part") \
-                and time.time() - os.path.getmtime(stale) > STALE_SECONDS:
-            os.unlink(stale)
+    return path, folder
+
+
+def write_atomically(path, text):
+    """Write text to path through a temporary file beside it and a rename; never a
+    half-written file."""
+    tmp = _write_temporary(path, text)
     try:
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=prefix, suffix=".part")
-    except OSError as e:
-        raise OSError(e.errno, f"cannot write {path}: {e.strerror}") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)   # mkstemp makes it private; the lab's files are for reading
         os.replace(tmp, path)
     except BaseException as failed:
         with contextlib.suppress(FileNotFoundError):   # an interrupt just after the rename
             os.unlink(tmp)
-        if isinstance(failed, OSError) and failed.strerror:
-            raise OSError(failed.errno, f"cannot write {path}: {failed.strerror}") from None
-        raise
+        raise _named(failed, path) from None
+
+
+def write_together(folder, texts):
+    """Write the files texts names ({file name: text}) in folder as one set: whatever
+    interrupts it, and whatever other save runs at once, they are then all old or all new.
+    Under folder's lock (LOCK), every temporary file is written first, then a journal of
+    the renames (JOURNAL), then the renames; a save stopped between the journal and its
+    last rename (killed outright) is finished by the next one, before anything else."""
+    for name in texts:   # all checked before any is written
+        if os.path.basename(name) != name or name in ("", ".", ".."):
+            raise ValueError(f"{name!r}: a file name in {folder} is needed, not a path")
+    paths = {name: _target(os.path.join(folder, name))[0] for name in texts}
+    journal = os.path.join(folder, JOURNAL)
+    with _lock(folder):
+        _finish_renames(folder)
+        temporary = {}
+        try:
+            for name, text in texts.items():
+                temporary[name] = os.path.basename(_write_temporary(paths[name], text))
+            renames = [[temporary[name], name] for name in texts]
+            write_atomically(journal, json.dumps({"format": JOURNAL_FORMAT, "renames": renames}))
+        finally:
+            if os.path.exists(journal):   # every file written: the set is new
+                _finish_renames(folder)
+            else:                         # not all of them: the set stays old
+                for tmp in temporary.values():
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(folder, tmp))
+
+
+def finish_saving(folder):
+    """Finish the save of a set in folder that was stopped midway through its renames,
+    if there is one (write_together): its files are then all new."""
+    if os.path.exists(os.path.join(folder, JOURNAL)):
+        with _lock(folder):
+            _finish_renames(folder)
+
+
+def _finish_renames(folder):
+    """Do what is left of the journal's renames (a temporary file already gone is already
+    renamed), then remove the journal. Called with the lock held."""
+    journal = os.path.join(folder, JOURNAL)
+    if not os.path.exists(journal):
+        return
+    renames = read_json(journal, JOURNAL_FORMAT, "a journal of a save").get("renames")
+    if not isinstance(renames, list) or not all(
+            isinstance(pair, list) and len(pair) == 2
+            and all(isinstance(name, str) and name and os.path.basename(name) == name
+                    for name in pair) for pair in renames):
+        raise ValueError(f"{journal}: not a journal of a save (expected \"renames\": pairs "
+                         "of file names); remove it, then save again")
+    for tmp, name in renames:
+        if os.path.exists(os.path.join(folder, tmp)):
+            try:
+                os.replace(os.path.join(folder, tmp), os.path.join(folder, name))
+            except OSError as e:
+                raise _named(e, os.path.join(folder, name)) from None
+    os.unlink(journal)
+
+
+@contextlib.contextmanager
+def _lock(folder):
+    """Hold folder's save lock: the file LOCK, locked by the operating system (so a killed
+    holder frees it), and removed by its last holder. Waits up to LOCK_SECONDS for another
+    save, then refuses."""
+    path = os.path.join(folder, LOCK)
+    deadline = time.monotonic() + LOCK_SECONDS
+    while True:
+        fd = None
+        try:
+            with _signals_held():   # a descriptor named before an interrupt could lose it
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            while not _locked(fd):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"cannot write in {folder}: another save has held "
+                                       f"{LOCK} there for {LOCK_SECONDS} s; let it end, "
+                                       "then run this again")
+                time.sleep(0.05)
+            if _same_file(fd, path):   # not a file its last holder has since removed
+                break
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+            raise
+        os.close(fd)
+    try:
+        yield
+    finally:
+        if os.name == "nt":   # Windows removes no open file: close first
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        else:                 # POSIX: remove it while holding it, so no one takes it over
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            os.close(fd)
+
+
+def _locked(fd):
+    """Try to lock the open file fd, not waiting: whether it is now locked."""
+    try:
+        if fcntl:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        else:
+            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+    except (BlockingIOError, PermissionError):
+        return False
+    return True
+
+
+def _same_file(fd, path):
+    """Whether path still names the open file fd."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Hold Ctrl-C and SIGTERM until the block ends (POSIX; elsewhere a no-op): a file
+    opened inside has its descriptor stored before their exception can be raised."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def _write_temporary(path, text):
+    """Write text to a new temporary file beside path, on disk: its path. It is named
+    after the target and this process (.NAME.tmp-PID-RANDOM.part, NAME a hash of a name
+    too long to lengthen); any of the target's that a process no longer running left (a
+    save killed outright) is removed first, and no one else's. Created with O_EXCL, not
+    by the tempfile module, whose lock an interrupt can leave held."""
+    path, folder = _target(path)
+    name = os.path.basename(path)
+    if len(name.encode("utf-8")) > NAME_MAX - 32:   # the temporary name adds 32 at most
+        name = hashlib.sha256(name.encode("utf-8")).hexdigest()[:16]
+    prefix = f".{name}.tmp-"
+    for entry in os.listdir(folder):
+        pid = entry[len(prefix):].partition("-")[0]
+        if entry.startswith(prefix) and entry.endswith(".part") and pid.isdigit() \
+                and not _running(int(pid)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(folder, entry))
+    tmp = os.path.join(folder, f"{prefix}{os.getpid()}-{os.urandom(4).hex()}.part")
+    fd = None
+    try:
+        try:
+            with _signals_held():
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                             | getattr(os, "O_BINARY", 0), 0o644)
+            with open(fd, "w", encoding="utf-8", newline="\n", closefd=False) as f:
+                f.write(text)
+            os.fsync(fd)
+        finally:
+            if fd is not None:
+                os.close(fd)
+    except BaseException as failed:
+        if fd is not None:   # created here (O_EXCL), so ours to remove
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        raise _named(failed, path) from None
+    return tmp
+
+
+def _running(pid):
+    """Whether a process pid runs on this machine (on Windows, where os.kill would end
+    it, always taken to: a temporary file left there stays)."""
+    if sys.platform == "win32":
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # another user's
+        return True
+    return True
+
+
+def _named(failed, path):
+    """An OSError of the system's (errno and strerror) reworded to name path; any other
+    exception as it is."""
+    if isinstance(failed, OSError) and failed.strerror and failed.errno:
+        return OSError(failed.errno, f"cannot write {path}: {failed.strerror}")
+    return failed
 
 
 def read_json(path, fmt, what):

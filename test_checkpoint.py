@@ -3,9 +3,11 @@ every refusal, and writes that never leave a half-written or temporary file."""
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import unittest
 from contextlib import redirect_stderr
 from unittest import mock
@@ -311,7 +313,7 @@ class TestWriteAtomically(CheckpointTestCase):
 
 
     def test_a_read_only_folder_is_named_by_its_target(self):
-        with mock.patch("checkpoint.tempfile.mkstemp",
+        with mock.patch("checkpoint.os.open",
                         side_effect=PermissionError(13, "Permission denied")):
             with self.assertRaisesRegex(OSError, f"cannot write {self.path}: Permission denied"):
                 checkpoint.write_atomically(self.path, "text\n")
@@ -321,15 +323,46 @@ class TestWriteAtomically(CheckpointTestCase):
                 checkpoint.write_atomically(self.path, "text\n")
         self.assert_only_files()
 
-    def test_a_killed_save_s_temporary_file_is_removed_by_the_next_save(self):
-        stale = os.path.join(self.folder, ".best.json.tmp-abc123.part")
-        other = os.path.join(self.folder, ".tokenizer.json.tmp-abc123.part")
-        for path in (stale, other):
+    @unittest.skipIf(sys.platform == "win32", "Windows keeps every temporary file")
+    def test_a_killed_save_s_temporary_file_is_removed_by_the_next_save_a_live_one_s_kept(self):
+        """Told apart by the process in their name, not by their age (99999999 is beyond
+        any process id); another target's are not this save's to remove."""
+        dead = ".best.json.tmp-99999999-0a1b2c3d.part"
+        live = f".best.json.tmp-{os.getpid()}-0a1b2c3d.part"   # a save in another thread
+        other = ".tokenizer.json.tmp-99999999-0a1b2c3d.part"
+        for name in (dead, live, other):
+            path = os.path.join(self.folder, name)
             with open(path, "w", encoding="utf-8") as f:
                 f.write("half")
             os.utime(path, (0, 0))   # long ago
         checkpoint.write_atomically(self.path, "the new checkpoint\n")
-        self.assert_only_files("best.json", ".tokenizer.json.tmp-abc123.part")  # not its own
+        self.assert_only_files("best.json", live, other)
+
+    @unittest.skipUnless(hasattr(signal, "pthread_kill"), "Ctrl-C held back on POSIX only")
+    def test_ctrl_c_as_the_temporary_file_opens_leaks_neither_it_nor_its_descriptor(self):
+        real, opened = os.open, []
+
+        def open_then_ctrl_c(path, *args):
+            fd = real(path, *args)
+            if path.endswith(".part"):
+                opened.append(fd)
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            return fd
+        handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+        self.addCleanup(signal.signal, signal.SIGINT, handler)
+        with mock.patch("checkpoint.os.open", open_then_ctrl_c), \
+                self.assertRaises(KeyboardInterrupt):
+            checkpoint.write_atomically(self.path, "text\n")
+        with self.assertRaises(OSError):   # closed
+            os.fstat(opened[0])
+        self.assert_only_files()
+
+    def test_the_tempfile_module_and_its_lock_are_not_used(self):
+        with mock.patch("tempfile.mkstemp", side_effect=AssertionError("mkstemp")), \
+                mock.patch("tempfile._get_candidate_names", side_effect=AssertionError("lock")):
+            checkpoint.write_atomically(self.path, "text\n")
+        self.assert_only_files("best.json")
+
 
     def test_a_terminated_save_leaves_no_temporary_file(self):
         """A real SIGTERM, during a save that takes long (the text is 200 MB)."""
@@ -357,6 +390,73 @@ class TestWriteAtomically(CheckpointTestCase):
                     checkpoint.read_json(path, "f", "a file")
         with self.assertRaisesRegex(ValueError, "it is a folder"):
             checkpoint.write_atomically(self.folder, "text\n")
+
+
+class WriteTogether(CheckpointTestCase):
+    """A set of files, written all or none: kv-trace.json, kv-time.json, the pictures
+    and the documents of one run of trace_kv.py --write."""
+
+    OLD = {"a.json": "old a\n", "b.svg": "old b\n", "c.md": "old c\n"}
+    NEW = {"a.json": "new a\n", "b.svg": "new b\n", "c.md": "new c\n"}
+
+    def setUp(self):
+        super().setUp()
+        for name, text in self.OLD.items():
+            with open(os.path.join(self.folder, name), "w", encoding="utf-8") as f:
+                f.write(text)
+
+    def assert_set(self, texts):
+        """The folder holds texts' files, with texts' texts, and nothing else."""
+        self.assert_only_files(*texts)
+        for name, text in texts.items():
+            with open(os.path.join(self.folder, name), encoding="utf-8") as f:
+                self.assertEqual(f.read(), text, name)
+
+    def test_an_interrupt_before_every_file_is_written_leaves_the_old_set(self):
+        for calls in (1, 3, 4):   # the first file, the last, the journal
+            real, done = os.fsync, []
+
+            def fsync(fd):
+                done.append(fd)
+                if len(done) == calls:
+                    raise KeyboardInterrupt
+                real(fd)
+            with self.subTest(fsync=calls), mock.patch("checkpoint.os.fsync", fsync), \
+                    self.assertRaises(KeyboardInterrupt):
+                checkpoint.write_together(self.folder, self.NEW)
+            self.assert_set(self.OLD)
+        checkpoint.write_together(self.folder, self.NEW)
+        self.assert_set(self.NEW)
+
+    def test_a_save_stopped_among_its_renames_is_finished_by_the_next(self):
+        real, done = os.replace, []
+
+        def replace(source, target):
+            done.append(target)
+            if target.endswith("b.svg"):   # after the journal and a.json
+                raise KeyboardInterrupt
+            real(source, target)
+        with mock.patch("checkpoint.os.replace", replace), self.assertRaises(KeyboardInterrupt):
+            checkpoint.write_together(self.folder, self.NEW)
+        self.assertIn(checkpoint.JOURNAL, os.listdir(self.folder))
+        checkpoint.finish_saving(self.folder)
+        self.assert_set(self.NEW)
+        with mock.patch("checkpoint.os.replace", replace), self.assertRaises(KeyboardInterrupt):
+            checkpoint.write_together(self.folder, self.OLD)
+        checkpoint.write_together(self.folder, {"d.json": "d\n"})   # finishes the old first
+        self.assert_set({**self.OLD, "d.json": "d\n"})
+
+    def test_a_save_waits_for_another_and_refuses_after_a_while(self):
+        with mock.patch.object(checkpoint, "LOCK_SECONDS", 0.2), checkpoint._lock(self.folder), \
+                self.assertRaisesRegex(TimeoutError, f"cannot write in {self.folder}: another"):
+            checkpoint.write_together(self.folder, self.NEW)
+        self.assert_set(self.OLD)
+
+    def test_a_target_that_is_a_folder_is_refused_before_anything_is_written(self):
+        os.mkdir(os.path.join(self.folder, "d.svg"))
+        with self.assertRaisesRegex(ValueError, "d.svg: it is a folder"):
+            checkpoint.write_together(self.folder, {**self.NEW, "d.svg": "d\n"})
+        self.assert_only_files(*self.OLD, "d.svg")
 
 
 class ReadJson(CheckpointTestCase):

@@ -10,15 +10,18 @@ trace_kv.py --write records the new run."""
 import atexit
 import io
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 from contextlib import redirect_stderr, redirect_stdout
 from unittest import mock
 
+import checkpoint
 import kv_cache
 import model
 import support
@@ -128,6 +131,68 @@ class FailingStage(unittest.TestCase):
                          r"^stage sums_in_another_order \(Part 1\) failed: ValueError: chunk "
                          r"size must be an int >= 1, got 0 \(in .*model\.py line \d+, "
                          r"check_int\)$")
+
+
+@unittest.skipUnless(hasattr(signal, "SIGKILL")
+                     and multiprocessing.get_start_method() == "fork",
+                     "the workers must inherit the stages this test plants (fork, on POSIX)")
+class TheWorkerPool(unittest.TestCase):
+
+    def test_a_killed_worker_ends_the_command_at_once_in_one_line_leaving_no_process(self):
+        """The line names the stages that were running (the killed one among them), with
+        the command's SIGTERM handler in force, as run_command sets it: a worker that
+        inherited it would block when the pool ends it."""
+        folder = tempfile.TemporaryDirectory()
+        self.addCleanup(folder.cleanup)
+
+        def started(lab):   # each stage leaves its worker's pid
+            open(os.path.join(folder.name, str(os.getpid())), "w").close()
+
+        def killed(lab):   # as the out-of-memory killer does
+            started(lab)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        def slow(lab):   # still running when the other dies
+            started(lab)
+            time.sleep(60)
+        stages = (trace_kv.Stage(1, "killed", killed), trace_kv.Stage(1, "slow", slow),
+                  trace_kv.Stage(1, "waiting", slow))   # for a worker: not named
+        handler = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+        self.addCleanup(signal.signal, signal.SIGTERM, handler)
+        start = time.monotonic()
+        with mock.patch.object(trace_kv, "STAGES", stages), redirect_stderr(io.StringIO()), \
+                self.assertRaises(SystemExit) as ended:
+            trace_kv.main(["--workers", "2"])
+        self.assertLess(time.monotonic() - start, 3)
+        self.assertRegex(str(ended.exception.code),
+                         r"^trace_kv\.py: error: a worker process died during stage killed "
+                         r"\(Part 1\) or slow \(Part 1\), [^\n]*$")
+        for pid in map(int, os.listdir(folder.name)):
+            with self.assertRaises(ProcessLookupError):
+                os.kill(pid, 0)
+
+    def test_a_failing_stage_ends_the_run_at_once_with_the_stages_still_running(self):
+        def failing(lab):
+            raise ValueError("a planted mistake")
+
+        def slow(lab):
+            time.sleep(30)
+        stages = (trace_kv.Stage(1, "failing", failing), trace_kv.Stage(1, "slow", slow))
+        start = time.monotonic()
+        with mock.patch.object(trace_kv, "STAGES", stages), \
+                self.assertRaisesRegex(trace_kv.StageFailed, "stage failing .* planted mistake"):
+            trace_kv.run(workers=2, stories=1, parts=1)
+        self.assertLess(time.monotonic() - start, 3)
+
+    def test_workers_start_with_the_default_signal_handlers(self):
+        def interrupted(signum, frame):
+            raise KeyboardInterrupt
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self.addCleanup(signal.signal, signum, signal.signal(signum, interrupted))
+        with mock.patch.object(trace_kv, "_load"):
+            trace_kv._start_worker(HERE, 1)
+        self.assertEqual([signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)],
+                         [signal.SIG_DFL, signal.SIG_DFL])
 
 
 class RecordFiles(unittest.TestCase):
@@ -245,4 +310,30 @@ class Summary(unittest.TestCase):
         shown = os.path.relpath(os.path.join(HERE, "kv-trace.json"))
         self.assertTrue(out.endswith(f"{shown} matches this run\n"), out)
 
+    def assert_save_fails_in_one_line(self, folder, fragment):
+        with self.assertRaises(SystemExit) as ended:
+            self.run_main("--write", "--folder", folder)
+        self.assertRegex(str(ended.exception.code), r"^trace_kv\.py: error: [^\n]*$")
+        self.assertIn(fragment, str(ended.exception.code))
 
+    def test_a_save_that_fails_after_the_run_is_one_line_and_writes_nothing(self):
+        with tempfile.TemporaryDirectory() as folder:
+            os.mkdir(os.path.join(folder, trace_kv.TIMES))
+            self.assert_save_fails_in_one_line(folder, "kv-time.json: it is a folder")
+            self.assertEqual(os.listdir(folder), [trace_kv.TIMES])
+        with tempfile.TemporaryDirectory() as folder, mock.patch(
+                "checkpoint.os.fsync", side_effect=OSError(28, "No space left on device")):
+            self.assert_save_fails_in_one_line(folder, "No space left on device")
+            self.assertEqual(os.listdir(folder), [])
+
+    def test_a_write_stopped_among_its_renames_is_finished_before_anything_else(self):
+        with tempfile.TemporaryDirectory() as folder:
+            tmp = f".{trace_kv.TRACE}.tmp-99999999-0a1b2c3d.part"   # a killed process's
+            with open(os.path.join(folder, tmp), "w", encoding="utf-8") as f:
+                f.write(trace_kv._dumps(self.record))
+            with open(os.path.join(folder, checkpoint.JOURNAL), "w", encoding="utf-8") as f:
+                json.dump({"format": checkpoint.JOURNAL_FORMAT,
+                           "renames": [[tmp, trace_kv.TRACE]]}, f)
+            out, _ = self.run_main("--check", "--folder", folder)
+            self.assertIn("matches this run", out)
+            self.assertEqual(os.listdir(folder), [trace_kv.TRACE])

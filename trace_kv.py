@@ -26,9 +26,11 @@ if __name__ == "__main__":   # first: Ctrl-C while the modules below load ends i
 import argparse
 import json
 import platform
+import signal
 import time
 from collections import namedtuple
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from math import fsum
 
 import bandwidth
@@ -45,8 +47,8 @@ import paged
 import prefill
 import serving
 import speculative
-from checkpoint import (LAB, add_folder_flag, positive_int, read_json, run_command,
-                        write_atomically)
+from checkpoint import (LAB, add_folder_flag, finish_saving, positive_int, read_json,
+                        run_command, write_together)
 from documents import TIMES, TRACE
 from generate import load_trained
 from instruments import where_raised
@@ -55,6 +57,7 @@ from stories import openings, split_stories
 from trace_lesson import FULL_RECORD, summary
 
 MAX_WORKERS = 64   # the largest stage has 60 cases
+STOP_SECONDS = 5   # how long a terminated worker has to end before it is killed
 
 
 # ---- the stages of every Part, and the loop that runs them ---------------------------
@@ -115,30 +118,40 @@ def run(full_timing=False, folder=LAB, progress=None, workers=None, stories=None
     stages = [stage for stage in STAGES if stage.part <= parts]
     start = time.perf_counter()
     lab = _load(folder, stories)
-    done, started = {}, {}
-    with _workers(workers, folder, stories) as pool:
-        try:
-            while len(done) < len(stages):
-                for stage in stages:   # start each stage whose needs are done, in table order
-                    if stage.name not in started and all(need in done for need in stage.needs):
-                        needs = [done[need] for need in stage.needs]
-                        cases = stage.cases(lab) if callable(stage.cases) else stage.cases
-                        started[stage.name] = [pool.submit(_stage, stage.name, case, needs)
-                                               for case in ([None] if cases is None else cases)]
-                wait([f for futures in started.values() for f in futures if not f.done()],
-                     return_when=FIRST_COMPLETED)
-                for stage in stages:
-                    futures = started.get(stage.name)
-                    if stage.name not in done and futures and all(f.done() for f in futures):
-                        values = [f.result() for f in futures]
-                        done[stage.name] = (values[0] if stage.cases is None else
-                                            stage.gather(lab, values) if stage.gather else values)
-                        progress(stage.name, len(done), len(stages))
-        except BaseException:   # a stage that failed, or Ctrl-C: start nothing more
-            for futures in started.values():
-                for future in futures:
-                    future.cancel()
-            raise
+    done, results, left, waiting, running = {}, {}, {}, [], {}
+    pool = _workers(workers, folder, stories)
+    try:
+        while len(done) < len(stages):
+            for stage in stages:   # queue each stage whose needs are done, in table order
+                if stage.name not in left and all(need in done for need in stage.needs):
+                    needs = [done[need] for need in stage.needs]
+                    cases = stage.cases(lab) if callable(stage.cases) else stage.cases
+                    cases = [None] if cases is None else list(cases)
+                    results[stage.name], left[stage.name] = [None] * len(cases), len(cases)
+                    waiting += [(stage, i, case, needs) for i, case in enumerate(cases)]
+            while waiting and len(running) < workers:   # no more: a dead worker's is known
+                stage, i, case, needs = waiting.pop(0)
+                running[pool.submit(_stage, stage.name, case, needs)] = stage, i
+            for future in wait(running, return_when=FIRST_COMPLETED).done:
+                stage, i = running[future]
+                results[stage.name][i] = future.result()
+                del running[future]
+                left[stage.name] -= 1
+                if not left[stage.name]:
+                    values = results[stage.name]
+                    done[stage.name] = (values[0] if stage.cases is None else
+                                        stage.gather(lab, values) if stage.gather else values)
+                    progress(stage.name, len(done), len(stages))
+    except BrokenProcessPool:   # a worker killed (by the out-of-memory killer, say)
+        _stop(pool)
+        stopped = dict.fromkeys(f"{stage.name} (Part {stage.part})"
+                                for stage, _ in running.values())
+        raise StageFailed(f"a worker process died during stage {' or '.join(stopped)}, "
+                          f"killed by a signal or out of memory; the run was stopped") from None
+    except BaseException:   # a stage that failed, or Ctrl-C: start nothing more
+        _stop(pool)
+        raise
+    pool.shutdown()
     record = {}
     for stage in stages:
         if stage.record == "top":
@@ -194,18 +207,38 @@ class _Here:
         future.set_result(function(*args))
         return future
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    def shutdown(self, wait=True, cancel_futures=False):
+        pass
 
 
 def _workers(count, folder, stories):
     """Where the stages run: count processes (each loads the lab once), or this one."""
     if count == 1:
         return _Here()
-    return ProcessPoolExecutor(count, initializer=_load, initargs=(folder, stories))
+    return ProcessPoolExecutor(count, initializer=_start_worker, initargs=(folder, stories))
+
+
+def _start_worker(folder, stories):
+    """A worker's start: the default signal handlers, not the command's (a fork inherits
+    them; a worker that turned SIGTERM into SystemExit would take it for a stage's failure
+    and block, its result unread, when the pool ends it), then the lab."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _load(folder, stories)
+
+
+def _stop(pool):
+    """End a pool at once, its running stages too: cancel what has not started, terminate
+    its workers, and kill any still alive a few seconds later (never wait for ever)."""
+    workers = list((getattr(pool, "_processes", None) or {}).values())   # public in 3.14
+    for worker in workers:
+        worker.terminate()
+    pool.shutdown(wait=False, cancel_futures=True)
+    for worker in workers:
+        worker.join(STOP_SECONDS)
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
 
 
 # ---- timing (kv-time.json: it varies, and is never compared) ------------------------
@@ -234,8 +267,8 @@ def _dumps(data):
 
 def save_records(record, timing, folder=LAB):
     """Write kv-trace.json and kv-time.json in folder, and every document there (its
-    marked figures and blocks, and the pictures it marks), each file atomically, all
-    drawn before any is written: the names of what it wrote."""
+    marked figures and blocks, and the pictures it marks), all drawn before any is written,
+    and written as one set (checkpoint.write_together): the names of what it wrote."""
     texts, drawn = {}, {}
     for name in documents.documents(folder):
         with open(os.path.join(folder, name), encoding="utf-8") as f:
@@ -246,10 +279,7 @@ def save_records(record, timing, folder=LAB):
         except (KeyError, IndexError, TypeError, ValueError) as e:
             raise ValueError(f"{name}: a mark cannot be filled from this run "
                              f"({type(e).__name__}: {e}); nothing was written") from None
-    write_atomically(os.path.join(folder, TRACE), _dumps(record))
-    write_atomically(os.path.join(folder, TIMES), _dumps(timing))
-    for name, text in {**drawn, **texts}.items():
-        write_atomically(os.path.join(folder, name), text)
+    write_together(folder, {TRACE: _dumps(record), TIMES: _dumps(timing), **drawn, **texts})
     return [TRACE, TIMES] + ([f"the figures and pictures of {', '.join(texts)}"]
                              if texts else [])
 
@@ -341,6 +371,10 @@ def main(argv=None):
     if args.write and args.part != PARTS:
         parser.error(f"--write records every Part: leave out --part {args.part}")
     trace = _shown(os.path.join(args.folder, TRACE))
+    try:
+        finish_saving(args.folder)   # a --write stopped midway: its files all new, first
+    except (OSError, ValueError) as e:
+        sys.exit(f"trace_kv.py: error: {e}")
     unknown = unknown_names(args.folder) if args.write else []   # in a moment, before the run
     if unknown:
         sys.exit("trace_kv.py: error: marks that name nothing, so nothing was run or "
