@@ -241,7 +241,8 @@ class Refusals(unittest.TestCase):
 
     def test_shapes_a_latent_model_cannot_have_are_refused(self):
         for args, fragment in (((1, 4, 2, 16, 0, "learned", 8), "kv_heads must be heads 4"),
-                               ((1, 4, 4, 16, 0, "learned", 0), "latent must be an int >= 1"),
+                               ((1, 4, 4, 16, 0, "learned", 0), "latent must be an int >= 2"),
+                               ((1, 4, 4, 16, 0, "learned", 1), "a layer norm of one number"),
                                ((1, 4, 4, 16, 0, "learned", 8.0), "latent must be an int"),
                                ((1, 4, 4, 16, 0, "rotary", 8, 3), "rotary_key must be even"),
                                ((1, 4, 4, 16, 0, "rotary", 8, -2),
