@@ -52,7 +52,7 @@ def init_params(layers, heads, kv_heads, width, seed, positions="learned", laten
         rotary_key = max(2, width // heads // 4 * 2) if latent and positions == "rotary" else 0
     shape = {"layers": layers, "heads": heads, "kv_heads": kv_heads, "width": width,
              "positions": positions, "latent": latent, "rotary_key": rotary_key}
-    _check_shape(**shape)
+    check_model_shape(**shape)
     rng = random.Random(seed)
 
     def made(name, dims):   # a matrix of rows x columns, std 1 / sqrt(rows); g 1, b 0
@@ -67,7 +67,7 @@ def init_params(layers, heads, kv_heads, width, seed, positions="learned", laten
             **{name: made(name, dims) for name, dims in wanted.items()}}
 
 
-def _check_shape(layers, heads, kv_heads, width, positions, latent, rotary_key):
+def check_model_shape(layers, heads, kv_heads, width, positions, latent, rotary_key):
     """Refuse a shape that cannot be built: counts that are not ints >= 1, heads that do
     not divide the width, key-value heads that do not divide the heads, positions other
     than "learned" or "rotary", or, for rotary, an odd head width; a latent that is not
@@ -197,7 +197,7 @@ def check_params(params):
         raise ValueError(f"params must be deep_model.init_params(...)'s: a dict with a "
                          f"\"shape\" of {', '.join(SHAPE)}")
     shape = params["shape"]
-    _check_shape(**shape)
+    check_model_shape(**shape)
     if shape["positions"] == "rotary" and "pos_emb" in params:
         raise ValueError("params: a rotary model has no pos_emb (it turns q and k by position "
                          "instead); drop it, or make the shape's positions \"learned\"")
