@@ -38,11 +38,19 @@ def _scores(q, keys):
     return [dot(q, k_j) * SCALE for k_j in keys]
 
 
+def _check_keys(keys):
+    """Refuse a row with no keys, as softmax_row does (a kernel would divide 0 by 0)."""
+    if not keys:
+        raise ValueError("the attention got no keys: the row attends to no position (a "
+                         "position attends at least to itself)")
+
+
 def online(q, keys, values, rows=1):
     """One pass, BLOCK positions at a time, never holding more than a block of scores:
     the output so far (not yet divided by the sum) and the sum are rescaled by
     exp(old maximum - new maximum) whenever a block raises the maximum. A block whose
     scores are all -inf (masked) adds nothing, as its zero weights do in softmax_row."""
+    _check_keys(keys)
     top, total, out = -math.inf, 0.0, [0.0] * len(values[0])
     for first in range(0, len(keys), BLOCK):
         scores = _scores(q, keys[first:first + BLOCK])
@@ -76,6 +84,8 @@ def _summed(sums):
 def parts_of(length, parts):
     """The positions of each of at most parts parts of a row of length positions: runs of
     whole blocks, as even as blocks allow (so a row may get fewer parts than asked)."""
+    check_int("length", length, 1)
+    check_int("parts", parts, 1)
     per_part = math.ceil(math.ceil(length / BLOCK) / parts) * BLOCK
     return [range(first, min(first + per_part, length)) for first in range(0, length, per_part)]
 
@@ -99,6 +109,7 @@ def split(parts):
     check_int("parts", parts, 1)
 
     def attention(q, keys, values, rows=1):
+        _check_keys(keys)
         found = [_part(q, keys[p.start:p.stop], values[p.start:p.stop])
                  for p in parts_of(len(keys), parts)]
         top = max(part_top for part_top, _, _ in found)
@@ -144,6 +155,7 @@ def exact(parts):
     check_int("parts", parts, 1)
 
     def attention(q, keys, values, rows=1):
+        _check_keys(keys)
         cuts = [(keys[p.start:p.stop], values[p.start:p.stop]) for p in parts_of(len(keys), parts)]
         top = max(max(_scores(q, part_keys)) for part_keys, _ in cuts)
         total = fsum([x for part_keys, _ in cuts
@@ -163,6 +175,8 @@ def split_count(rows, length):
     fill 80% of them; else, of the counts up to PROCESSORS and the row's blocks that change
     how many blocks a part gets, the fewest whose waves (rows x parts / PROCESSORS, rounded
     up) are at least 85% as full as the fullest count's."""
+    check_int("rows", rows, 1)
+    check_int("length", length, 1)
     if rows >= 0.8 * PROCESSORS:
         return 1
     blocks = math.ceil(length / BLOCK)

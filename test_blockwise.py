@@ -262,6 +262,19 @@ class Heuristic(unittest.TestCase):
         self.assertGreater(splits[0], 1)
         self.assertEqual(splits[-1], 1)
 
+    def test_rows_of_no_keys_and_bad_counts_are_refused(self):
+        """No keys (softmax_row refuses them too), no rows, no positions, no parts: a
+        ValueError naming the input, not ZeroDivisionError, IndexError or range's."""
+        for name, kind in blockwise.KINDS.items():
+            with self.subTest(kind=name), self.assertRaisesRegex(ValueError, "got no keys"):
+                kind([1.0] * 4, [], [])
+        for call, fragment in ((lambda: blockwise.parts_of(10, 0), "parts must be an int >= 1"),
+                               (lambda: blockwise.parts_of(0, 2), "length must be an int >= 1"),
+                               (lambda: blockwise.split_count(0, 64), "rows must be an int >= 1"),
+                               (lambda: blockwise.split_count(1, 0), "length must be an int >= 1")):
+            with self.subTest(fragment=fragment), self.assertRaisesRegex(ValueError, fragment):
+                call()
+
     def test_bad_split_counts_and_attentions_are_refused(self):
         import paged
         import serving
