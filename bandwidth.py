@@ -10,11 +10,13 @@ its own cache. floats_read counts a step's reads by formula for any deep_model s
 lesson's model is the shape LESSON); the tests count them in the real steps with
 instruments.count_reads. The bound for real models comes from their published shapes.
 """
+import math
+
 import svg
 from deep_model import DEEP_SHAPES, heads_of, init_params
 from documents import shown, table
-from latent_attention import LATENT_SHAPES, cache_floats, real_cache_bytes
-from model import CONTEXT, VOCAB_SIZE, WIDTH
+from latent_attention import LATENT_SHAPES, cache_floats, check_formula, real_cache_bytes
+from model import CONTEXT, VOCAB_SIZE, WIDTH, check_int, excerpt
 
 LESSON = {"layers": 1, "heads": 1, "kv_heads": 1, "width": WIDTH, "positions": "learned",
           "latent": None, "rotary_key": 0}   # model.py's model (its MLP 4 x width wide too)
@@ -26,7 +28,8 @@ def floats_read(shape, held, path="cached"):
     token (and position), every matrix and vector of every layer that the path uses, and
     the output layer. Cache: every held key and value, or latent and rotary key (its own
     new ones it computes, and does not read). path as latent_attention.multiply_adds
-    takes it: "cached", "rebuilt" or "absorbed"."""
+    takes it: "cached", "rebuilt" or "absorbed" (and refuses what it refuses)."""
+    check_formula(shape, "held", held, path)
     heads, d, _, _, _ = heads_of(shape)
     width, latent, r = shape["width"], shape["latent"], shape["rotary_key"]
     layer = (2 * width + width * width + width * width     # ln1, Wq, Wo
@@ -101,6 +104,12 @@ def bound(model, context, batch=1, bandwidth=A100_BYTES_PER_SECOND):
     """The most tokens a second that a batch of batch requests, each at this context,
     can decode in all: bandwidth / (weights / batch + one request's cache), since a step
     reads the weights once for the batch and each request's own cache."""
+    _check_request(model, batch)
+    check_int("context", context, 0)
+    if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) \
+            or not 0 < bandwidth < math.inf:
+        raise ValueError(f"bandwidth must be a number of bytes a second > 0, got "
+                         f"{excerpt(bandwidth)}")
     return bandwidth / (model["weight_bytes_read"] / batch
                         + context * cache_bytes_per_token(model))
 
@@ -108,7 +117,18 @@ def bound(model, context, batch=1, bandwidth=A100_BYTES_PER_SECOND):
 def cache_outweighs_weights(model, batch):
     """The shortest context at which a request's cache outweighs its share of the weights
     in a batch of batch requests."""
+    _check_request(model, batch)
     return int(model["weight_bytes_read"] / batch // cache_bytes_per_token(model)) + 1
+
+
+def _check_request(model, batch):
+    """Refuse a model that is not a dict as LLAMA_2_7B (its layers, kv_heads or latent and
+    rotary_key, and weight_bytes_read), or a batch that is not an int >= 1."""
+    if not isinstance(model, dict) or not {"layers", "weight_bytes_read"} <= set(model) \
+            or not {"kv_heads", "latent"} & set(model):
+        raise ValueError("model must be a dict as bandwidth.LLAMA_2_7B: its layers, kv_heads "
+                         "(or latent and rotary_key) and weight_bytes_read")
+    check_int("batch", batch, 1)
 
 
 # ---- the experiment (a stage of trace_kv.py) ---------------------------------------

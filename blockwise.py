@@ -18,6 +18,7 @@ FlashAttention-2 does.
 """
 import math
 import random
+import sys
 from math import exp, fsum
 
 from batched import exact_attention, forward_rows
@@ -30,32 +31,61 @@ from stories import story_ids
 
 BLOCK = 4        # positions a block, as the experiment's pool keeps them
 PROCESSORS = 8   # the processors a step's rows and parts share (heuristic fills them)
+MOST_PARTIALS = 2100 // 53 + 2   # floats span 2**-1074 to 2**1024, 53 bits a partial
 
 
 def _scores(q, keys):
     return [dot(q, k_j) * SCALE for k_j in keys]
 
 
+def _check_keys(keys):
+    """Refuse a row with no keys, as softmax_row does (a kernel would divide 0 by 0)."""
+    if not keys:
+        raise ValueError("the attention got no keys: the row attends to no position (a "
+                         "position attends at least to itself)")
+
+
 def online(q, keys, values, rows=1):
     """One pass, BLOCK positions at a time, never holding more than a block of scores:
     the output so far (not yet divided by the sum) and the sum are rescaled by
-    exp(old maximum - new maximum) whenever a block raises the maximum."""
+    exp(old maximum - new maximum) whenever a block raises the maximum. A block whose
+    scores are all -inf (masked) adds nothing, as its zero weights do in softmax_row."""
+    _check_keys(keys)
     top, total, out = -math.inf, 0.0, [0.0] * len(values[0])
     for first in range(0, len(keys), BLOCK):
         scores = _scores(q, keys[first:first + BLOCK])
         new_top = max(top, *scores)
+        if new_top == -math.inf:
+            continue
         rescale = exp(top - new_top)              # 0.0 at the first block
         weights = [exp(s - new_top) for s in scores]
         total = total * rescale + fsum(weights)
-        out = [o * rescale + dot(weights, column)
-               for o, column in zip(out, zip(*values[first:first + BLOCK]))]
+        out = _summed(lambda: [o * rescale + dot(weights, column) for o, column
+                               in zip(out, zip(*values[first:first + BLOCK]))])
         top = new_top
+    if top == -math.inf:   # every score -inf: softmax_row's 0 / 0 (NaN) too
+        return [math.nan] * len(out)
     return [o / total for o in out]
+
+
+def _summed(sums):
+    """sums(), refusing clearly what overflows a float: a kernel's output not yet divided
+    by its sum (up to BLOCK or a part's values, each times up to 1) can overflow where
+    forward_step's (the weights divided first) does not."""
+    try:
+        return sums()
+    except OverflowError:
+        raise ValueError(f"values too large for this attention: its sums of values not yet "
+                         f"divided by the softmax's sum overflow a float (beyond "
+                         f"{sys.float_info.max:g}); keep values within 1e300, or use "
+                         f"an exact kind") from None
 
 
 def parts_of(length, parts):
     """The positions of each of at most parts parts of a row of length positions: runs of
     whole blocks, as even as blocks allow (so a row may get fewer parts than asked)."""
+    check_int("length", length, 1)
+    check_int("parts", parts, 1)
     per_part = math.ceil(math.ceil(length / BLOCK) / parts) * BLOCK
     return [range(first, min(first + per_part, length)) for first in range(0, length, per_part)]
 
@@ -65,8 +95,10 @@ def _part(q, keys, values):
     values weighted by those exps, not yet divided by any sum."""
     scores = _scores(q, keys)
     top = max(scores)
+    if top == -math.inf:   # a masked part: no weight (exp(-inf - -inf) would be NaN)
+        return top, 0.0, [0.0] * len(values[0])
     weights = [exp(s - top) for s in scores]
-    return top, fsum(weights), [dot(weights, column) for column in zip(*values)]
+    return top, fsum(weights), _summed(lambda: [dot(weights, column) for column in zip(*values)])
 
 
 def split(parts):
@@ -77,13 +109,16 @@ def split(parts):
     check_int("parts", parts, 1)
 
     def attention(q, keys, values, rows=1):
+        _check_keys(keys)
         found = [_part(q, keys[p.start:p.stop], values[p.start:p.stop])
                  for p in parts_of(len(keys), parts)]
         top = max(part_top for part_top, _, _ in found)
+        if top == -math.inf:   # every score -inf: softmax_row's 0 / 0 (NaN) too
+            return [math.nan] * len(values[0])
         factors = [exp(part_top - top) for part_top, _, _ in found]
         total = fsum(part_total * f for (_, part_total, _), f in zip(found, factors))
-        return [fsum(o * f for o, f in zip(outputs, factors)) / total
-                for outputs in zip(*(part_out for _, _, part_out in found))]
+        return _summed(lambda: [fsum(o * f for o, f in zip(outputs, factors)) / total
+                                for outputs in zip(*(part_out for _, _, part_out in found))])
     return attention
 
 
@@ -92,13 +127,23 @@ def exact_partials(terms):
     (after Shewchuk, 1997), found here with fsum itself: the correctly rounded sum, then
     the correctly rounded sum of what it missed, and so on until nothing is missed. Each
     fsum is exact in what it is given, so the floats found so far and the remainder
-    always add up to the terms' sum; a few rounds leave no remainder."""
+    always add up to the terms' sum; a few rounds leave no remainder (each remainder is
+    at most 2**-53 times the last, so never more than MOST_PARTIALS). Terms that sum to
+    NaN or an infinity give just that sum, as fsum does; a sum beyond the largest float
+    is refused."""
     terms, partials = list(terms), []
-    while True:
-        missed = fsum(terms + [-p for p in partials])
+    for _ in range(MOST_PARTIALS):
+        try:
+            missed = fsum(terms + [-p for p in partials])
+        except OverflowError:
+            raise ValueError(f"terms sum beyond the largest float ({sys.float_info.max:g}): "
+                             f"they have no exact partials") from None
         if not missed:
             return partials
+        if not math.isfinite(missed):   # only the first sum can be (NaN is truthy)
+            return [missed]
         partials.append(missed)
+    raise ValueError(f"exact_partials found no exact sum in {MOST_PARTIALS} rounds")
 
 
 def exact(parts):
@@ -110,6 +155,7 @@ def exact(parts):
     check_int("parts", parts, 1)
 
     def attention(q, keys, values, rows=1):
+        _check_keys(keys)
         cuts = [(keys[p.start:p.stop], values[p.start:p.stop]) for p in parts_of(len(keys), parts)]
         top = max(max(_scores(q, part_keys)) for part_keys, _ in cuts)
         total = fsum([x for part_keys, _ in cuts
@@ -129,6 +175,8 @@ def split_count(rows, length):
     fill 80% of them; else, of the counts up to PROCESSORS and the row's blocks that change
     how many blocks a part gets, the fewest whose waves (rows x parts / PROCESSORS, rounded
     up) are at least 85% as full as the fullest count's."""
+    check_int("rows", rows, 1)
+    check_int("length", length, 1)
     if rows >= 0.8 * PROCESSORS:
         return 1
     blocks = math.ceil(length / BLOCK)

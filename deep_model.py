@@ -35,6 +35,7 @@ from model import (CONTEXT, VOCAB_SIZE, WIDTH, add, band, causal, check_ids, che
 
 BASE = 10000.0   # of the rotary angles
 SHAPE = ("layers", "heads", "kv_heads", "width", "positions", "latent", "rotary_key")
+MAX_NUMBERS = 10 ** 7   # in a model's params: about 300 MB of floats, seconds to make
 
 
 def init_params(layers, heads, kv_heads, width, seed, positions="learned", latent=None,
@@ -51,7 +52,7 @@ def init_params(layers, heads, kv_heads, width, seed, positions="learned", laten
         rotary_key = max(2, width // heads // 4 * 2) if latent and positions == "rotary" else 0
     shape = {"layers": layers, "heads": heads, "kv_heads": kv_heads, "width": width,
              "positions": positions, "latent": latent, "rotary_key": rotary_key}
-    _check_shape(**shape)
+    check_model_shape(**shape)
     rng = random.Random(seed)
 
     def made(name, dims):   # a matrix of rows x columns, std 1 / sqrt(rows); g 1, b 0
@@ -66,14 +67,13 @@ def init_params(layers, heads, kv_heads, width, seed, positions="learned", laten
             **{name: made(name, dims) for name, dims in wanted.items()}}
 
 
-def _check_shape(layers, heads, kv_heads, width, positions, latent, rotary_key):
+def check_model_shape(layers, heads, kv_heads, width, positions, latent, rotary_key):
     """Refuse a shape that cannot be built: counts that are not ints >= 1, heads that do
     not divide the width, key-value heads that do not divide the heads, positions other
     than "learned" or "rotary", or, for rotary, an odd head width; a latent that is not
-    None or an int >= 1, or shared by grouped heads; a rotary key that is not an even int
-    >= 0, or not 0 without a latent and rotary positions."""
-    for name, value in (("layers", layers), ("heads", heads), ("kv_heads", kv_heads),
-                        ("width", width)):
+    None or an int >= 2, or shared by grouped heads; a rotary key that is not an even int
+    >= 0, or not 0 without a latent and rotary positions; more than MAX_NUMBERS numbers."""
+    for name, value in zip(SHAPE, (layers, heads, kv_heads, width)):
         check_int(name, value, 1)
     if width % heads:
         raise ValueError(f"width {width} must be a multiple of heads {heads}")
@@ -86,7 +86,7 @@ def _check_shape(layers, heads, kv_heads, width, positions, latent, rotary_key):
         raise ValueError(f"rotary positions turn pairs of numbers: the head width "
                          f"{width // heads} (width {width} / heads {heads}) must be even")
     if latent is not None:
-        check_int("latent", latent, 1)
+        check_int("latent", latent, 2, why=": a layer norm of one number is always its bias")
         if kv_heads != heads:
             raise ValueError(f"a latent model rebuilds a key and a value for every head: "
                              f"kv_heads must be heads {heads}, got {kv_heads}")
@@ -98,6 +98,12 @@ def _check_shape(layers, heads, kv_heads, width, positions, latent, rotary_key):
         raise ValueError("a rotary key of its own (rotary_key > 0) is for a latent model "
                          "with rotary positions; give latent= and positions=\"rotary\", "
                          "or rotary_key=0")
+    one = param_shapes(dict(zip(SHAPE, (1, heads, kv_heads, width, positions, latent, rotary_key))))
+    numbers = layers * sum(map(math.prod, one.pop("blocks")[0].values())) + sum(
+        map(math.prod, one.values()))
+    if numbers > MAX_NUMBERS:
+        raise ValueError(f"a model of this shape holds {numbers:,} numbers, more than "
+                         f"{MAX_NUMBERS:,}: give fewer layers or a smaller width")
 
 
 def _columns(params):
@@ -191,11 +197,10 @@ def check_params(params):
         raise ValueError(f"params must be deep_model.init_params(...)'s: a dict with a "
                          f"\"shape\" of {', '.join(SHAPE)}")
     shape = params["shape"]
-    _check_shape(**shape)
+    check_model_shape(**shape)
     if shape["positions"] == "rotary" and "pos_emb" in params:
-        raise ValueError("params: a rotary model has no pos_emb (it turns q and k by their "
-                         "position instead); drop it, or make the shape's positions "
-                         "\"learned\"")
+        raise ValueError("params: a rotary model has no pos_emb (it turns q and k by position "
+                         "instead); drop it, or make the shape's positions \"learned\"")
     if shape["positions"] == "learned" and "pos_emb" not in params:
         raise ValueError("params: a model of learned positions needs its pos_emb table")
     wanted = param_shapes(shape)
@@ -421,14 +426,11 @@ def experiment(lab):
     mask, changed = band(8), [(ids[0] + 1) % VOCAB_SIZE] + ids[1:]
     for layers in (1, 2, 3):
         params, rows, _ = fed_deep_model(layers, 2, ids, mask)
-        full = forward(params, ids, mask)
-        other = forward(params, changed, mask)
+        full, other = forward(params, ids, mask), forward(params, changed, mask)
         reached = [p for p, (a, b) in enumerate(zip(full, other)) if a != b]
-        window.append({"layers": layers, "window": 8,
-                       "cached_equals_full_pass": rows == full,
+        window.append({"layers": layers, "window": 8, "cached_equals_full_pass": rows == full,
                        "last_position_token_0_reaches": reached[-1],
-                       "largest_logit_change_at_position_14": largest_gap([full[14]],
-                                                                          [other[14]])})
+                       "largest_logit_change_at_position_14": largest_gap([full[14]], [other[14]])})
     return {"positions": len(ids), "shapes": shapes, "window_through_layers": window}
 
 

@@ -150,14 +150,18 @@ def work(prompt_tokens, generated_tokens):
     tokens and generated_tokens chosen tokens (one model call per chosen token)."""
     model.check_int("prompt_tokens", prompt_tokens, 0)
     model.check_int("generated_tokens", generated_tokens, 0)
-    # Without the cache, call s runs the model on all n = prompt_tokens + s tokens in hand.
-    calls = range(prompt_tokens, prompt_tokens + generated_tokens)
+    # Without the cache, call s runs the model on all n = prompt_tokens + s tokens in hand:
+    # n rows, and n (n + 1) / 2 scores (row i has i + 1), summed over the calls by formula.
+    p, g = prompt_tokens, generated_tokens
+
+    def scores_below(m):   # the scores of the calls with n = 0 .. m - 1 (tetrahedral)
+        return (m - 1) * m * (m + 1) // 6
     # With it, every position is fed once, except the last chosen token (never fed back).
-    fed = prompt_tokens + generated_tokens - 1 if generated_tokens else 0
+    fed = p + g - 1 if g else 0
     return {
-        "uncached_rows": sum(calls),
+        "uncached_rows": g * p + g * (g - 1) // 2,
         "cached_rows": fed,
-        "uncached_scores": sum(n * (n + 1) // 2 for n in calls),   # row i has i + 1 scores
+        "uncached_scores": scores_below(p + g) - scores_below(p),
         "cached_scores": fed * (fed + 1) // 2,
     }
 

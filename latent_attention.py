@@ -17,17 +17,20 @@ measures what absorption does to it.
 """
 from collections import namedtuple
 
-from deep_model import (BASE, DeepCache, check_params, check_step, compressed, deep_ids,
-                        forward, forward_step, heads_of, init_params, latent_query)
+from deep_model import (BASE, SHAPE, DeepCache, check_model_shape, check_params, check_step,
+                        compressed, deep_ids, forward, forward_step, heads_of, init_params,
+                        latent_query)
 from documents import bold, shown, table
 from instruments import largest_gap
-from model import VOCAB_SIZE, WIDTH, add, dot, layernorm, linear, relu, softmax_row
+from model import (VOCAB_SIZE, WIDTH, add, check_int, dot, excerpt, layernorm, linear, relu,
+                   softmax_row)
 
 Folded = namedtuple("Folded", "params blocks")
 Folded.__doc__ = """A latent model's weights folded for the absorbed path, once per model:
 params, and per layer "to_latent" (each head's columns of Wuk, rows of its map from the
-query to latent space) and "out" (Wuv_h Wo_h for every head, stacked head by head, by
-columns)."""
+query to latent space), "out" (Wuv_h Wo_h for every head, stacked head by head, by
+columns) and "of" (a 1-tuple of the params' block it was folded from: absorbed_step checks
+that it is its params', by identity, reading no weight)."""
 
 
 def fold(params):
@@ -55,8 +58,29 @@ def _fold(params):
                for h in range(heads) for row in block["Wuv"]]   # row m of Wuv_h times Wo_h
         blocks.append({"to_latent": [[row[h * d:(h + 1) * d] for row in block["Wuk"]]
                                      for h in range(heads)],
-                       "out": [list(column) for column in zip(*out)]})
+                       "out": [list(column) for column in zip(*out)], "of": (block,)})
     return Folded(params, blocks)
+
+
+def _check_folded(folded):
+    """Refuse a Folded that fold(folded.params) would not give: not one block of the right
+    sizes for each layer, folded from that layer of its params (by identity, as a cache
+    belongs to its params: a deep copy is another model)."""
+    params, blocks = folded.params, folded.blocks
+    heads = params["shape"]["heads"]
+    if not isinstance(blocks, list) or len(blocks) != len(params["blocks"]):
+        raise ValueError(f"folded must hold a block for each of its params' "
+                         f"{len(params['blocks'])} layers; fold(params) makes them")
+    for layer, (block, made) in enumerate(zip(params["blocks"], blocks)):
+        try:
+            fits = (len(made["to_latent"]) == heads and len(made["out"]) == len(block["Wo"])
+                    and len(made["out"][0]) == heads * len(block["Wuv"])
+                    and made["of"][0] is block)
+        except (TypeError, KeyError, IndexError):
+            fits = False
+        if not fits:
+            raise ValueError(f"folded's block {layer} is not fold(params)'s for its params "
+                             f"(another model's, or made by hand): fold(params) again")
 
 
 def absorbed_step(folded, cache, token_id, position):
@@ -69,6 +93,7 @@ def absorbed_step(folded, cache, token_id, position):
         raise ValueError("absorbed_step needs latent_attention.fold(params)")
     params = folded.params
     check_step(params, cache, token_id, position)
+    _check_folded(folded)
     shape = params["shape"]
     heads, d, d_key, _, scale = heads_of(shape)
     thetas = r_thetas = []
@@ -111,12 +136,42 @@ def absorbed_step(folded, cache, token_id, position):
 
 # ---- work and memory, by formula ----------------------------------------------------
 
+PATHS = ("cached", "rebuilt", "absorbed")   # a decode step's ways through the attention
+
+
+def check_formula(shape, count_name, count, path):
+    """Refuse, for a formula of one decode step, a shape deep_model.init_params would
+    refuse, a count of positions (named count_name) that is not an int >= 0, and a path
+    not in PATHS or not its shape's: "cached" keys and values, "rebuilt" and "absorbed"
+    a latent model's."""
+    if not isinstance(shape, dict) or set(shape) != set(SHAPE):
+        raise ValueError(f"shape must be a deep_model shape, as params[\"shape\"] holds it: "
+                         f"a dict of {', '.join(SHAPE)}")
+    check_model_shape(**shape)
+    check_int(count_name, count, 0)
+    if path not in PATHS:
+        raise ValueError(f"path must be \"cached\", \"rebuilt\" or \"absorbed\", got "
+                         f"{excerpt(path)}")
+    if path == "cached" and shape["latent"]:
+        raise ValueError("path \"cached\" is a cache of keys and values, and this shape has a "
+                         "latent: give path \"rebuilt\" or \"absorbed\"")
+    if path != "cached" and not shape["latent"]:
+        raise ValueError(f"path {path!r} reads a latent, and this shape has none (latent "
+                         f"None): give path \"cached\"")
+
+
 def cache_floats(layers, kv_heads, head_width, latent=None, rotary_key=0):
     """The numbers a cache keeps per position: per layer a latent and a rotary key, or a
     key (head_width + rotary_key wide, as in a latent model's keys rebuilt) and a value
-    (head_width) for each key-value head."""
-    if latent:
+    (head_width) for each key-value head. Refuses counts that are not ints >= 1 (the
+    rotary key >= 0)."""
+    check_int("layers", layers, 1)
+    check_int("rotary_key", rotary_key, 0)
+    if latent is not None:
+        check_int("latent", latent, 1)
         return layers * (latent + rotary_key)
+    check_int("kv_heads", kv_heads, 1)
+    check_int("head_width", head_width, 1)
     return layers * kv_heads * (2 * head_width + rotary_key)
 
 
@@ -124,7 +179,9 @@ def multiply_adds(shape, attended, path):
     """Products summed (in every dot product: linear layers, turns, scores, weighted sums)
     by one decode step of a deep_model of this shape (params["shape"]) attending to
     attended positions: path "cached" for a model that caches keys and values, "rebuilt"
-    (deep_model.forward_step) or "absorbed" (absorbed_step) for a latent model."""
+    (deep_model.forward_step) or "absorbed" (absorbed_step) for a latent model. Refuses
+    what check_formula refuses."""
+    check_formula(shape, "attended", attended, path)
     heads, width, r = shape["heads"], shape["width"], shape["rotary_key"]
     d, latent_width, t = width // heads, shape["latent"], attended
     turned = shape["positions"] == "rotary"

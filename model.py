@@ -6,6 +6,7 @@ operations in the same order, so a row's result does not depend on how many othe
 are computed with it. That is what lets the KV cache (kv_cache.py) reproduce this
 forward pass bit for bit. The backward pass at the end is what training uses.
 """
+import functools
 import math
 import random
 import reprlib
@@ -234,6 +235,24 @@ def check_mask(mask, positions, start=0):
                              f"no other")
 
 
+def refusing_overflow(forward):
+    """forward, refusing by name the weights that overflow a float on the way (fsum's
+    "intermediate overflow" or "-inf + inf", from deep inside a row): the check runs only
+    then, so the rows pay nothing for it."""
+    @functools.wraps(forward)
+    def checked(params, *args, **kwargs):
+        try:
+            return forward(params, *args, **kwargs)
+        except (OverflowError, ValueError) as error:
+            if not str(error).endswith("in fsum"):
+                raise
+            check_params(params)   # names the first weight too large, if one is
+            raise ValueError(f"params: a row's sums overflow a float ({error}): the "
+                             f"weights are too large for this model") from None
+    return checked
+
+
+@refusing_overflow
 def forward(params, ids, mask=causal):
     """Next-token logits for every position of ids, and what the backward pass needs.
 

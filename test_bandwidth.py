@@ -223,5 +223,22 @@ class Bound(unittest.TestCase):
                 self.assertLess(abs(achieved / m["measured_gb_per_s"] - 1), 0.05)
 
 
+class Refusals(unittest.TestCase):
+
+    def test_the_formulas_refuse_a_misspelt_path_a_negative_count_and_no_batch(self):
+        latent = deep_model.init_params(1, 4, 4, 16, 0, "rotary", 8)["shape"]
+        for call, fragment in (
+                (lambda: bandwidth.floats_read(latent, 16, "rebuild"), "path must be \"cached\""),
+                (lambda: bandwidth.floats_read(bandwidth.LESSON, -1), "held must be an int >= 0"),
+                (lambda: bandwidth.floats_read(None, 3), "shape must be a deep_model shape"),
+                (lambda: bandwidth.cache_outweighs_weights(bandwidth.LLAMA_2_7B, 0),
+                 "batch must be an int >= 1"),
+                (lambda: bandwidth.bound(bandwidth.LLAMA_2_7B, -5), "context must be an int >= 0"),
+                (lambda: bandwidth.bound(bandwidth.LLAMA_2_7B, 5, 1, 0), "bandwidth must be"),
+                (lambda: bandwidth.bound({"layers": 32}, 5), "model must be a dict as")):
+            with self.subTest(fragment=fragment), self.assertRaisesRegex(ValueError, fragment):
+                call()
+
+
 if __name__ == "__main__":
     unittest.main()

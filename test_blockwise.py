@@ -6,6 +6,7 @@ import ast
 import math
 import random
 import unittest
+import unittest.mock
 
 import batched
 import blockwise
@@ -158,6 +159,37 @@ class Kinds(unittest.TestCase):
                 self.assertEqual(sum(map(Fraction, blockwise.exact_partials(terms)), Fraction(0)),
                                  sum(map(Fraction, terms), Fraction(0)))
 
+    def test_exact_partials_end_on_nan_infinities_and_overflow(self):
+        """NaN (truthy, so no remainder ever looks like none) and an infinity give fsum's
+        sum in one round, counted with fsum; a sum beyond the largest float is refused."""
+        with few_sums():
+            self.assertTrue(math.isnan(blockwise.exact_partials([1.0, math.nan])[0]))
+            self.assertEqual(blockwise.exact_partials([math.inf, 1.0]), [math.inf])
+        with self.assertRaisesRegex(ValueError, "terms sum beyond the largest float"):
+            blockwise.exact_partials([1.7e308] * 8)
+
+    def test_every_kind_reads_a_masked_block_as_the_exact_attention_does(self):
+        """Keys whose scores are all -inf in a block (or a part) weigh nothing, as in
+        softmax_row; a row all -inf is NaN in every kind, as in exact_attention."""
+        q, values = [1.0] * 4, [[float(j), -2.0 * j] for j in range(12)]
+        masked = [[-math.inf] * 4] * 4 + [[0.5 * j] * 4 for j in range(8)]
+        expected = batched.exact_attention(q, masked, values)
+        for name, kind in blockwise.KINDS.items():
+            with self.subTest(kind=name), few_sums():
+                for got, want in zip(kind(q, masked, values), expected):
+                    self.assertAlmostEqual(got, want, delta=ROUNDING)
+                self.assertTrue(all(map(math.isnan, kind(q, [[-math.inf] * 4] * 12, values))))
+
+    def test_values_a_kinds_unscaled_sums_overflow_are_refused(self):
+        """Values of 1.7e308: the exact kinds give exact_attention's; the online and split
+        kinds, whose sums come before the division, refuse them by name."""
+        q, keys, values = [1.0] * 4, [[1.0] * 4] * 8, [[1.7e308] * 2] * 8
+        expected = batched.exact_attention(q, keys, values)
+        self.assertEqual(blockwise.exact(2)(q, keys, values), expected)
+        for kind in (blockwise.online, blockwise.split(2)):
+            with self.assertRaisesRegex(ValueError, "values too large for this attention"):
+                kind(q, keys, values)
+
     def test_parts_are_runs_of_whole_blocks_covering_every_position_once(self):
         for length in range(1, 65):
             for parts in range(1, 10):
@@ -230,6 +262,19 @@ class Heuristic(unittest.TestCase):
         self.assertGreater(splits[0], 1)
         self.assertEqual(splits[-1], 1)
 
+    def test_rows_of_no_keys_and_bad_counts_are_refused(self):
+        """No keys (softmax_row refuses them too), no rows, no positions, no parts: a
+        ValueError naming the input, not ZeroDivisionError, IndexError or range's."""
+        for name, kind in blockwise.KINDS.items():
+            with self.subTest(kind=name), self.assertRaisesRegex(ValueError, "got no keys"):
+                kind([1.0] * 4, [], [])
+        for call, fragment in ((lambda: blockwise.parts_of(10, 0), "parts must be an int >= 1"),
+                               (lambda: blockwise.parts_of(0, 2), "length must be an int >= 1"),
+                               (lambda: blockwise.split_count(0, 64), "rows must be an int >= 1"),
+                               (lambda: blockwise.split_count(1, 0), "length must be an int >= 1")):
+            with self.subTest(fragment=fragment), self.assertRaisesRegex(ValueError, fragment):
+                call()
+
     def test_bad_split_counts_and_attentions_are_refused(self):
         import paged
         import serving
@@ -243,6 +288,19 @@ class Heuristic(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "attention must be a function of"):
             serving.serve(PARAMS, TOK, [{"prompt": OPENINGS[0]}], pool, 1, attention=5)
         self.assertEqual(pool.free_blocks(), 8)
+
+
+def few_sums(most=1000):
+    """A patch of blockwise's fsum that fails after most sums: a loop that would not end
+    (on a NaN, say) fails the test instead of hanging it."""
+    calls = []
+
+    def counted(terms):
+        calls.append(1)
+        if len(calls) > most:
+            raise AssertionError(f"blockwise took more than {most} sums")
+        return math.fsum(terms)
+    return unittest.mock.patch.object(blockwise, "fsum", counted)
 
 
 def _call_of(node, name):

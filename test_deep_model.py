@@ -6,6 +6,7 @@ drops what a row sees in one layer but not through several."""
 import ast
 import copy
 import random
+import time
 import unittest
 
 import deep_model
@@ -158,7 +159,7 @@ class Exactness(unittest.TestCase):
     def test_random_shapes_masks_and_inputs(self):
         """Case n draws, from random.Random(n), 1 to 3 layers, a width of 4 to 24, heads
         that divide it and key-value heads that divide those (or, one case in three, a
-        latent of 1 to 12 and, if rotary, a rotary key of 0 to 6), learned or (for an even
+        latent of 2 to 12 and, if rotary, a rotary key of 0 to 6), learned or (for an even
         head width) rotary positions, a seed, 1 to 20 random tokens, and the causal mask
         or a band of 1 to 8 (with sinks): every cached row == the full pass's, and the
         cache keeps 2 x layers x kv_heads x head width numbers a position (the rotation
@@ -172,7 +173,7 @@ class Exactness(unittest.TestCase):
             positions = rng.choice(("learned", "rotary")) if width // heads % 2 == 0 else "learned"
             latent, rotary_key = None, 0
             if rng.randrange(3) == 0:
-                kv_heads, latent = heads, rng.randint(1, 12)
+                kv_heads, latent = heads, rng.randint(2, 12)
                 rotary_key = rng.choice((0, 2, 4, 6)) if positions == "rotary" else 0
             params = deep_model.init_params(layers, heads, kv_heads, width, rng.randrange(99),
                                             positions, latent, rotary_key)
@@ -390,6 +391,19 @@ class Window(unittest.TestCase):
 
 
 class Refusals(unittest.TestCase):
+
+    def test_shapes_too_large_to_build_are_refused_at_once(self):
+        """A million layers (about 100 GB), a width of a billion, and the same sizes in a
+        hand-made params' shape: refused before a weight is made, within a second."""
+        params = deep_model.init_params(1, 4, 4, 16, 0)
+        started = time.process_time()
+        with self.assertRaisesRegex(ValueError, "more than 10,000,000"):
+            deep_model.DeepCache(dict(params, shape=dict(params["shape"], layers=10 ** 12)))
+        for args in ((10 ** 6, 4, 4, 16, 0), (1, 1, 1, 10 ** 9, 0), (10 ** 12, 4, 4, 16, 0)):
+            with self.assertRaisesRegex(ValueError,
+                                        "numbers, more than 10,000,000: give fewer layers"):
+                deep_model.init_params(*args)
+        self.assertLess(time.process_time() - started, 1.0)
 
     def test_bad_shapes_and_misuse_are_refused(self):
         for args, fragment in (((0, 4, 2, 16, 0), "layers must be an int >= 1"),

@@ -10,6 +10,7 @@ import random
 import re
 import subprocess
 import sys
+import time
 import textwrap
 import unittest
 from contextlib import redirect_stdout
@@ -432,6 +433,21 @@ class Work(unittest.TestCase):
         for bad in (-1, 1.0, True, None):
             with self.assertRaisesRegex(ValueError, "prompt_tokens"):
                 kv_cache.work(bad, 1)
+
+    def test_work_formula_sums_any_length_at_once(self):
+        """The counts of 0 to 30 prompt and chosen tokens, summed call by call here, and
+        ten million chosen tokens at once (a sum call by call takes seconds)."""
+        for p in range(31):
+            for g in range(31):
+                calls = range(p, p + g)
+                with self.subTest(prompt_tokens=p, generated_tokens=g):
+                    counts = kv_cache.work(p, g)
+                    self.assertEqual(counts["uncached_rows"], sum(calls))
+                    self.assertEqual(counts["uncached_scores"],
+                                     sum(n * (n + 1) // 2 for n in calls))
+        started = time.process_time()
+        self.assertEqual(kv_cache.work(0, 10 ** 7)["uncached_rows"], 10 ** 7 * (10 ** 7 - 1) // 2)
+        self.assertLess(time.process_time() - started, 0.05)
 
 
 class Misuse(unittest.TestCase):

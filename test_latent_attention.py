@@ -241,7 +241,8 @@ class Refusals(unittest.TestCase):
 
     def test_shapes_a_latent_model_cannot_have_are_refused(self):
         for args, fragment in (((1, 4, 2, 16, 0, "learned", 8), "kv_heads must be heads 4"),
-                               ((1, 4, 4, 16, 0, "learned", 0), "latent must be an int >= 1"),
+                               ((1, 4, 4, 16, 0, "learned", 0), "latent must be an int >= 2"),
+                               ((1, 4, 4, 16, 0, "learned", 1), "a layer norm of one number"),
                                ((1, 4, 4, 16, 0, "learned", 8.0), "latent must be an int"),
                                ((1, 4, 4, 16, 0, "rotary", 8, 3), "rotary_key must be even"),
                                ((1, 4, 4, 16, 0, "rotary", 8, -2),
@@ -267,6 +268,39 @@ class Refusals(unittest.TestCase):
              "expected position 3, got 2"),
             (lambda: latent_attention.absorbed_step(folded, cache, 96, 3),
              "outside the vocabulary")), lambda: deep_snapshot(cache))
+
+    def test_a_folded_not_made_by_fold_for_its_params_is_refused(self):
+        """An empty Folded, one short of a layer, and one of another model's blocks (whose
+        rows would be off by a whole unit): refused, the cache unchanged."""
+        params = deep_model.init_params(2, 4, 4, 16, 0, "rotary", 8)
+        blocks = latent_attention.fold(params).blocks
+        other = latent_attention.fold(deep_model.init_params(2, 4, 4, 16, 1, "rotary", 8)).blocks
+        cache = deep_model.DeepCache(params)
+        assert_each_refused(self, tuple(
+            (lambda made=made: latent_attention.absorbed_step(
+                latent_attention.Folded(params, made), cache, 5, 0), fragment)
+            for made, fragment in (([], "a block for each of its params' 2 layers"),
+                                   (blocks[:1], "a block for each"),
+                                   ([blocks[0], other[1]], "block 1 is not fold"),
+                                   ([{}, blocks[1]], "block 0 is not fold"))),
+            lambda: deep_snapshot(cache))
+
+    def test_the_formulas_refuse_a_misspelt_path_and_negative_counts(self):
+        latent = deep_model.init_params(1, 4, 4, 16, 0, "rotary", 8)["shape"]
+        plain = deep_model.init_params(1, 4, 2, 16, 0)["shape"]
+        for call, fragment in (
+                ((latent, 16, "cashed"), 'path must be "cached", "rebuilt" or "absorbed"'),
+                ((latent, -1, "rebuilt"), "attended must be an int >= 0"),
+                ((plain, 3, "absorbed"), "reads a latent, and this shape has none"),
+                ((latent, 3, "cached"), "this shape has a latent"),
+                ((dict(plain, layers=0), 3, "cached"), "layers must be an int >= 1"),
+                (({"width": 16}, 3, "cached"), "shape must be a deep_model shape")):
+            with self.subTest(call=call), self.assertRaisesRegex(ValueError, fragment):
+                latent_attention.multiply_adds(*call)
+        for call, fragment in (((-1, 4, 4), "layers must be"), ((1, 4, 4, -160), "latent must be"),
+                               ((1, 0, 4), "kv_heads must be"), ((1, 4, 4, 8, -2), "rotary_key")):
+            with self.subTest(call=call), self.assertRaisesRegex(ValueError, fragment):
+                latent_attention.cache_floats(*call)
 
 class TheRecord(unittest.TestCase):
     """What the recorded run (support.recorded) says of latent attention."""

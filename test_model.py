@@ -285,6 +285,15 @@ class RefusalTest(unittest.TestCase):
             with self.subTest(token_id=bad), self.assertRaises(ValueError):
                 model.forward(self.params, [1, bad, 2])
 
+    def test_weights_whose_sums_overflow_are_refused_by_name(self):
+        """Weights of 1e308 overflow fsum inside a row (or meet inf - inf): forward names
+        the weight instead of letting fsum's OverflowError out."""
+        for name in ("tok_emb", "Wq", "W_out"):
+            params = dict(self.params, **{name: [[1e308] * len(r) for r in self.params[name]]})
+            with self.subTest(name=name), self.assertRaisesRegex(
+                    ValueError, f"params: {name} holds 1e\\+308, larger than"):
+                model.forward(params, [1, 2])
+
 
 if __name__ == "__main__":
     unittest.main()
