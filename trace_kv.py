@@ -25,6 +25,7 @@ if __name__ == "__main__":   # first: Ctrl-C while the modules below load ends i
 
 import argparse
 import json
+import pickle
 import platform
 import signal
 import time
@@ -118,13 +119,14 @@ def run(full_timing=False, folder=LAB, progress=None, workers=None, stories=None
     stages = [stage for stage in STAGES if stage.part <= parts]
     start = time.perf_counter()
     lab = _load(folder, stories)
-    done, results, left, waiting, running = {}, {}, {}, [], {}
+    done, results, left, waiting, running, shipped = {}, {}, {}, [], {}, {}
     pool = _workers(workers, folder, stories)
     try:
         while len(done) < len(stages):
             for stage in stages:   # queue each stage whose needs are done, in table order
                 if stage.name not in left and all(need in done for need in stage.needs):
-                    needs = [done[need] for need in stage.needs]
+                    needs = [done[need] if workers == 1 else shipped.setdefault(
+                             need, _Shipped(need, done[need])) for need in stage.needs]
                     cases = stage.cases(lab) if callable(stage.cases) else stage.cases
                     cases = [None] if cases is None else list(cases)
                     results[stage.name], left[stage.name] = [None] * len(cases), len(cases)
@@ -173,12 +175,28 @@ def _stage(name, case, needs):
     """Run one stage (one case of it) in this process, on this process's lab."""
     stage = next(stage for stage in STAGES if stage.name == name)
     cases = () if stage.cases is None else (case,)
+    needs = [need.value() if isinstance(need, _Shipped) else need for need in needs]
     try:
         return stage.function(_LAB, *cases, *needs)
     except Exception as e:   # a mistake in a Part may raise anything: name its stage
         raise StageFailed(f"stage {name} (Part {stage.part}"
                           f"{'' if case is None else f', case {case}'}) failed: "
                           f"{type(e).__name__}: {e}{where_raised(e)}") from None
+
+
+class _Shipped:
+    """A stage's result on its way to the workers: pickled once here, and unpickled once
+    in each worker however many cases need it (the runs' rows and weights, about 3 MB,
+    would cost some 20 ms a case)."""
+    received = {}   # in a worker (which serves one run): each result by its stage's name
+
+    def __init__(self, name, value):
+        self.name, self.data = name, pickle.dumps(value, pickle.HIGHEST_PROTOCOL)
+
+    def value(self):
+        if self.name not in self.received:
+            self.received[self.name] = pickle.loads(self.data)
+        return self.received[self.name]
 
 
 _LAB = None   # what every stage reads, loaded once in each process by _load
