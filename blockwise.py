@@ -17,13 +17,11 @@ rows its step computes, from which heuristic chooses its split count as
 FlashAttention-2 does.
 """
 import math
-import random
 import sys
 from math import exp, fsum
 
 from batched import exact_attention, forward_rows
 from documents import bold, shown, table
-from generate import next_token_probs
 from instruments import largest_gap
 from model import SCALE, add, check_int, dot, layernorm, linear, relu
 from paged import BlockPool
@@ -212,65 +210,44 @@ def _finish(params, cols, x0, mixed):
     return add(linear(hf, cols["W_out"]), params["b_out"])
 
 
-def _greedy(row, rng):
-    return max(range(len(row)), key=row.__getitem__)
-
-
-def _sampled(row, rng):
-    """The token generate's sampling at temperature 1.0 draws from row with a copy of rng
-    (Generation.choose's draw): rng itself is left as it is."""
-    draw = random.Random()
-    draw.setstate(rng.getstate())
-    return draw.choices(range(len(row)), weights=next_token_probs(row, 1.0, None))[0]
-
-
 def story_kinds(lab, index, runs):
-    """Opening index's greedy and sampled stories (temperature 1.0, seed index), each fed
-    through a paged sequence (blocks of BLOCK) with forward_step's exact rows; at each
-    row that chooses a token, every kind of KINDS reads the same query, keys and values:
-    per kind, the largest gap between its logits and the exact ones, and whether each
-    story would change there (the token it would choose, with the story's own random
-    numbers for the sampled one, is not the story's next)."""
+    """Opening index's greedy story fed through a paged sequence (blocks of BLOCK) with
+    forward_step's exact rows; at each row that chooses a token, every kind of KINDS reads
+    the same query, keys and values: per kind, the largest gap between its logits and the
+    exact ones, and whether the story would change there (its best token is not the
+    story's next)."""
     params, prompt = lab.params, lab.prompts[index]
-    found = {name: {"largest_logit_gap": 0.0, "greedy_changed": False,
-                    "sampled_changed": False} for name in KINDS}
-    longest, rows_of = 0, {}   # each kind's logits for the tokens so far (None: exact ones)
-    for story, choice, rng in (("greedy", _greedy, None),
-                               ("sampled", _sampled, random.Random(index))):
-        ids = story_ids(lab.tok, prompt, getattr(runs, story)[index])
-        longest = max(longest, len(ids) - 1)
-        first = len(lab.tok.encode(prompt)) - 1
-        sequence = BlockPool(params, math.ceil(len(ids) / BLOCK), BLOCK).sequence()
-        for position, token_id in enumerate(ids[:-1]):
-            read = []
+    found = {name: {"largest_logit_gap": 0.0, "changed": False} for name in KINDS}
+    ids = story_ids(lab.tok, prompt, runs.greedy[index])
+    first = len(lab.tok.encode(prompt)) - 1
+    sequence = BlockPool(params, math.ceil(len(ids) / BLOCK), BLOCK).sequence()
+    for position, token_id in enumerate(ids[:-1]):
+        read = []
 
-            def exact_read(q, keys, values, rows):   # forward_step's attention, its input kept
-                read.append(((q, keys, values), exact_attention(q, keys, values, rows)))
-                return read[0][1]
-            logits, = forward_rows(params, [(sequence, token_id, position)],
-                                   attention=exact_read)
-            if position < first:
-                continue
-            if choice(logits, rng) != ids[position + 1]:   # the premise of the replay
-                raise ValueError(f"opening {index}: the {story} story's token at position "
-                                 f"{position + 1} is not what its choice gives with the exact "
-                                 f"logits")
-            so_far = tuple(ids[:position + 1])   # the sampled story may begin as the greedy
-            if so_far not in rows_of:
-                x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])
-                (q, keys, values), mixed = read[0]
-                other_mixed = {name: kind(q, keys, values, 1) for name, kind in KINDS.items()}
-                rows_of[so_far] = {name: None if m == mixed    # then so are its logits
-                                   else _finish(params, sequence.columns, x0, m)
-                                   for name, m in other_mixed.items()}
-            for name, other in rows_of[so_far].items():
-                if other is not None:
-                    found[name]["largest_logit_gap"] = max(found[name]["largest_logit_gap"],
-                                                           largest_gap([other], [logits]))
-                    found[name][f"{story}_changed"] |= choice(other, rng) != ids[position + 1]
-            if rng:
-                rng.random()   # the draw the story made here (choices draws one number)
-    return {**found, "longest_row": longest}
+        def exact_read(q, keys, values, rows):   # forward_step's attention, its input kept
+            read.append(((q, keys, values), exact_attention(q, keys, values, rows)))
+            return read[0][1]
+        logits, = forward_rows(params, [(sequence, token_id, position)], attention=exact_read)
+        if position < first:
+            continue
+        if _best(logits) != ids[position + 1]:   # the premise: the story is greedy
+            raise ValueError(f"opening {index}: the greedy story's token at position "
+                             f"{position + 1} is not the best of the exact logits")
+        x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])
+        (q, keys, values), mixed = read[0]
+        for name, kind in KINDS.items():
+            other_mixed = kind(q, keys, values, 1)
+            if other_mixed != mixed:   # else so are its logits
+                other = _finish(params, sequence.columns, x0, other_mixed)
+                found[name]["largest_logit_gap"] = max(found[name]["largest_logit_gap"],
+                                                       largest_gap([other], [logits]))
+                found[name]["changed"] |= _best(other) != ids[position + 1]
+    return {**found, "longest_row": len(ids) - 1}
+
+
+def _best(row):
+    """The token greedy generation chooses from row: the first highest score's."""
+    return max(range(len(row)), key=row.__getitem__)
 
 
 def kinds_table(lab, per_story):
@@ -283,9 +260,7 @@ def kinds_table(lab, per_story):
         parts = int(name.split()[1]) if " " in name else None
         table.append({"kind": name.split()[0], "parts": parts,
                       "largest_logit_gap": max(s[name]["largest_logit_gap"] for s in per_story),
-                      **{f"{story}_stories_changed": sum(s[name][f"{story}_changed"]
-                                                         for s in per_story)
-                         for story in ("greedy", "sampled")},
+                      "greedy_stories_changed": sum(s[name]["changed"] for s in per_story),
                       "scores_held": len(parts_of(longest, parts)[0]) if parts
                       else min(BLOCK, longest)})
     return {"stories": len(per_story), "longest_row": longest, "kinds": table}
@@ -296,12 +271,10 @@ def kinds_table(lab, per_story):
 def reads_table(record, timing):
     b = record["blockwise"]
     return table(["attention read", "parts", "largest logit gap", "greedy stories changed",
-                  "sampled stories changed",
                   f"scores held at once, longest row ({b['longest_row']} positions)"],
                  [[k["kind"], k["parts"] or "—", bold(shown(k["largest_logit_gap"]))
                    if k["kind"] == "exact" else shown(k["largest_logit_gap"]),
-                   f"{k['greedy_stories_changed']} of {b['stories']}",
-                   f"{k['sampled_stories_changed']} of {b['stories']}", k["scores_held"]]
+                   f"{k['greedy_stories_changed']} of {b['stories']}", k["scores_held"]]
                   for k in b["kinds"]])
 
 
@@ -311,5 +284,4 @@ def split_counts(record, timing):
 
 
 def stories_changed(record, timing):
-    return sum(k["greedy_stories_changed"] + k["sampled_stories_changed"]
-               for k in record["blockwise"]["kinds"])
+    return sum(k["greedy_stories_changed"] for k in record["blockwise"]["kinds"])
