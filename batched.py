@@ -232,7 +232,7 @@ def stories_picture(record, timing):
         "stories_identical_to_batches_of_1": svg.COUNT}]}})["batched_decode"]
     runs = [run for run in decode["runs"] if run["pool"] == "ample"]
     if not runs:
-        raise ValueError("batched_decode.runs has no run of the ample pool to draw")
+        raise ValueError("the record's batched_decode.runs has no run of the ample pool to draw")
     kernels = list(dict.fromkeys(run["kernel"] for run in runs))
     requests = decode["requests"]
     batches = sorted({run["max_batch"] for run in runs})

@@ -310,6 +310,21 @@ class Summary(unittest.TestCase):
         shown = os.path.relpath(os.path.join(HERE, "kv-trace.json"))
         self.assertTrue(out.endswith(f"{shown} matches this run\n"), out)
 
+    def test_check_names_a_tampered_record_s_keys_in_one_printable_bounded_line(self):
+        """Escape codes (here: clear the screen) are shown, not sent; a key of a million
+        characters is cut; of many keys, ten are named and the rest counted."""
+        tampered = {"\x1b[2J": 1, "a" * 10 ** 6: 2, **{f"extra {i}": i for i in range(50)}}
+        with tempfile.TemporaryDirectory() as folder:
+            with open(os.path.join(folder, trace_kv.TRACE), "w", encoding="utf-8") as f:
+                json.dump(dict(self.record, **tampered), f)
+            with self.assertRaises(SystemExit) as ended:
+                self.run_main("--check", "--folder", folder)
+        line = str(ended.exception.code)
+        self.assertTrue(line.isprintable(), line[:300])
+        self.assertLess(len(line), 2500)
+        self.assertIn(f"in: '\\x1b[2J', {'a' * 197}..., extra 0, extra 1, extra 10, ", line)
+        self.assertRegex(line, r", extra 15 and 42 more$")
+
     def assert_save_fails_in_one_line(self, folder, fragment):
         with self.assertRaises(SystemExit) as ended:
             self.run_main("--write", "--folder", folder)
