@@ -22,6 +22,8 @@ COUNT = (0, LARGEST)   # the shape (checked) of a count in the record
 MOST_ITEMS = 64        # the longest list of the record a picture draws an item of each of
 MOST_CHARACTERS = 200  # a longer text is cut, with an ellipsis
 # What XML 1.0 forbids in a document (control characters, lone surrogates, U+FFFE and U+FFFF)
+_SHOWN = reprlib.Repr()   # a wrong value, shown in a short line: [{...}, {...}, ...]
+_SHOWN.maxlevel = 1
 _NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 
 
@@ -33,24 +35,24 @@ def checked(record, shape, where=""):
     name = f"the record's {where}" if where else "the record"
     if isinstance(shape, dict):
         if not isinstance(record, dict):
-            raise ValueError(f"{name} is {reprlib.repr(record)}, not an object of keys")
+            raise ValueError(f"{name} is {_SHOWN.repr(record)}, not an object of keys")
         for key, inner in shape.items():
             if key not in record:
                 raise ValueError(f"{name} has no key {key!r}")
             checked(record[key], inner, f"{where}.{key}" if where else key)
     elif isinstance(shape, list):
         if not isinstance(record, list) or not 1 <= len(record) <= MOST_ITEMS:
-            raise ValueError(f"{name} is {reprlib.repr(record)}, not a list of 1 to "
+            raise ValueError(f"{name} is {_SHOWN.repr(record)}, not a list of 1 to "
                              f"{MOST_ITEMS} items")
         for i, item in enumerate(record):
             checked(item, shape[0], f"{where}[{i}]")
     elif shape is str:
         if not isinstance(record, str):
-            raise ValueError(f"{name} is {reprlib.repr(record)}, not a string")
+            raise ValueError(f"{name} is {_SHOWN.repr(record)}, not a string")
     elif not (record is None and len(shape) == 3) and (
             isinstance(record, bool) or not isinstance(record, (int, float))
             or not shape[0] <= record <= shape[1]):
-        raise ValueError(f"{name} is {reprlib.repr(record)}, not a number from {shape[0]:,} "
+        raise ValueError(f"{name} is {_SHOWN.repr(record)}, not a number from {shape[0]:,} "
                          f"to {shape[1]:,}" + (" (or null)" if len(shape) == 3 else ""))
     return record
 

@@ -216,15 +216,21 @@ class HostileRecords(unittest.TestCase):
             for key, inner in items:
                 yield from paths(inner, (*where, key))
 
+        def reaches(inner, key):
+            return (isinstance(inner, dict) and key in inner or isinstance(inner, list)
+                    and isinstance(key, int) and key < len(inner))
+        shipped = [path for key in read for path in paths(self.record[key], (key,))]
+
         def trial(number):
             rng = random.Random(number)
             record = {key: copy.deepcopy(self.record[key]) for key in read}
             for _ in range(rng.randint(1, 4)):
-                *keys, last = rng.choice([path for key in read for path in paths(
-                    record.get(key), (key,))] or [("batched_decode",)])
+                *keys, last = rng.choice(shipped)
                 inner = record
                 for key in keys:
-                    inner = inner[key]
+                    inner = inner[key] if reaches(inner, key) else None
+                if not reaches(inner, last):   # an earlier edit took the path away
+                    continue
                 if rng.random() < 0.2 and isinstance(inner, dict):
                     del inner[last]
                 elif rng.random() < 0.2 and isinstance(inner[last], list):
