@@ -226,12 +226,17 @@ def _models(record):
     the 4-layer ones of Part 4 (8-byte floats, 64 positions) and the real models (2 bytes
     a number, to their context windows), DeepSeek-V3 also as if it cached its heads' own
     keys and values."""
+    svg.checked(record, {"cache_floats_per_position": (1, svg.LARGEST), "deep_models": {
+        "positions": (1, svg.LARGEST), "shapes": [{
+            "layers": svg.COUNT, "heads": svg.COUNT, "kv_heads": svg.COUNT,
+            "bytes_per_position_as_8_byte_floats": (1, svg.LARGEST)}]}})
     positions = record["deep_models"]["positions"]
     models = [("the lesson's model (1 layer)", record["cache_floats_per_position"] * 8,
                positions, False)]
     for shape in record["deep_models"]["shapes"]:
         if shape["layers"] == 4 and shape["kv_heads"] > 1:
-            kind = {4: "multi-head", 2: "grouped-query 2"}[shape["kv_heads"]]
+            kind = ("multi-head" if shape["kv_heads"] == shape["heads"]
+                    else f"grouped-query {shape['kv_heads']}")
             models.append((f"4 layers, {kind}", shape["bytes_per_position_as_8_byte_floats"],
                            positions, False))
     kept, plain = real_cache_bytes()["DeepSeek-V3"]

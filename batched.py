@@ -226,18 +226,25 @@ def split_kv_largest_gap(record, timing):
 def stories_picture(record, timing):
     """Section 20: for the 60 sampled openings in the ample pool, the stories each kernel
     makes other than generate's, and other than its own with batches of 1, by batch."""
-    runs = [run for run in record["batched_decode"]["runs"] if run["pool"] == "ample"]
+    decode = svg.checked(record, {"batched_decode": {"requests": svg.COUNT, "runs": [{
+        "pool": str, "kernel": str, "max_batch": svg.COUNT,
+        "stories_identical_to_generate": svg.COUNT,
+        "stories_identical_to_batches_of_1": svg.COUNT}]}})["batched_decode"]
+    runs = [run for run in decode["runs"] if run["pool"] == "ample"]
+    if not runs:
+        raise ValueError("the record's batched_decode.runs has no run of the ample pool to draw")
     kernels = list(dict.fromkeys(run["kernel"] for run in runs))
-    requests = record["batched_decode"]["requests"]
+    requests = decode["requests"]
     batches = sorted({run["max_batch"] for run in runs})
-    top = max(4, *(requests - run["stories_identical_to_generate"] for run in runs))
+    yticks = svg.ticks(max(4, *(requests - run["stories_identical_to_generate"] for run in runs)))
+    top = yticks[-1]
     body = []
     for left, key, label, kept in (
             (80, "stories_identical_to_generate", "not generate's", "are generate's"),
             (440, "stories_identical_to_batches_of_1", "not as with batches of 1",
              "are as with batches of 1")):
         panel = svg.Panel((left, 50, 250, 270), (0, len(batches)), (0, top))
-        body += panel.axes([], range(top + 1), "batches of up to", f"stories {label} "
+        body += panel.axes([], yticks, "batches of up to", f"stories {label} "
                            f"(of {requests})")
         for b, batch in enumerate(batches):
             body.append(svg.text(panel.x(b + 0.5), panel.y(0) + 16, str(batch), 11, "middle"))

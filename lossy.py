@@ -279,6 +279,11 @@ def ladder_picture(record, timing):
     full context of 64 positions (its measured bytes a position, or the positions it keeps
     as the exact lists' 8-byte numbers) and the largest logit gap it gives (a log scale);
     red where it changed a greedy story."""
+    svg.checked(record, {"cache_floats_per_position": (1, svg.LARGEST), "ladder": {
+        "stories": svg.COUNT, "rungs": [{
+            "cache": str, "bytes_per_position": (*svg.COUNT, None),
+            "positions_kept": (*svg.COUNT, None), "largest_logit_gap": svg.COUNT,
+            "greedy_stories_changed": svg.COUNT}]}})
     exact = record["cache_floats_per_position"] * 8
     stories = record["ladder"]["stories"]
     rungs = [{"cache": "exact lists", "bytes_per_position": exact, "positions_kept": None,

@@ -5,12 +5,72 @@ writes it. A document marks each picture with the function that draws it from th
 
 Each drawn point carries a <title> with the figure it stands for, which a browser shows
 when the pointer rests on it (and test_pictures reads back against the record).
+
+A picture reads its part of the record through checked() first, and the kit bounds what
+it writes: whatever a hand-edited record holds, the picture is a small, valid XML document,
+or a ValueError names the key and what is wrong with it.
 """
 import math
-from xml.sax.saxutils import escape
+import re
+import reprlib
+from xml.sax.saxutils import escape as _escape_markup
 
 WIDTH, HEIGHT = 720, 400
 COLORS = ("#c0392b", "#2471a3", "#229954", "#b9770e", "#7d3c98", "#566573", "#d35400")
+LARGEST = 10 ** 12     # a number beyond any run of this lab: a record holding one is refused
+COUNT = (0, LARGEST)   # the shape (checked) of a count in the record
+MOST_ITEMS = 64        # the longest list of the record a picture draws an item of each of
+MOST_CHARACTERS = 200  # a longer text is cut, with an ellipsis
+# What XML 1.0 forbids in a document (control characters, lone surrogates, U+FFFE and U+FFFF)
+_SHOWN = reprlib.Repr()   # a wrong value, shown in a short line: [{...}, {...}, ...]
+_SHOWN.maxlevel = 1
+_NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def checked(record, shape, where=""):
+    """record, refused with a ValueError that names the key and what is wrong unless it
+    has shape: {key: shape} a dict holding at least those keys; [shape] a list of 1 to
+    MOST_ITEMS items; str a string; (low, high) a finite number from low to high (a bool is
+    not one); (low, high, None) such a number or None."""
+    name = f"the record's {where}" if where else "the record"
+    if isinstance(shape, dict):
+        if not isinstance(record, dict):
+            raise ValueError(f"{name} is {_SHOWN.repr(record)}, not an object of keys")
+        for key, inner in shape.items():
+            if key not in record:
+                raise ValueError(f"{name} has no key {key!r}")
+            checked(record[key], inner, f"{where}.{key}" if where else key)
+    elif isinstance(shape, list):
+        if not isinstance(record, list) or not 1 <= len(record) <= MOST_ITEMS:
+            raise ValueError(f"{name} is {_SHOWN.repr(record)}, not a list of 1 to "
+                             f"{MOST_ITEMS} items")
+        for i, item in enumerate(record):
+            checked(item, shape[0], f"{where}[{i}]")
+    elif shape is str:
+        if not isinstance(record, str):
+            raise ValueError(f"{name} is {_SHOWN.repr(record)}, not a string")
+    elif not (record is None and len(shape) == 3) and (
+            isinstance(record, bool) or not isinstance(record, (int, float))
+            or not shape[0] <= record <= shape[1]):
+        raise ValueError(f"{name} is {_SHOWN.repr(record)}, not a number from {shape[0]:,} "
+                         f"to {shape[1]:,}" + (" (or null)" if len(shape) == 3 else ""))
+    return record
+
+
+def escape(words):
+    """words as XML text: its markup escaped, what XML forbids written as Python would
+    (\\x1b), and cut to MOST_CHARACTERS with an ellipsis."""
+    if len(words) > MOST_CHARACTERS:
+        words = words[:MOST_CHARACTERS - 1] + "…"
+    return _escape_markup(_NOT_XML.sub(lambda m: ascii(m[0])[1:-1], words))
+
+
+def ticks(most):
+    """Ticks from 0 to most or just past it, a step of 1, 2 or 5 times a power of ten apart:
+    at most 11 of them, whatever most is (up to LARGEST)."""
+    step = next(factor * 10 ** power for power in range(16) for factor in (1, 2, 5)
+                if most <= 10 * factor * 10 ** power)
+    return list(range(0, math.ceil(most / step) * step + 1, step))
 
 
 def number(value):

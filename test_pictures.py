@@ -1,12 +1,20 @@
 """The documents' pictures: each file a document marks (<!--picture MODULE.NAME-->) is what
 that function draws from the recorded kv-trace.json, valid SVG, shown once with a
-caption, and drawn to scale."""
+caption, and drawn to scale; and whatever a hand-edited record holds, each draws a small,
+valid SVG or refuses it naming the key."""
+import contextlib
+import copy
 import json
+import math
+import random
 import re
+import signal
 import unittest
 import xml.etree.ElementTree as ET
 
 import documents
+import support
+import svg
 from support import lab_file
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -100,6 +108,156 @@ class Pictures(unittest.TestCase):
                                   and not title.endswith(f": {requests} of {requests} "
                                                          f"stories {panel}")],
                                  f"kv-batches.svg, stories {panel}")
+
+
+class HostileRecords(unittest.TestCase):
+    """Records edited by hand, or by someone hostile, given to every picture's function."""
+
+    MOST_BYTES = 100_000   # the shipped pictures are about 10 kB
+
+    @classmethod
+    def setUpClass(cls):
+        cls.record = json.loads(lab_file(documents.TRACE))
+        cls.drawings = {name: documents.drawing(name) for text in map(
+            lab_file, documents.documents()) for name, _ in documents.PICTURE.findall(text)}
+
+    def drawn_or_refused(self, record):
+        """None if every picture of record is a valid SVG of at most MOST_BYTES, or a
+        ValueError that names the record's key in a printable line; else what is wrong."""
+        for name, draw in self.drawings.items():
+            try:
+                drawn = draw(record, None)
+            except ValueError as refused:
+                why = str(refused)
+                if not (why.startswith("the record") and why.isprintable() and len(why) < 400):
+                    return f"{name} refused it with {why[:400]!r}"
+                continue
+            if len(drawn.encode("utf-8")) > self.MOST_BYTES:
+                return f"{name} drew {len(drawn):,} characters"
+            try:
+                ET.fromstring(drawn)
+            except ET.ParseError as e:
+                return f"{name} drew an SVG that is not XML ({e})"
+        return None
+
+    def edited(self, **changes):
+        """The shipped record with changes ({"batched_decode.requests": value}) made."""
+        record = copy.deepcopy(self.record)
+        for path, value in changes.items():
+            *keys, last = path.split(".")
+            inner = record
+            for key in keys:
+                inner = inner[int(key) if isinstance(inner, list) else key]
+            inner[int(last) if isinstance(inner, list) else last] = value
+        return record
+
+    def test_a_count_of_a_trillion_draws_a_dozen_ticks_at_most(self):
+        for requests in (10 ** 5, svg.LARGEST):
+            with self.subTest(requests=requests), timed_out_after(2):
+                drawn = documents.drawing("batched.stories_picture")(
+                    self.edited(**{"batched_decode.requests": requests}), None)
+                self.assertLessEqual(drawn.count('stroke="#ddd"'), 2 * 12)   # two panels
+                self.assertIsNone(self.drawn_or_refused(
+                    self.edited(**{"batched_decode.requests": requests})))
+        with self.assertRaisesRegex(ValueError, r"^the record's batched_decode\.requests is "
+                                                r"1000000000001, not a number from 0 to "):
+            documents.drawing("batched.stories_picture")(
+                self.edited(**{"batched_decode.requests": svg.LARGEST + 1}), None)
+
+    def test_the_smallest_records_are_drawn_too(self):
+        """A run of one story, one position, one batch: counts of 0 and 1 everywhere."""
+        small = {"positions": 1, "uncached_rows": 1, "cached_rows": 1, "uncached_scores": 1,
+                 "cached_scores": 1}
+        record = self.edited(**{"cost_by_length": [small], "batched_decode.requests": 1,
+                                "ladder.stories": 1, "deep_models.positions": 1,
+                                "cache_floats_per_position": 1})
+        for run in record["batched_decode"]["runs"]:
+            run.update(stories_identical_to_generate=1, stories_identical_to_batches_of_1=0)
+        for rung in record["ladder"]["rungs"]:
+            rung.update(largest_logit_gap=0, greedy_stories_changed=0, positions_kept=1)
+        self.assertIsNone(self.drawn_or_refused(record))
+        for name, draw in self.drawings.items():
+            with self.subTest(name):
+                self.assertGreater(len(marks(draw(record, None))), 3)
+
+    def test_a_shape_the_lab_did_not_ship_is_drawn_and_named(self):
+        shape = next(i for i, shape in enumerate(self.record["deep_models"]["shapes"])
+                     if shape["layers"] == 4 and shape["kv_heads"] == 2)
+        drawn = documents.drawing("bandwidth.cache_bytes_picture")(
+            self.edited(**{f"deep_models.shapes.{shape}.kv_heads": 3}), None)
+        self.assertIn("4 layers, grouped-query 3: 512 B", drawn)
+
+    def test_control_characters_and_markup_in_a_story_make_valid_xml(self):
+        kernel = "a\x00\x1b[2J</text><script>\ud800\ufffe&amp;"
+        drawn = documents.drawing("batched.stories_picture")(
+            self.edited(**{"batched_decode.runs.0.kernel": kernel}), None)
+        titles = [title for _, title in marks(drawn)]
+        self.assertIn("a\\x00\\x1b[2J</text><script>\\ud800\\ufffe&amp;, batches of up to 1: "
+                      "59 of 60 stories are generate's", titles)
+        drawn = documents.drawing("lossy.ladder_picture")(
+            self.edited(**{"ladder.rungs.0.cache": "x" * 10 ** 6}), None)
+        self.assertIn(f"{'x' * 199}…", drawn)
+        self.assertLess(len(drawn), self.MOST_BYTES)
+
+    def test_random_hostile_edits_draw_a_small_valid_picture_or_are_refused(self):
+        """Random edits of what the pictures read in kv-trace.json: numbers huge, negative,
+        NaN or infinite; texts with control characters, markup or a million characters;
+        keys missing; values of another type; lists emptied or long. Each case has 2 s."""
+        read = ("batched_decode", "ladder", "deep_models", "cost_by_length",
+                "cache_floats_per_position")
+        wild = [10 ** 12, 10 ** 12 + 1, 10 ** 400, -1, -1e-300, 0, 0.5, math.nan, math.inf,
+                -math.inf, True, None, "3", "\x1b[2J<b>&\x00", "é\ud800" * 10 ** 5, [], {},
+                [0] * 10 ** 5]
+
+        def paths(value, where):
+            yield where
+            items = value.items() if isinstance(value, dict) else (
+                enumerate(value) if isinstance(value, list) else ())
+            for key, inner in items:
+                yield from paths(inner, (*where, key))
+
+        def reaches(inner, key):
+            return (isinstance(inner, dict) and key in inner or isinstance(inner, list)
+                    and isinstance(key, int) and key < len(inner))
+        shipped = [path for key in read for path in paths(self.record[key], (key,))]
+
+        def trial(number):
+            rng = random.Random(number)
+            record = {key: copy.deepcopy(self.record[key]) for key in read}
+            for _ in range(rng.randint(1, 4)):
+                *keys, last = rng.choice(shipped)
+                inner = record
+                for key in keys:
+                    inner = inner[key] if reaches(inner, key) else None
+                if not reaches(inner, last):   # an earlier edit took the path away
+                    continue
+                if rng.random() < 0.2 and isinstance(inner, dict):
+                    del inner[last]
+                elif rng.random() < 0.2 and isinstance(inner[last], list):
+                    inner[last] = inner[last][:64] * rng.choice((0, 2, 7, 100))
+                else:
+                    inner[last] = rng.choice(wild)
+            with timed_out_after(2):
+                return self.drawn_or_refused(record)
+        support.check_random_cases(self, 100, trial)
+
+
+@contextlib.contextmanager
+def timed_out_after(seconds):
+    """Raise TimeoutError in a block still running after seconds (POSIX; elsewhere, no
+    limit), so that a picture that would never end fails its case."""
+    def stop(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+    if not hasattr(signal, "setitimer"):
+        yield
+        return
+    handler = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, handler)
 
 
 if __name__ == "__main__":

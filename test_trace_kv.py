@@ -12,10 +12,13 @@ import io
 import json
 import multiprocessing
 import os
+import random
+import re
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import unittest
 from contextlib import redirect_stderr, redirect_stdout
@@ -171,6 +174,54 @@ class TheWorkerPool(unittest.TestCase):
             with self.assertRaises(ProcessLookupError):
                 os.kill(pid, 0)
 
+    def test_a_worker_killed_at_a_random_moment_ends_the_command_at_once_leaving_no_process(self):
+        """Stages of random lengths, and a worker killed (SIGKILL, as the out-of-memory
+        killer does) at a random moment: starting, running a stage, between two, sending a
+        result. The command ends in one line naming stages of the run, and no worker is
+        left. 4 cases by default, each within 3 s."""
+        folder = tempfile.TemporaryDirectory()
+        self.addCleanup(folder.cleanup)
+        command = os.getpid()
+
+        def loaded(folder_, stories):   # each worker leaves its pid (the lab is not needed)
+            if os.getpid() != command:
+                open(os.path.join(folder.name, str(os.getpid())), "w").close()
+
+        def trial(number):
+            rng = random.Random(number)
+            for pid in os.listdir(folder.name):
+                os.unlink(os.path.join(folder.name, pid))
+            lengths = [rng.uniform(0, 0.1) for _ in range(rng.randint(1, 5))]
+            stages = tuple(trace_kv.Stage(1, f"stage{i}", lambda lab, s=seconds: time.sleep(s))
+                           for i, seconds in enumerate(lengths)) + (
+                trace_kv.Stage(1, "slow", lambda lab: time.sleep(60)),)   # the run never ends
+
+            def kill():
+                time.sleep(rng.uniform(0, 0.3))
+                while not os.listdir(folder.name):
+                    time.sleep(0.005)
+                os.kill(int(rng.choice(os.listdir(folder.name))), signal.SIGKILL)
+            killer = threading.Thread(target=kill)
+            start = time.monotonic()
+            with mock.patch.object(trace_kv, "STAGES", stages), \
+                    mock.patch.object(trace_kv, "_load", loaded), \
+                    redirect_stderr(io.StringIO()), self.assertRaises(SystemExit) as ended:
+                killer.start()
+                trace_kv.main(["--workers", "2"])
+            killer.join()
+            if time.monotonic() - start > 3:
+                return f"the command took {time.monotonic() - start:.1f} s to end"
+            line, names = str(ended.exception.code), "|".join(stage.name for stage in stages)
+            if not re.fullmatch(rf"trace_kv\.py: error: a worker process died during stage "
+                                rf"(({names}) \(Part 1\)( or )?)+, killed by a signal or out "
+                                rf"of memory; the run was stopped", line):
+                return f"the command ended with {line!r}"
+            left = [pid for pid in map(int, os.listdir(folder.name)) if _alive(pid)]
+            return f"workers {left} are left" if left else None
+        handler = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+        self.addCleanup(signal.signal, signal.SIGTERM, handler)
+        support.check_random_cases(self, 4, trial)
+
     def test_a_failing_stage_ends_the_run_at_once_with_the_stages_still_running(self):
         def failing(lab):
             raise ValueError("a planted mistake")
@@ -193,6 +244,14 @@ class TheWorkerPool(unittest.TestCase):
             trace_kv._start_worker(HERE, 1)
         self.assertEqual([signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)],
                          [signal.SIG_DFL, signal.SIG_DFL])
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 class RecordFiles(unittest.TestCase):
@@ -309,6 +368,21 @@ class Summary(unittest.TestCase):
         out, _ = self.run_main("--check")
         shown = os.path.relpath(os.path.join(HERE, "kv-trace.json"))
         self.assertTrue(out.endswith(f"{shown} matches this run\n"), out)
+
+    def test_check_names_a_tampered_record_s_keys_in_one_printable_bounded_line(self):
+        """Escape codes (here: clear the screen) are shown, not sent; a key of a million
+        characters is cut; of many keys, ten are named and the rest counted."""
+        tampered = {"\x1b[2J": 1, "a" * 10 ** 6: 2, **{f"extra {i}": i for i in range(50)}}
+        with tempfile.TemporaryDirectory() as folder:
+            with open(os.path.join(folder, trace_kv.TRACE), "w", encoding="utf-8") as f:
+                json.dump(dict(self.record, **tampered), f)
+            with self.assertRaises(SystemExit) as ended:
+                self.run_main("--check", "--folder", folder)
+        line = str(ended.exception.code)
+        self.assertTrue(line.isprintable(), line[:300])
+        self.assertLess(len(line), 2500)
+        self.assertIn(f"in: '\\x1b[2J', {'a' * 197}..., extra 0, extra 1, extra 10, ", line)
+        self.assertRegex(line, r", extra 15 and 42 more$")
 
     def assert_save_fails_in_one_line(self, folder, fragment):
         with self.assertRaises(SystemExit) as ended:

@@ -333,6 +333,15 @@ def differing_keys(record, recorded):
     return sorted(k for k in set(record) | set(recorded) if record.get(k) != recorded.get(k))
 
 
+def _named(keys, most=10):
+    """Keys (a tampered record's, perhaps) in one printable, bounded line: each as Python
+    writes it if it holds what a terminal would act on, cut at 200 characters; the first
+    most of them, and how many more."""
+    shown = [key if key.isprintable() else repr(key) for key in keys[:most]]
+    return (", ".join(text if len(text) <= 200 else text[:197] + "..." for text in shown)
+            + (f" and {len(keys) - most:,} more" if len(keys) > most else ""))
+
+
 def _shown(path):
     """path as a person would type it from here: relative, unless it is on another drive."""
     try:
@@ -421,7 +430,7 @@ def main(argv=None):
         differ = differing_keys(record, {key: recorded.get(key) for key in record}
                                 if args.part != PARTS else recorded)
         if differ:
-            sys.exit(f"trace_kv.py: {trace} differs from this run in: {', '.join(differ)}")
+            sys.exit(f"trace_kv.py: {trace} differs from this run in: {_named(differ)}")
         print(f"{trace} matches this run")
     elif not args.json:
         print(FULL_RECORD.format(trace))

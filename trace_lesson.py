@@ -374,11 +374,14 @@ def the_row_side_by_side(record=None, timing=None):
 def rows_picture(record, timing):
     """Section 8: rows and attention scores computed to reach each length, with and
     without the cache (the record's cost_by_length)."""
-    lengths = record["cost_by_length"]
+    lengths = svg.checked(record, {"cost_by_length": [{
+        "positions": (1, svg.LARGEST), **dict.fromkeys(
+            ("uncached_rows", "cached_rows", "uncached_scores", "cached_scores"), svg.COUNT)
+    }]})["cost_by_length"]
     body = []
     for left, kind, unit in ((90, "rows", "rows computed"),
                              (450, "scores", "attention scores computed")):
-        most = max(e[f"uncached_{kind}"] for e in lengths)
+        most = max(4, *(e[f"uncached_{kind}"] for e in lengths))   # 4 ticks, a whole step
         step = 10 ** math.floor(math.log10(most))
         top = math.ceil(most / step) * step
         panel = svg.Panel((left, 50, 250, 270), (0, lengths[-1]["positions"]), (0, top))
