@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import unittest
 from contextlib import redirect_stderr
 from unittest import mock
@@ -475,6 +476,50 @@ class WriteTogether(CheckpointTestCase):
                 return f"interrupted at call {at}: a descriptor left open"
             return None
         support.check_random_cases(self, 40, trial)
+
+    def test_saves_in_two_processes_at_once_leave_one_whole_set_even_if_one_is_killed(self):
+        """Two processes save their own sets in one folder at once, a random number of
+        times each; in odd cases one of them is killed outright at a random moment. Once both
+        have ended and finish_saving has run, the folder holds one whole set (a process's
+        last, or the set killed mid-way) and no journal; the next save can take the lock,
+        and leaves nothing else (not even a killed save's temporary files). 8 cases by default."""
+        saver = ("import os, sys, time, checkpoint\n"
+                 "folder, tag, times, start = sys.argv[1], sys.argv[2], int(sys.argv[3]), "
+                 "float(sys.argv[4])\n"
+                 "time.sleep(max(0.0, start - time.time()))   # both begin together\n"
+                 "for i in range(times):\n"
+                 "    checkpoint.write_together(folder, {n: f'{tag} {i}\\n' for n in "
+                 f"{sorted(self.OLD)!r}}})\n")
+
+        def trial(number):
+            rng = random.Random(number)
+            start = time.time() + 0.25   # after both processes have loaded the lab's modules
+            times = str(rng.randint(10, 30))   # as many each: their last saves meet
+            processes = [subprocess.Popen([sys.executable, "-c", saver, self.folder, tag,
+                                           times, repr(start)],
+                                          cwd=support.HERE)
+                         for tag in ("first", "second")]
+            if number % 2:
+                time.sleep(max(0.0, start - time.time()) + rng.uniform(0.0, 0.1))
+                processes[rng.randint(0, 1)].kill()
+            for process in processes:
+                process.wait(timeout=60)
+            checkpoint.finish_saving(self.folder)
+            names = sorted(name for name in os.listdir(self.folder)   # a killed save's go
+                           if not (number % 2 and (name.endswith(".part")    # with the next
+                                                   or name == checkpoint.LOCK)))
+            if names != sorted(self.OLD):
+                return f"the folder holds {names}, where only the set should be"
+            texts = set()
+            for name in names:
+                with open(os.path.join(self.folder, name), encoding="utf-8") as f:
+                    texts.add(f.read().split()[0])   # whose save: "first" or "second"
+            if len(texts) != 1:
+                return f"the files are of different saves: {sorted(texts)}"
+            checkpoint.write_together(self.folder, self.NEW)   # the lock can be taken again,
+            self.assert_set(self.NEW)                          # and nothing else is left
+            return None
+        support.check_random_cases(self, 8, trial)
 
     def test_a_save_stopped_among_its_renames_is_finished_by_the_next(self):
         real, done = os.replace, []
