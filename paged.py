@@ -232,6 +232,18 @@ class PagedSequence(KVCache):
     def room_owner(self):
         return self.pool
 
+    def check_computed_by(self, kernel):
+        """Refuse rows computed otherwise than this sequence's (computed_by): its full
+        blocks are found again only by sequences computed alike."""
+        if kernel is not self.computed_by:
+            held, given = (getattr(k, "__name__", repr(k)) if k else "the exact arithmetic"
+                           for k in (self.computed_by, kernel))
+            raise ValueError(f"this paged sequence is for rows computed by {held}, and these "
+                             f"would be computed by {given}: its pool finds a full block "
+                             f"again only for a sequence computed alike; start one for "
+                             f"{given} with pool.sequence(ids, computed_by="
+                             f"{getattr(kernel, '__name__', repr(kernel))})")
+
     def _check_live(self):
         if self.freed:
             raise ValueError("this sequence was freed and its blocks returned to the pool; "

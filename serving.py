@@ -11,8 +11,8 @@ from collections import deque
 import blockwise
 import generate
 import model
-from batched import (batch_invariant, by_batch, by_batch_float32, exact, exact_attention,
-                     forward_rows)
+from batched import (batch_invariant, by_batch, by_batch_float32, computed_by, exact,
+                     exact_attention, forward_rows)
 from documents import LAB, bold, shown, table
 from instruments import chosen_rows, largest_gap, recording
 from paged import BlockPool
@@ -149,9 +149,9 @@ class _Served:
         blocks the pool has cached for them (never the last position: its logits are
         needed); False, with nothing changed, if the pool lacks room."""
         ids = self.generation.ids
-        # exact: forward_step's arithmetic. (The attention does not matter here: in this
-        # one-block model a key or value depends on its own token and position alone.)
-        kernel = None if product is exact else product
+        # The product's kernel (the attention does not matter here: in this one-block
+        # model a key or value depends on its own token and position alone).
+        kernel = computed_by(product)
         if not self.pool.room_for_sequence(ids[:-1], len(ids), kernel):
             return False
         self.seq = self.pool.sequence(ids[:-1], kernel)
