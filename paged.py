@@ -29,9 +29,7 @@ class Block:
 
     def __init__(self):
         self.tokens, self.keys, self.values = [], [], []
-        self.ref_count = 0
-        self.prefix = None
-        self.computed_by = None
+        self.ref_count, self.prefix, self.computed_by = 0, None, None
 
 
 class BlockPool:
@@ -212,6 +210,13 @@ class BlockPool:
             block.prefix = None
 
 
+def check_pool(pool, params):
+    """Refuse anything but a BlockPool made for these very params."""
+    if not isinstance(pool, BlockPool) or pool.params is not params:
+        got = "one made for others" if isinstance(pool, BlockPool) else type(pool).__name__
+        raise ValueError(f"pool must be a BlockPool made for these params, got {got}")
+
+
 class PagedSequence(KVCache):
     """One sequence whose positions live in a BlockPool's blocks. To forward_step and
     prefill it is a cache like any other: tokens, keys and values read as lists over its
@@ -220,9 +225,7 @@ class PagedSequence(KVCache):
     writer first takes a copy of it (copy on write). Its room is its pool's (room_owner)."""
 
     def __init__(self, pool, computed_by=None):
-        self.pool = pool
-        self.params = pool.params
-        self.columns = pool.columns
+        self.pool, self.params, self.columns = pool, pool.params, pool.columns
         self.computed_by = computed_by   # how its rows are computed (BlockPool.sequence)
         self.table = []        # block ids, in position order
         self.length = 0        # positions held: all of the table's blocks but the last,
@@ -233,16 +236,15 @@ class PagedSequence(KVCache):
         return self.pool
 
     def check_computed_by(self, kernel):
-        """Refuse rows computed otherwise than this sequence's (computed_by): its full
-        blocks are found again only by sequences computed alike."""
+        """Refuse rows computed otherwise than this sequence's (computed_by): its pool
+        finds a full block again only for a sequence computed alike."""
         if kernel is not self.computed_by:
             held, given = (getattr(k, "__name__", repr(k)) if k else "the exact arithmetic"
                            for k in (self.computed_by, kernel))
             raise ValueError(f"this paged sequence is for rows computed by {held}, and these "
-                             f"would be computed by {given}: its pool finds a full block "
-                             f"again only for a sequence computed alike; start one for "
-                             f"{given} with pool.sequence(ids, computed_by="
-                             f"{getattr(kernel, '__name__', repr(kernel))})")
+                             f"would be computed by {given}: its pool finds a full block again "
+                             f"only for a sequence computed alike; start one for {given} with "
+                             f"pool.sequence(ids, computed_by={kernel and given})")
 
     def _check_live(self):
         if self.freed:
@@ -338,10 +340,12 @@ class PagedSequence(KVCache):
 
 def sample_from_forks(params, tok, prompt, seeds, pool):
     """Parallel sampling by copy on write: the prompt prefilled once into a sequence of
-    pool, forked once per seed, each fork continued at temperature 1.0 with its seed from
-    the prompt's last row (computed once): the results, and the blocks the pool had taken
-    when the last ended. On the way out, normally or not, every block goes back."""
+    pool, forked once per seed of the list seeds, each continued at temperature 1.0 with
+    its seed from the prompt's last row (computed once): the results, and the blocks the
+    pool had taken when the last ended. On the way out, normally or not, all go back."""
     ids = generate.check_request(tok, prompt, 60, 1.0, None, 0)
+    generate.check_seeds(seeds)
+    check_pool(pool, params)
     seq, forks, results = pool.sequence(), [], []
     try:
         last = feed(params, seq, ids)[-1]

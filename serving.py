@@ -15,7 +15,7 @@ from batched import (batch_invariant, by_batch, by_batch_float32, computed_by, e
                      exact_attention, forward_rows)
 from documents import LAB, bold, shown, table
 from instruments import chosen_rows, largest_gap, recording
-from paged import BlockPool
+from paged import BlockPool, check_pool
 from stories import openings, split_stories, story_ids
 
 PREFIX_CACHE_BLOCKS = 64          # the experiment: a pool far smaller than the 60 stories
@@ -54,8 +54,7 @@ def serve(params, tok, requests, pool, max_batch, log=None, product=exact,
     if log is not None and not callable(log):
         raise ValueError(f"log must be a function of (step, request index, event), got {log!r}")
     log = log or (lambda step, index, event: None)
-    if not isinstance(pool, BlockPool) or pool.params is not params:
-        raise ValueError("pool must be a BlockPool made for these params")
+    check_pool(pool, params)
     model.check_int("max_batch", max_batch, 1)
     if not callable(product):
         raise ValueError(f"product must be a function of (rows, columns), such as "
