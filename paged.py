@@ -10,7 +10,7 @@ from collections import OrderedDict
 import generate
 import kv_cache
 import model
-from documents import bold, shown, table
+from documents import LAB, bold, shown, table
 from instruments import passes_by_input, recording, reusing
 from kv_cache import KVCache, feed, generate_cached
 from stories import story_ids
@@ -445,10 +445,10 @@ def forks_table(record, timing):
                    bold(f"{o['identical_to_generate']} of {forks}")] for o in p["openings"]])
 
 
-def block_tables(record=None, timing=None):
-    """Section 16's picture, from a real pool of blocks of 4 (not from the record): one
-    prompt fed, then a second that begins like it."""
-    params, tok = generate.load_trained()
+def block_tables(record=None, timing=None, folder=LAB):
+    """Section 16's picture, from a real pool of blocks of 4 (not from the record) and
+    folder's model: one prompt fed, then a second that begins like it."""
+    params, tok = generate.load_trained(folder)
     pool, named = BlockPool(params, 64, 4), {}
     for name, prompt in zip("AB", ("mia was sad. tom gave her a hug.", "mia was tired.")):
         named[name] = prompt, pool.sequence(tok.encode(prompt))

@@ -374,13 +374,13 @@ def many_requests_table(record, timing):
                   for run, c in ((run, m[run]) for run in ("small pool", "ample pool"))])
 
 
-def timeline(record=None, timing=None):
-    """Section 19's picture, from a real run of serve (not from the record): four
-    openings, batches of up to four, a pool of 16 blocks of 4. One line per request, one
-    character per step: P admitted (its tokens prefilled), . a decode row, x preempted,
-    - waiting, * finished."""
-    params, tok = generate.load_trained()
-    with open(os.path.join(LAB, "corpus.txt"), encoding="utf-8") as f:
+def timeline(record=None, timing=None, folder=LAB):
+    """Section 19's picture, from a real run of serve (not from the record) on folder's
+    model and corpus: four openings, batches of up to four, a pool of 16 blocks of 4. One
+    line per request, one character per step: P admitted (its tokens prefilled), . a
+    decode row, x preempted, - waiting, * finished."""
+    params, tok = generate.load_trained(folder)
+    with open(os.path.join(folder, "corpus.txt"), encoding="utf-8") as f:
         prompts = openings(split_stories(f.read())[2])[:4]
     events = {}
     _, counts = serve(params, tok, [{"prompt": p} for p in prompts], BlockPool(params, 16, 4),
