@@ -236,8 +236,7 @@ class PagedSequence(KVCache):
         return self.pool
 
     def check_computed_by(self, kernel):
-        """Refuse rows computed otherwise than this sequence's (computed_by): its pool
-        finds a full block again only for a sequence computed alike."""
+        """Refuse rows computed otherwise than this sequence's (BlockPool.sequence)."""
         if kernel is not self.computed_by:
             held, given = (getattr(k, "__name__", repr(k)) if k else "the exact arithmetic"
                            for k in (self.computed_by, kernel))
