@@ -93,6 +93,12 @@ def _rounded(numbers, bits):
                          f"{max(numbers, key=abs)}") from None
 
 
+def computed_by(product):
+    """What a paged sequence whose rows product computes is made for (pool.sequence's
+    computed_by): None for exact (forward_step's arithmetic), else the product itself."""
+    return None if product is exact else product
+
+
 def exact_attention(q, keys, values, rows=1):
     """forward_step's attention of q over keys and values: the scores, their softmax and
     the weighted sums, each one correctly rounded sum (however many rows its step has)."""
@@ -107,10 +113,12 @@ def forward_rows(params, items, product=exact, attention=exact_attention):
     cache's positions 0..position, the batch's new ones included, as attention(q, keys,
     values, the batch's rows) reads them (blockwise.py has engines' ways to). Items may
     share a cache (a prompt's tokens, in order). Refuses, before anything changes, what
-    forward_step refuses and a batch its caches have no room for; the caches keep the new
-    keys and values only once every row is computed, so a refusal on the way (a key a
-    cache cannot store, a sum a kernel cannot hold) changes nothing either."""
-    _check_items(params, items)
+    forward_step refuses, a paged sequence made for another product's rows (its pool
+    shares blocks only among sequences computed alike) and a batch its caches have no
+    room for; the caches keep the new keys and values only once every row is computed,
+    so a refusal on the way (a key a cache cannot store, a sum a kernel cannot hold)
+    changes nothing either."""
+    _check_items(params, items, computed_by(product))
     cols = items[0][0].columns
     x0s = [add(params["tok_emb"][token_id], params["pos_emb"][i]) for _, token_id, i in items]
     h1s = [layernorm(x0, params["ln1_g"], params["ln1_b"]) for x0 in x0s]
@@ -136,10 +144,11 @@ def forward_rows(params, items, product=exact, attention=exact_attention):
     return logits
 
 
-def _check_items(params, items):
+def _check_items(params, items, kernel):
     """What forward_step checks, for every item in turn, counting the items before it
-    that share its cache; then that the owner of each cache's room (its own lists, a
-    pool) has room for all its caches' items, asking each owner once."""
+    that share its cache, and that each cache takes kernel's rows (check_cache); then that
+    the owner of each cache's room (its own lists, a pool) has room for all its caches'
+    items, asking each owner once."""
     if not isinstance(items, (list, tuple)) or not items:
         raise ValueError(f"items must be a non-empty list of (cache, token_id, position), "
                          f"got {items!r}")
@@ -148,7 +157,7 @@ def _check_items(params, items):
         if not isinstance(item, tuple) or len(item) != 3:
             raise ValueError(f"items[{index}] must be (cache, token_id, position), got {item!r}")
         cache, token_id, position = item
-        check_cache(cache, params)
+        check_cache(cache, params, kernel)
         if not cache.keeps_every_position:
             raise ValueError(f"items[{index}]: a {type(cache).__name__} drops positions, and "
                              f"a batched row attends to every one; feed it one token at a time")

@@ -36,6 +36,13 @@ def _scores(q, keys):
     return [dot(q, k_j) * SCALE for k_j in keys]
 
 
+def _masked(scores):
+    """Whether every score is -inf: a masked block or part, which weighs nothing, as its
+    zero weights do in softmax_row (a NaN among them is no mask: it makes every weight
+    NaN there, so it must reach the sums here too, which max alone would skip)."""
+    return all(s == -math.inf for s in scores)
+
+
 def _check_keys(keys):
     """Refuse a row with no keys, as softmax_row does (a kernel would divide 0 by 0)."""
     if not keys:
@@ -52,9 +59,9 @@ def online(q, keys, values, rows=1):
     top, total, out = -math.inf, 0.0, [0.0] * len(values[0])
     for first in range(0, len(keys), BLOCK):
         scores = _scores(q, keys[first:first + BLOCK])
-        new_top = max(top, *scores)
-        if new_top == -math.inf:
+        if _masked(scores):
             continue
+        new_top = max(top, *scores)
         rescale = exp(top - new_top)              # 0.0 at the first block
         weights = [exp(s - new_top) for s in scores]
         total = total * rescale + fsum(weights)
@@ -92,9 +99,9 @@ def _part(q, keys, values):
     """One part's maximum score, its sum of exp(score - maximum), and its output: the
     values weighted by those exps, not yet divided by any sum."""
     scores = _scores(q, keys)
+    if _masked(scores):   # no weight (exp(-inf - -inf) would be NaN)
+        return -math.inf, 0.0, [0.0] * len(values[0])
     top = max(scores)
-    if top == -math.inf:   # a masked part: no weight (exp(-inf - -inf) would be NaN)
-        return top, 0.0, [0.0] * len(values[0])
     weights = [exp(s - top) for s in scores]
     return top, fsum(weights), _summed(lambda: [dot(weights, column) for column in zip(*values)])
 

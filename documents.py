@@ -19,9 +19,12 @@ PATH is the record's keys joined by dots (kv-trace.json's; time.KEY for kv-time.
 an item of a list is picked by its number or by its fields (rungs.cache=int4,
 runs.drafter=x&lookahead=4). MODULE.NAME() is the figure NAME(record, timing) computes
 from several entries. PATH:SPEC formats the figure with that format spec (shown says how
-it is printed without one).
+it is printed without one). A function drawn by running the lab's code rather than from
+the record takes a third argument, folder: the lab folder being written, whose model and
+corpus it runs (NAME(record, timing, folder=folder)).
 """
 import importlib
+import inspect
 import os
 import re
 
@@ -51,12 +54,21 @@ def drawing(name):
     return found
 
 
-def entry(path, record, timing):
+def drawn(name, record, timing, folder=LAB):
+    """What MODULE.NAME gives: NAME(record, timing); or, for one drawn by running the lab's
+    code rather than from the record (it takes a folder), from folder's model and corpus."""
+    draw = drawing(name)
+    if "folder" in inspect.signature(draw).parameters:
+        return draw(record, timing, folder=folder)
+    return draw(record, timing)
+
+
+def entry(path, record, timing, folder=LAB):
     """The value at PATH (without its :SPEC) in the record or the timing, or the figure
     MODULE.NAME() computes. A KeyError says which key or item is missing."""
     computed = COMPUTED.match(path)
     if computed:
-        return drawing(f"{computed[1]}.{computed[2]}")(record, timing)
+        return drawn(f"{computed[1]}.{computed[2]}", record, timing, folder)
     root, _, rest = path.partition(".")
     value, keys = (timing, rest.split(".")) if root == "time" else (record, path.split("."))
     for key in keys:
@@ -75,23 +87,24 @@ def entry(path, record, timing):
     return value
 
 
-def figure(mark, record, timing):
+def figure(mark, record, timing, folder=LAB):
     """What the mark PATH[:SPEC] stands for, as the documents print it."""
     path, _, spec = mark.partition(":")
-    return shown(entry(path, record, timing), spec)
+    return shown(entry(path, record, timing, folder), spec)
 
 
-def rendered(text, record, timing):
-    """text with every marked figure and block written from the record and the timing."""
-    text = FIGURE.sub(lambda m: f"<!--fig {m[1]}-->{figure(m[1], record, timing)}<!--/-->",
-                      text)
+def rendered(text, record, timing, folder=LAB):
+    """text with every marked figure and block written from the record and the timing
+    (and those drawn by running the lab's code, from folder's files)."""
+    text = FIGURE.sub(lambda m: f"<!--fig {m[1]}-->{figure(m[1], record, timing, folder)}"
+                                f"<!--/-->", text)
     return BLOCK.sub(lambda m: "".join(line + "\n" for line in (
-        f"<!--block {m[1]}-->", *drawing(m[1])(record, timing))), text)
+        f"<!--block {m[1]}-->", *drawn(m[1], record, timing, folder))), text)
 
 
-def pictures(text, record, timing):
+def pictures(text, record, timing, folder=LAB):
     """{file: its SVG text} for every picture text marks, drawn from the record."""
-    return {file: drawing(name)(record, timing) for name, file in PICTURE.findall(text)}
+    return {file: drawn(name, record, timing, folder) for name, file in PICTURE.findall(text)}
 
 
 def line_of(text, at):

@@ -82,14 +82,16 @@ class KVCache:
         self.crop(0)
 
 
-def check_cache(cache, params):
-    """Refuse anything but a cache made for these very params (a copy is another model)."""
+def check_cache(cache, params, kernel=None):
+    """Refuse anything but a cache made for these very params (a copy is another model)
+    that takes rows computed by kernel (None: forward_step's arithmetic)."""
     if not isinstance(cache, KVCache):
         raise ValueError(f"cache must be a KVCache, got {type(cache).__name__}; "
                          f"start one with KVCache(params)")
     if cache.params is not params:
         raise ValueError("this cache was made for different parameters; "
                          "start a new cache with KVCache(params)")
+    cache.check_computed_by(kernel)
 
 
 def forward_step(params, cache, token_id, position):
@@ -341,6 +343,10 @@ class CacheProtocol:
       keeps_every_position  whether keys and values hold every position (a window's don't)
       stores_exactly        whether they are forward_step's, exactly and every one, so
                             that a file of them loads as the same cache
+      check_computed_by(kernel)  refuse rows computed by kernel (None: forward_step's
+                            arithmetic; else batched.py's product) if it keeps only another's
+                            (a paged sequence: its pool shares its blocks with sequences
+                            computed alike); one of its own takes any
 
     KVCache offers those down to free as the lesson needs them, above; the rest it answers
     as written below (a kind of cache that keeps its positions another way overrides them)."""
@@ -352,6 +358,9 @@ class CacheProtocol:
     def stored(self, vector):
         """vector as the cache gives it back once kept: a list keeps it as it is."""
         return vector
+
+    def check_computed_by(self, kernel):
+        """Nothing to refuse: no other sequence reads a list's keys and values."""
 
     def room_for(self, positions):
         """Whether the cache can keep that many more positions: its room's owner says."""

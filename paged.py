@@ -10,7 +10,7 @@ from collections import OrderedDict
 import generate
 import kv_cache
 import model
-from documents import bold, shown, table
+from documents import LAB, bold, shown, table
 from instruments import passes_by_input, recording, reusing
 from kv_cache import KVCache, feed, generate_cached
 from stories import story_ids
@@ -29,9 +29,7 @@ class Block:
 
     def __init__(self):
         self.tokens, self.keys, self.values = [], [], []
-        self.ref_count = 0
-        self.prefix = None
-        self.computed_by = None
+        self.ref_count, self.prefix, self.computed_by = 0, None, None
 
 
 class BlockPool:
@@ -212,6 +210,13 @@ class BlockPool:
             block.prefix = None
 
 
+def check_pool(pool, params):
+    """Refuse anything but a BlockPool made for these very params."""
+    if not isinstance(pool, BlockPool) or pool.params is not params:
+        got = "one made for others" if isinstance(pool, BlockPool) else type(pool).__name__
+        raise ValueError(f"pool must be a BlockPool made for these params, got {got}")
+
+
 class PagedSequence(KVCache):
     """One sequence whose positions live in a BlockPool's blocks. To forward_step and
     prefill it is a cache like any other: tokens, keys and values read as lists over its
@@ -220,9 +225,7 @@ class PagedSequence(KVCache):
     writer first takes a copy of it (copy on write). Its room is its pool's (room_owner)."""
 
     def __init__(self, pool, computed_by=None):
-        self.pool = pool
-        self.params = pool.params
-        self.columns = pool.columns
+        self.pool, self.params, self.columns = pool, pool.params, pool.columns
         self.computed_by = computed_by   # how its rows are computed (BlockPool.sequence)
         self.table = []        # block ids, in position order
         self.length = 0        # positions held: all of the table's blocks but the last,
@@ -231,6 +234,16 @@ class PagedSequence(KVCache):
     @property
     def room_owner(self):
         return self.pool
+
+    def check_computed_by(self, kernel):
+        """Refuse rows computed otherwise than this sequence's (BlockPool.sequence)."""
+        if kernel is not self.computed_by:
+            held, given = (getattr(k, "__name__", repr(k)) if k else "the exact arithmetic"
+                           for k in (self.computed_by, kernel))
+            raise ValueError(f"this paged sequence is for rows computed by {held}, and these "
+                             f"would be computed by {given}: its pool finds a full block again "
+                             f"only for a sequence computed alike; start one for {given} with "
+                             f"pool.sequence(ids, computed_by={kernel and given})")
 
     def _check_live(self):
         if self.freed:
@@ -326,10 +339,12 @@ class PagedSequence(KVCache):
 
 def sample_from_forks(params, tok, prompt, seeds, pool):
     """Parallel sampling by copy on write: the prompt prefilled once into a sequence of
-    pool, forked once per seed, each fork continued at temperature 1.0 with its seed from
-    the prompt's last row (computed once): the results, and the blocks the pool had taken
-    when the last ended. On the way out, normally or not, every block goes back."""
+    pool, forked once per seed of the list seeds, each continued at temperature 1.0 with
+    its seed from the prompt's last row (computed once): the results, and the blocks the
+    pool had taken when the last ended. On the way out, normally or not, all go back."""
     ids = generate.check_request(tok, prompt, 60, 1.0, None, 0)
+    generate.check_seeds(seeds)
+    check_pool(pool, params)
     seq, forks, results = pool.sequence(), [], []
     try:
         last = feed(params, seq, ids)[-1]
@@ -429,10 +444,10 @@ def forks_table(record, timing):
                    bold(f"{o['identical_to_generate']} of {forks}")] for o in p["openings"]])
 
 
-def block_tables(record=None, timing=None):
-    """Section 16's picture, from a real pool of blocks of 4 (not from the record): one
-    prompt fed, then a second that begins like it."""
-    params, tok = generate.load_trained()
+def block_tables(record=None, timing=None, folder=LAB):
+    """Section 16's picture, from a real pool of blocks of 4 (not from the record) and
+    folder's model: one prompt fed, then a second that begins like it."""
+    params, tok = generate.load_trained(folder)
     pool, named = BlockPool(params, 64, 4), {}
     for name, prompt in zip("AB", ("mia was sad. tom gave her a hug.", "mia was tired.")):
         named[name] = prompt, pool.sequence(tok.encode(prompt))

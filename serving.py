@@ -11,11 +11,11 @@ from collections import deque
 import blockwise
 import generate
 import model
-from batched import (batch_invariant, by_batch, by_batch_float32, exact, exact_attention,
-                     forward_rows)
+from batched import (batch_invariant, by_batch, by_batch_float32, computed_by, exact,
+                     exact_attention, forward_rows)
 from documents import LAB, bold, shown, table
 from instruments import chosen_rows, largest_gap, recording
-from paged import BlockPool
+from paged import BlockPool, check_pool
 from stories import openings, split_stories, story_ids
 
 PREFIX_CACHE_BLOCKS = 64          # the experiment: a pool far smaller than the 60 stories
@@ -55,8 +55,7 @@ def serve(params, tok, requests, pool, max_batch, log=None, product=exact,
     if log is not None and not callable(log):
         raise ValueError(f"log must be a function of (step, request index, event), got {log!r}")
     log = log or (lambda step, index, event: None)
-    if not isinstance(pool, BlockPool) or pool.params is not params:
-        raise ValueError("pool must be a BlockPool made for these params")
+    check_pool(pool, params)
     model.check_int("max_batch", max_batch, 1)
     if not callable(product):
         raise ValueError(f"product must be a function of (rows, columns), such as "
@@ -150,9 +149,9 @@ class _Served:
         blocks the pool has cached for them (never the last position: its logits are
         needed); False, with nothing changed, if the pool lacks room."""
         ids = self.generation.ids
-        # exact: forward_step's arithmetic. (The attention does not matter here: in this
-        # one-block model a key or value depends on its own token and position alone.)
-        kernel = None if product is exact else product
+        # The product's kernel (the attention does not matter here: in this one-block
+        # model a key or value depends on its own token and position alone).
+        kernel = computed_by(product)
         if not self.pool.room_for_sequence(ids[:-1], len(ids), kernel):
             return False
         self.seq = self.pool.sequence(ids[:-1], kernel)
@@ -376,13 +375,13 @@ def many_requests_table(record, timing):
                   for run, c in ((run, m[run]) for run in ("small pool", "ample pool"))])
 
 
-def timeline(record=None, timing=None):
-    """Section 19's picture, from a real run of serve (not from the record): four
-    openings, batches of up to four, a pool of 16 blocks of 4. One line per request, one
-    character per step: P admitted (its tokens prefilled), . a decode row, x preempted,
-    - waiting, * finished."""
-    params, tok = generate.load_trained()
-    with open(os.path.join(LAB, "corpus.txt"), encoding="utf-8") as f:
+def timeline(record=None, timing=None, folder=LAB):
+    """Section 19's picture, from a real run of serve (not from the record) on folder's
+    model and corpus: four openings, batches of up to four, a pool of 16 blocks of 4. One
+    line per request, one character per step: P admitted (its tokens prefilled), . a
+    decode row, x preempted, - waiting, * finished."""
+    params, tok = generate.load_trained(folder)
+    with open(os.path.join(folder, "corpus.txt"), encoding="utf-8") as f:
         prompts = openings(split_stories(f.read())[2])[:4]
     events = {}
     _, counts = serve(params, tok, [{"prompt": p} for p in prompts], BlockPool(params, 16, 4),

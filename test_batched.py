@@ -379,6 +379,45 @@ class Refusals(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "beyond the 64 positions"):
             batched.forward_rows(PARAMS, [(long, 5, model.CONTEXT)])
 
+    def test_a_paged_sequence_takes_only_the_rows_of_the_kernel_it_is_for(self):
+        """A sequence made for the exact arithmetic (pool.sequence()) refuses a kernel's
+        batched rows; one made for a kernel refuses forward_step's, prefill's, exact
+        batched rows and another kernel's; each refusal names both, and leaves the
+        sequences and the pool as they were (its prefix index never holds a kernel's
+        rows under another's name)."""
+        import kv_cache
+        import prefill
+        pool = paged.BlockPool(PARAMS, 8, 4)
+        exact_seq, kernel_seq = pool.sequence(), pool.sequence(computed_by=batched.by_batch)
+        feed(PARAMS, exact_seq, IDS[0][:5])
+        batched.forward_rows(PARAMS, [(kernel_seq, token_id, position) for position, token_id
+                                      in enumerate(IDS[0][:5])], batched.by_batch)
+        exact_arithmetic = "the exact arithmetic, and these would be computed by"
+        for name, run, fragment in (
+                ("by_batch rows", lambda: batched.forward_rows(
+                    PARAMS, [(exact_seq, 5, 5)], batched.by_batch),
+                 f"is for rows computed by {exact_arithmetic} by_batch: .* computed_by=by_batch"),
+                ("exact rows", lambda: batched.forward_rows(PARAMS, [(kernel_seq, 5, 5)]),
+                 "is for rows computed by by_batch, and these would be computed by the exact "
+                 "arithmetic: .*computed_by=None"),
+                ("another kernel's", lambda: batched.forward_rows(
+                    PARAMS, [(kernel_seq, 5, 5)], batched.batch_invariant),
+                 "by by_batch, and these would be computed by batch_invariant"),
+                ("forward_step", lambda: kv_cache.forward_step(PARAMS, kernel_seq, 5, 5),
+                 "by by_batch, and these would be computed by the exact"),
+                ("prefill", lambda: prefill.prefill(PARAMS, kernel_seq, [5], 5),
+                 "by by_batch, and these would be computed by the exact"),
+                ("generate_cached", lambda: kv_cache.generate_cached(
+                    PARAMS, TOK, TOK.decode(IDS[0][:8]), cache=kernel_seq),
+                 "by by_batch, and these would be computed by the exact")):
+            before = (support.snapshot(exact_seq), support.snapshot(kernel_seq),
+                      support.pool_snapshot(pool))
+            with self.subTest(name), self.assertRaisesRegex(ValueError, fragment):
+                run()
+            support.assert_equal(self, (support.snapshot(exact_seq), support.snapshot(kernel_seq),
+                                        support.pool_snapshot(pool)), before,
+                                 f"the sequences and the pool after refusing {name}")
+
     def test_a_refusal_while_the_rows_are_computed_changes_no_cache(self):
         """A key a float16 cache cannot store (keys 1e6 times too large), and a sum a
         16-bit kernel cannot hold at a later product, each refused with every cache of
@@ -390,9 +429,10 @@ class Refusals(unittest.TestCase):
                                           (large_out, batched.by_batch_float32,
                                            "beyond 65504, the largest 16-bit")):
             pool = paged.BlockPool(params, 8, 4)
-            caches = [KVCache(params), QuantizedCache(params, "float16"), pool.sequence()]
-            for cache in caches[::2]:
-                feed(params, cache, IDS[0][:3])
+            caches = [KVCache(params), QuantizedCache(params, "float16"),
+                      pool.sequence(computed_by=batched.computed_by(product))]
+            for cache in caches[::2] if product is batched.exact else caches[:1]:
+                feed(params, cache, IDS[0][:3])   # (a kernel's sequence takes no exact row)
             before = [support.snapshot(cache) for cache in caches], support.pool_snapshot(pool)
             items = [(cache, 5, len(cache)) for cache in caches]
             with self.subTest(fragment=fragment), self.assertRaisesRegex(ValueError, fragment):

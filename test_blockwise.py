@@ -180,6 +180,45 @@ class Kinds(unittest.TestCase):
                     self.assertAlmostEqual(got, want, delta=ROUNDING)
                 self.assertTrue(all(map(math.isnan, kind(q, [[-math.inf] * 4] * 12, values))))
 
+    def test_random_rows_with_masked_blocks_and_nan_scores_are_read_as_exact_attention(self):
+        """Case n draws, from random.Random(n), a row of 1 to 24 keys (a query of positive
+        numbers, some zero), whole blocks masked (keys of -inf: scores of -inf), single
+        positions masked, and keys holding a NaN or meeting a zero of the query with -inf
+        (NaN scores), alone in a masked block too; values finite. Every kind (the online,
+        split and exact ones of KINDS, and the heuristic for 1 to 8 rows) gives
+        exact_attention's answer: NaN where it is NaN (a NaN score anywhere makes every
+        weight NaN), its bits for the exact kinds, within ROUNDING for the others; within
+        few_sums (no loop that does not end)."""
+        kinds = dict(blockwise.KINDS, heuristic=blockwise.heuristic)
+
+        def check(index):
+            rng = random.Random(index)
+            width, length = rng.randint(2, 4), rng.randint(1, 24)
+            q = [rng.choice((0.0, 0.5, 1.0, rng.uniform(0.1, 2.0))) for _ in range(width)]
+            masked = {block for block in range(6) if rng.random() < 0.3}
+            keys = []
+            for position in range(length):
+                key = [rng.uniform(-3.0, 3.0) for _ in range(width)]
+                if position // blockwise.BLOCK in masked or rng.random() < 0.1:
+                    key = [-math.inf] * width
+                if rng.random() < 0.08:   # a NaN score, in a masked block or not
+                    key[rng.randrange(width)] = math.nan
+                keys.append(key)
+            values = [[rng.uniform(-5.0, 5.0) for _ in range(2)] for _ in range(length)]
+            expected = batched.exact_attention(q, keys, values)
+            for name, kind in kinds.items():
+                with few_sums():
+                    got = kind(q, keys, values, rng.randint(1, 8))
+                exact_bits = name.startswith("exact")
+                for column, (a, b) in enumerate(zip(got, expected)):
+                    if math.isnan(a) != math.isnan(b) or not math.isnan(b) and (
+                            a != b if exact_bits else not abs(a - b) <= ROUNDING):
+                        return (f"the {name} kind gives {a!r} for column {column}, where "
+                                f"exact_attention gives {b!r} (scores "
+                                f"{excerpt(blockwise._scores(q, keys))})")
+            return None
+        support.check_random_cases(self, 200, check)
+
     def test_values_a_kinds_unscaled_sums_overflow_are_refused(self):
         """Values of 1.7e308: the exact kinds give exact_attention's; the online and split
         kinds, whose sums come before the division, refuse them by name."""

@@ -1,16 +1,25 @@
 """documents.py, the filling of the documents' marks: what a mark may name, and that a
-mark naming nothing is found in a moment, before python3 trace_kv.py --write runs the lab.
-(That every document's marks are what the record gives is test_readme's.)"""
+mark naming nothing is found in a moment, before python3 trace_kv.py --write runs the lab,
+and that what is drawn by running the lab's code comes from the folder written. (That
+every document's marks are what the record gives is test_readme's.)"""
+import json
 import os
 import subprocess
 import sys
 import tempfile
 import unittest
 
+import bpe
+import checkpoint
 import documents
-from support import HERE
+import model
+import paged
+import serving
+from stories import openings, split_stories
+from support import HERE, lab_file
 
 RECORDED = {"work": {"cached_rows": 5}, "paged": {"slots": 3}}
+RECORD, TIMING = (json.loads(lab_file(name)) for name in (documents.TRACE, documents.TIMES))
 STAGES = ["paged", "eviction"]
 
 
@@ -43,6 +52,39 @@ class Marks(unittest.TestCase):
 
 
 class Write(unittest.TestCase):
+
+    def test_what_is_drawn_by_running_the_lab_comes_from_the_folder_written(self):
+        """Part 2's block tables and Part 3's serving timeline are drawn by running the
+        lab's code, not from the record: for another folder (the last 400 stories, a
+        tokenizer trained on them, a random model), the documents get that folder's
+        (which differ from the shipped folder's, and the shipped folder keeps its own)."""
+        stories = lab_file("corpus.txt").splitlines(keepends=True)[-400:]
+        corpus = "".join(stories)
+        tok = bpe.Tokenizer.train(corpus, model.VOCAB_SIZE)
+        with tempfile.TemporaryDirectory() as folder:
+            with open(os.path.join(folder, "corpus.txt"), "w", encoding="utf-8") as f:
+                f.write(corpus)
+            tok.save(os.path.join(folder, "tokenizer.json"))
+            checkpoint.save(os.path.join(folder, "best.json"), model.init_params(1),
+                            checkpoint.CONFIG, checkpoint.input_signature(tok, corpus))
+            # what each shows of the folder: the tokens of the first block, the openings
+            first_block = ", ".join("space" if tok.vocab[t] == " " else tok.vocab[t]
+                                    for t in tok.encode("mia was sad.")[:4])
+            for name, draw, document, shown in (
+                    ("paged.block_tables", paged.block_tables, "part2-what-servers-do.md",
+                     [f"block 0: {first_block} "]),
+                    ("serving.timeline", serving.timeline, "part3-a-servers-life.md",
+                     openings(split_stories(corpus)[2])[:4])):
+                with self.subTest(name):
+                    text = lab_file(document)
+                    self.assertIn(f"<!--block {name}-->", text)
+                    theirs, ours = draw(folder=folder), draw()
+                    self.assertNotEqual(theirs, ours)
+                    for part in shown:
+                        self.assertIn(part, "\n".join(theirs))
+                    for where, lines in ((folder, theirs), (documents.LAB, ours)):
+                        self.assertIn("".join(line + "\n" for line in lines),
+                                      documents.rendered(text, RECORD, TIMING, where))
 
     def test_write_refuses_a_mark_that_names_nothing_before_it_runs_anything(self):
         with tempfile.TemporaryDirectory() as folder:

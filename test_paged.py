@@ -255,6 +255,35 @@ class Paged(unittest.TestCase):
         self.assertEqual(len(rows), prompt_tokens + sum(n - prompt_tokens for n in positions))
         self.assertEqual((pool.free_blocks(), pool.ref_counts), (48, [0] * 48))
 
+    def test_sample_from_forks_refuses_bad_seeds_and_pools_before_anything_changes(self):
+        """Seeds that are not a list, a tuple or a range (an iterator would be read up by
+        the forks, leaving none to continue them; an int), seeds generate would refuse
+        (None, 1.5, "a", True), and a pool that is not one of these params', each refused
+        by name with the pool as it was; a range and a tuple are taken."""
+        pool, prompt = paged.BlockPool(PARAMS, 48, 4), OPENINGS[4]
+        other = paged.BlockPool(model.init_params(1), 48, 4)
+        before = support.pool_snapshot(pool)
+        for seeds, given, fragment in (
+                (iter([0, 1]), pool, "seeds must be a list, a tuple or a range of ints, one a "
+                                     "continuation, got list_iterator"),
+                ((s for s in [0]), pool, "got generator"), (5, pool, "got int"),
+                ([0, None], pool, r"seeds\[1\] must be an int, got None"),
+                ([1.5], pool, r"seeds\[0\] must be an int, got 1\.5"),
+                (["a"], pool, r"seeds\[0\] must be an int, got 'a'"),
+                ([True], pool, r"seeds\[0\] must be an int, got True"),
+                ([0], None, "pool must be a BlockPool made for these params, got NoneType"),
+                ([0], other, "pool must be a BlockPool made for these params, got one made "
+                             "for others")):
+            with self.subTest(seeds=seeds, pool=type(given).__name__), \
+                    self.assertRaisesRegex(ValueError, fragment):
+                paged.sample_from_forks(PARAMS, TOK, prompt, seeds, given)
+            assert_equal(self, support.pool_snapshot(pool), before, "the pool")
+        for seeds in (range(1, 3), (1, 2)):
+            results, _ = paged.sample_from_forks(PARAMS, TOK, prompt, seeds, pool)
+            self.assertEqual([r["text"] for r in results],
+                             [generate_cached(PARAMS, TOK, prompt, temperature=1.0,
+                                              seed=seed)["text"] for seed in seeds])
+
     def test_crop_into_a_shared_block_copies_it_only_when_it_writes(self):
         pool = paged.BlockPool(PARAMS, 40, 4)
         parent = pool.sequence()

@@ -18,7 +18,7 @@ import verdicts
 from instruments import replacing
 from kv_cache import feed, generate_cached
 from quick_checks import Wrong, step
-from support import OPENINGS, PARAMS, STORIES, TOK, assert_equal
+from support import OPENINGS, PARAMS, STORIES, TOK, assert_equal, cached_rows, filled_cache
 
 
 def setUpModule():
@@ -214,6 +214,71 @@ class Serve(unittest.TestCase):
             return None
         if len(support.check_random_cases(self, 16, check)) >= 16:
             self.assertGreater(logged, 0)   # some log did fail part-way
+
+    def test_random_hand_fed_sequences_of_every_kernel_never_reach_another_s_serve(self):
+        """Case n draws, from random.Random(n), a pool of blocks of 2 to 8 positions and 1
+        to 4 sequences of it, each made for one of batched.py's products (exact, by_batch,
+        by_batch_float32, batch_invariant) and fed the start of an opening by hand, in
+        chunks of forward_rows, with that product or (one time in three) another: rows of
+        the sequence's own product are kept, an exact sequence's being forward_step's, bit
+        for bit; another product's are refused, with the sequence and the pool as they
+        were. Then some sequences are freed; every full block indexed as exact holds
+        forward_step's keys and values; and on that pool an exact serve of the openings
+        gives generate's results, and a batch-invariant serve those it gives on
+        a fresh pool: no serve finds a block another kernel computed."""
+        products = (batched.exact, batched.by_batch, batched.by_batch_float32,
+                    batched.batch_invariant)
+
+        def check(index):
+            rng = random.Random(index)
+            size, prompts = rng.randint(2, 8), rng.sample(OPENINGS[:12], rng.randint(1, 4))
+            pool = paged.BlockPool(PARAMS, (len(prompts) + 4) * math.ceil(model.CONTEXT / size),
+                                   size)
+            for prompt in prompts:
+                made = rng.choice(products)
+                ids = TOK.encode(prompt)[:rng.randint(1, len(TOK.encode(prompt)))]
+                seq = pool.sequence(ids, batched.computed_by(made))
+                product = made if rng.random() < 2 / 3 else rng.choice(products)
+                while len(seq) < len(ids):
+                    chunk = range(len(seq), min(len(ids), len(seq) + rng.randint(1, 5)))
+                    before = support.snapshot(seq), support.pool_snapshot(pool)
+                    try:
+                        rows = batched.forward_rows(PARAMS, [(seq, ids[i], i) for i in chunk],
+                                                    product)
+                    except ValueError as refused:
+                        if product is made or "this paged sequence is for rows computed by" \
+                                not in str(refused):
+                            return f"{product.__name__} rows refused by a {made.__name__} " \
+                                   f"sequence: {refused}"
+                        if (support.snapshot(seq), support.pool_snapshot(pool)) != before:
+                            return f"a refusal of {product.__name__} rows changed the pool"
+                        break
+                    if product is not made:
+                        return f"{product.__name__} rows kept by a {made.__name__} sequence"
+                    if made is batched.exact and rows != cached_rows(PARAMS, ids)[chunk.start:
+                                                                                 chunk.stop]:
+                        return f"exact rows of {prompt!r} at {chunk} are not forward_step's"
+                if rng.random() < 0.5:
+                    seq.free()
+            for block in pool.blocks:   # every full block the index gives exact serves
+                if block.prefix is not None and block.computed_by is None:
+                    fresh = filled_cache(list(block.prefix))
+                    if [block.keys, block.values] != [fresh.keys[-size:], fresh.values[-size:]]:
+                        return f"a block of {block.prefix} indexed as exact holds other keys"
+            requests = [{"prompt": prompt, "max_new_tokens": rng.randint(0, 6),
+                         "temperature": rng.choice((0.0, 1.0)), "seed": rng.randrange(100)}
+                        for prompt in prompts]
+            for product, expected in (
+                    (batched.exact, [generate_cached(PARAMS, TOK, **r) for r in requests]),
+                    (batched.batch_invariant, serving.serve(
+                        PARAMS, TOK, requests, paged.BlockPool(PARAMS, pool.free_blocks(), size),
+                        len(requests), product=batched.batch_invariant)[0])):
+                results, _ = serving.serve(PARAMS, TOK, requests, pool, rng.randint(1, 4),
+                                           product=product)
+                if results != expected:
+                    return f"a {product.__name__} serve after hand-fed sequences differs"
+            return None
+        support.check_random_cases(self, 8, check)
 
     def test_preempted_requests_come_back_with_the_same_result(self):
         requests = self.requests(9, 2)

@@ -292,8 +292,8 @@ def save_records(record, timing, folder=LAB):
         with open(os.path.join(folder, name), encoding="utf-8") as f:
             text = f.read()
         try:
-            texts[name] = documents.rendered(text, record, timing)
-            drawn.update(documents.pictures(text, record, timing))
+            texts[name] = documents.rendered(text, record, timing, folder)
+            drawn.update(documents.pictures(text, record, timing, folder))
         except (KeyError, IndexError, TypeError, ValueError) as e:
             raise ValueError(f"{name}: a mark cannot be filled from this run "
                              f"({type(e).__name__}: {e}); nothing was written") from None
