@@ -468,8 +468,10 @@ class WriteTogether(CheckpointTestCase):
                 for patch in patches:
                     patch.stop()
             checkpoint.finish_saving(self.folder)
-            found = {name: open(os.path.join(self.folder, name), encoding="utf-8").read()
-                     for name in os.listdir(self.folder)}
+            found = {}
+            for name in os.listdir(self.folder):
+                with open(os.path.join(self.folder, name), encoding="utf-8") as f:
+                    found[name] = f.read()
             if found not in (old, new):
                 return f"interrupted at call {at} ({'after' if after else 'before'}): {found}"
             if descriptors and sorted(os.listdir(descriptors)) != before:

@@ -56,9 +56,9 @@ def _start_the_run():
 
 
 def _stop_the_run():
-    """End the background run and its workers at once, if it still runs. (Told to stop
-    politely mid-way, a process pool can hang in its own shutdown: a signal's exception
-    can leave one of its locks held.)"""
+    """End the background run and its workers at once, if it still runs, and close its
+    output files (atexit calls this too). (Told to stop politely mid-way, a process pool
+    can hang in its own shutdown: a signal's exception can leave one of its locks held.)"""
     process = _RUN["process"]
     if process.poll() is None:
         if hasattr(os, "killpg"):
@@ -66,6 +66,8 @@ def _stop_the_run():
         else:
             process.kill()
         process.wait()
+    _RUN["out"].close()
+    _RUN["err"].close()
 
 
 def _the_run():
