@@ -237,6 +237,15 @@ class TheWorkerPool(unittest.TestCase):
             trace_kv.run(workers=2, stories=1, parts=1)
         self.assertLess(time.monotonic() - start, 3)
 
+    def test_a_run_of_no_story_is_refused_at_once(self):
+        """A run of 0 stories would give every stage of openings no case, and wait for
+        them for ever: refused, like any count but an int from 1, before the lab loads."""
+        for bad in (0, -1, 1.5, True, "2"):
+            with self.subTest(stories=bad), recording(trace_kv, "load_trained") as loads, \
+                    self.assertRaisesRegex(ValueError, "stories must be an int >= 1"):
+                trace_kv.run(workers=1, stories=bad, parts=1)
+            self.assertEqual(loads, [])
+
     def test_workers_start_with_the_default_signal_handlers(self):
         def interrupted(signum, frame):
             raise KeyboardInterrupt

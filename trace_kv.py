@@ -116,6 +116,8 @@ def run(full_timing=False, folder=LAB, progress=None, workers=None, stories=None
     progress = progress or (lambda stage, done, total: None)
     workers = workers or os.cpu_count() or 1
     model.check_int("workers", workers, 1, MAX_WORKERS, " (each process loads the lab)")
+    if stories is not None:   # a stage of no cases would never be done
+        model.check_int("stories", stories, 1, None, " (the first test openings to run)")
     stages = [stage for stage in STAGES if stage.part <= parts]
     start = time.perf_counter()
     lab = _load(folder, stories)
