@@ -61,7 +61,7 @@ def where_sequence_differs(label, seq, tokens):
 def quick_check():
     """Sequences of one pool (blocks of 4) written one forward_step at a time: a parent of
     10 positions; its fork, writing into the partly filled block they share; the parent
-    going on to 12; a new sequence finding the parent's first two blocks by their prefix;
+    going on to 12; the fork cropped into a block it shares and written on again; a new sequence finding the parent's first two blocks by their prefix;
     one opening with the tokens of the parent's second block (found nowhere: a block is
     found by every token from position 0, not by its own); and, once the parent and the
     fork are freed, one finding their three full blocks again, as a preempted request
@@ -97,6 +97,10 @@ def quick_check():
         fork = write(parent.copy(), ids[:12])
         step("writing the parent on, after its fork wrote")
         write(parent, ids[:10] + TOK.encode(" tom"))
+        step("cropping the fork to 6 positions (into its second block, shared), and "
+             "writing it on to 12 again")
+        fork.crop(6)
+        write(fork, ids[:12])
         live = {"the prefix hit": (new("the prefix hit", ids[:10], 2), ids[:10]),
                 "the sequence opening with the second block's tokens": (
                     new("the sequence opening with the second block's tokens", moved, 0), moved)}
@@ -181,6 +185,11 @@ class PagedTeeth(unittest.TestCase):
         ("a cached block taken for a new table left in the prefix index", paged.BlockPool,
          "take", replacing(lambda node: isinstance(node, ast.stmt) and ast.unparse(node)
                            == "self._unindex(block_id)", lambda node: ast.Pass())),
+        ("a crop that keeps only the blocks it fills whole (floor, not ceiling)",
+         paged.PagedSequence, "_forget_from",
+         replacing(lambda node: isinstance(node, ast.Call) and ast.unparse(node)
+                   == "math.ceil(length / self.pool.block_size)",
+                   lambda node: ast.parse("length // self.pool.block_size", mode="eval").body)),
         ("a freed full block emptied, though it stays findable", paged.BlockPool, "release",
          replacing(lambda node: isinstance(node, ast.Compare) and ast.unparse(node)
                    == "block.prefix is None", lambda node: ast.Constant(True)))]
