@@ -65,8 +65,9 @@ def _batch_words(batch, labels):
         f"{', '.join(map(str, positions))}" for index, positions in owners.items())
 
 
-def where_batches_differ(params, caches, ids, seed=0, labels=None):
-    """None if each cache's rows, fed in_batches, are forward_step's, else (a Wrong) the
+def where_batches_differ(params, caches, ids, seed=0, labels=None, fresh=KVCache):
+    """None if each cache's rows, fed in_batches, are forward_step's (one token at a time,
+    into fresh(params): a cache of the same kind), else (a Wrong) the
     first number that differs, named by its sequence (labels[index], else "sequence
     index"), position and logit, and the batch that computed it; or the ValueError
     forward_rows raised (a refusal) and the batch it raised it for."""
@@ -78,7 +79,7 @@ def where_batches_differ(params, caches, ids, seed=0, labels=None):
         return Wrong(f"forward_rows, at step {len(steps)} of the mixed batches (seed {seed}), "
                      f"{_batch_words(steps[-1], labels)}, raised ValueError: {refused}")
     for index, (got, own) in enumerate(zip(rows, ids)):
-        wanted = feed(params, KVCache(params), own)
+        wanted = feed(params, fresh(params), own)
         why = differ(f"the logits of {labels[index]}, fed in mixed batches (seed {seed})", got,
                      wanted, "forward_rows", fed=f"token IDs {own}")
         found = why and first_difference(got, wanted)
@@ -134,15 +135,21 @@ def where_kernels_round_otherwise():
 
 def quick_check():
     """Three test stories fed in mixed batches (chunks of one story's next tokens beside
-    one next token of each other) give forward_step's rows; and each product kernel rounds
-    two dot products of 16 terms, alone and in a batch of 3, as its docstring says
-    (where_kernels_round_otherwise)."""
-    step("feeding three test stories through batched.forward_rows in mixed batches, "
-         "expecting forward_step's rows")
+    one next token of each other) give forward_step's rows, in KVCaches and in int8
+    QuantizedCaches (a row reads the batch's new keys as its cache stores them); and each
+    product kernel rounds two dot products of 16 terms, alone and in a batch of 3, as its
+    docstring says (where_kernels_round_otherwise)."""
     ids = [TOK.encode(story) for story in STORIES[:3]]
-    return (where_batches_differ(PARAMS, [KVCache(PARAMS) for _ in ids], ids,
-                                 labels=[story_name(index) for index in range(3)])
-            or where_kernels_round_otherwise())
+    labels = [story_name(index) for index in range(3)]
+    for kind, fresh in (("", KVCache),
+                        (" in an int8 QuantizedCache", lambda params: QuantizedCache(params, "int8"))):
+        step(f"feeding three test stories{kind or ' in KVCaches'} through batched.forward_rows "
+             f"in mixed batches, expecting forward_step's rows")
+        why = where_batches_differ(PARAMS, [fresh(PARAMS) for _ in ids], ids,
+                                   labels=[label + kind for label in labels], fresh=fresh)
+        if why:
+            return why
+    return where_kernels_round_otherwise()
 
 
 QuickCheck = verdicts.quick_check_case("batched", __name__)
@@ -332,6 +339,13 @@ class Verdicts(unittest.TestCase):
                        node.value.func.value, node.value.args[0], ast.Store())],
                        node.value.args[1])),
          ROW_NAMED),
+        ("the batch's new keys and values read as computed, not as their cache stores "
+         "them (k, not cache.stored(k))", batched, "forward_rows",
+         replacing(lambda node: isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                   and node.func.attr == "stored", lambda node: node.args[0]),
+         r"the logits of the first test story in an int8 QuantizedCache, fed in mixed "
+         r"batches \(seed 0\), at position \d+, logit \d+: \S+ from forward_rows, \S+ "
+         r"expected \(step \d+"),
         ("the attention's output added to the normalised row h1, not to x0", batched,
          "forward_rows", residual_from_h1, ROW_NAMED),
         ("the pieces' total not rounded to bits (only the output)", batched, "in_pieces",
