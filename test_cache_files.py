@@ -340,6 +340,27 @@ class CacheFiles(unittest.TestCase):
             with self.subTest(fragment=fragment), self.assertRaisesRegex(ValueError, fragment):
                 cache_files.load_cache(PARAMS, self.path)
 
+    def test_an_edit_of_any_one_part_not_signed_again_is_refused_by_the_signature(self):
+        """One token, one key's number or one value's number changed in a saved file,
+        its signature left as it was: refused as corrupted (the signature covers the
+        tokens, the keys and the values), before any key or value is computed again."""
+        cache_files.save_cache(filled_cache(TOK.encode(OPENINGS[0])), self.path)
+        with open(self.path, encoding="utf-8") as f:
+            record = json.load(f)
+        for part, edit in (("tokens", lambda r: r["tokens"].__setitem__(1, (r["tokens"][1] + 1)
+                                                                        % model.VOCAB_SIZE)),
+                           ("keys", lambda r: r["keys"][2].__setitem__(3, r["keys"][2][3] * 2)),
+                           ("values", lambda r: r["values"][2].__setitem__(3,
+                                                                          r["values"][2][3] * 2))):
+            edited = json.loads(json.dumps(record))
+            edit(edited)
+            with open(self.path, "w", encoding="utf-8") as f:
+                json.dump(edited, f)
+            with self.subTest(part=part), self.assertRaisesRegex(
+                    ValueError, "corrupted cache file: its tokens, keys and values are not the "
+                                "ones it was saved with"):
+                cache_files.load_cache(PARAMS, self.path)
+
     def test_a_randomly_corrupted_file_loads_exactly_or_is_refused_naming_it(self):
         """Case n changes the saved file with random.Random(n): one character replaced,
         a piece cut out, or a piece copied elsewhere. Every load gives exactly the saved
