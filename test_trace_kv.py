@@ -153,8 +153,11 @@ class TheWorkerPool(unittest.TestCase):
         def started(lab):   # each stage leaves its worker's pid
             open(os.path.join(folder.name, str(os.getpid())), "w").close()
 
-        def killed(lab):   # as the out-of-memory killer does
+        def killed(lab):   # as the out-of-memory killer does, once slow has started too
             started(lab)
+            deadline = time.monotonic() + 2
+            while len(os.listdir(folder.name)) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
             os.kill(os.getpid(), signal.SIGKILL)
 
         def slow(lab):   # still running when the other dies
