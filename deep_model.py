@@ -286,9 +286,8 @@ class DeepCache:
     def __init__(self, params, mask=causal):
         check_params(params)
         check_mask(mask, 0)   # that it is a function; what it gives, at each step
-        self.params, self.mask = params, mask
+        self.params, self.mask, self.tokens = params, mask, []
         self.block_columns, self.out_columns = _columns(params)
-        self.tokens = []
         parts = ("latents", "rotary_keys") if params["shape"]["latent"] else ("keys", "values")
         self.layers = [{part: [] for part in parts} for _ in params["blocks"]]
 
@@ -412,8 +411,7 @@ def experiment(lab):
     and multi-query (1) attention: the largest gap between the cached rows and the full
     pass's, and the numbers its cache keeps per position; then, with a window of 8 on
     every layer, which positions changing the token at position 0 reaches."""
-    ids = deep_ids(lab)
-    shapes = []
+    ids, shapes = deep_ids(lab), []
     for layers, kv_heads in DEEP_SHAPES:
         params, rows, cache = fed_deep_model(layers, kv_heads, ids)
         floats = cache.floats_per_position()

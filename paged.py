@@ -8,16 +8,13 @@ import math
 from collections import OrderedDict
 
 import generate
-import kv_cache
 import model
-from documents import LAB, bold, shown, table
-from instruments import passes_by_input, recording, reusing
+from documents import LAB, shown, table
 from kv_cache import KVCache, feed, generate_cached
 from stories import story_ids
 
 BLOCK_SIZES = (4, 8, 16)   # the experiment's block sizes, positions per block
 MAX_BLOCKS = 100_000       # a pool makes its blocks at once: a billion would fill the memory
-FORKED_OPENINGS, FORKS = 3, 4   # parallel sampling: the first openings, continuations each
 
 
 class Block:
@@ -337,32 +334,7 @@ class PagedSequence(KVCache):
             self.freed = True
 
 
-def sample_from_forks(params, tok, prompt, seeds, pool):
-    """Parallel sampling by copy on write: the prompt prefilled once into a sequence of
-    pool, forked once per seed of the list seeds, each continued at temperature 1.0 with
-    its seed from the prompt's last row (computed once): the results, and the blocks the
-    pool had taken when the last ended. On the way out, normally or not, all go back."""
-    ids = generate.check_request(tok, prompt, 60, 1.0, None, 0)
-    generate.check_seeds(seeds)
-    check_pool(pool, params)
-    seq, forks, results = pool.sequence(), [], []
-    try:
-        last = feed(params, seq, ids)[-1]
-        forks = [seq.copy() for _ in seeds]   # no block taken: every one is shared
-        seq.free()   # the forks hold its blocks; the last to write needs no copy
-        for seed, fork in zip(seeds, forks):
-            # The first call feeds nothing (the fork holds the prompt): the prompt's last row.
-            def next_logits(ids, fork=fork):
-                return (feed(params, fork, ids) or [last])[-1]
-            results.append(generate.generate_with(next_logits, tok, list(ids), 60, 1.0, None,
-                                                  seed))
-        return results, len(pool.blocks) - pool.free_blocks()
-    finally:
-        for sequence in (seq, *forks):
-            sequence.free()
-
-
-# ---- the experiments (stages of trace_kv.py) ---------------------------------------
+# ---- the experiment (a stage of trace_kv.py) --------------------------------------
 
 def experiment(lab, runs):
     """Slots a cache reserves for the 60 greedy stories: one per position held, a whole
@@ -391,36 +363,6 @@ def experiment(lab, runs):
                 "prompt_rows_with_sharing": rows_with, "greedy_identical": identical}}
 
 
-def parallel_sampling(lab):
-    """FORKS sampled continuations (seeds 0 to FORKS - 1) of each of the first
-    FORKED_OPENINGS openings, from forks of one prefill in a pool of blocks of 4, against
-    FORKS caches of their own: the blocks held when all have ended, the prompt rows, and
-    how many continuations are generate.generate's for their seed (instruments.reusing)."""
-    params, tok = lab.params, lab.tok
-    openings = []
-    for prompt in lab.prompts[:FORKED_OPENINGS]:
-        pool = BlockPool(params, FORKS * model.CONTEXT // 4, 4)   # a context for each fork
-        with recording(kv_cache, "forward_step") as rows:
-            results, held = sample_from_forks(params, tok, prompt, range(FORKS), pool)
-        prompt_tokens = len(tok.encode(prompt))
-        positions = [len(story_ids(tok, prompt, result)) - 1 for result in results]
-        passes, identical = {}, 0
-        for seed, result in enumerate(results):
-            with reusing(params, passes), recording(model, "forward") as full_passes:
-                expected = generate.generate(params, tok, prompt, temperature=1.0, seed=seed)
-            passes.update(passes_by_input(story_ids(tok, prompt, expected), full_passes))
-            identical += result == expected
-        openings.append({
-            "prompt": prompt, "prompt_tokens": prompt_tokens,
-            "distinct_continuations": len({result["text"] for result in results}),
-            "blocks_held_with_forks": held,
-            "blocks_held_by_caches_of_their_own": sum(map(pool.blocks_to_hold, positions)),
-            "prompt_rows_with_forks": len(rows) - sum(n - prompt_tokens for n in positions),
-            "prompt_rows_with_caches_of_their_own": FORKS * prompt_tokens,
-            "identical_to_generate": identical})
-    return {"continuations_each": FORKS, "openings": openings}
-
-
 # ---- what Part 2 shows of it (documents.py fills its marks) --------------------------
 
 def slots_table(record, timing):
@@ -429,19 +371,6 @@ def slots_table(record, timing):
     return table(["how the cache reserves memory", "slots reserved", "wasted"],
                  [[labels.get(way, f"{way} positions"), shown(slots),
                    f"{p['wasted_share'][way]:.1%}"] for way, slots in p["slots_reserved"].items()])
-
-
-def forks_table(record, timing):
-    p, forks = record["parallel_sampling"], record["parallel_sampling"]["continuations_each"]
-    return table(["opening", "prompt tokens", f"distinct continuations (of {forks})",
-                  f"blocks held at the end: forks / {forks} caches of their own",
-                  f"prompt rows: forks / {forks} caches of their own",
-                  "identical to `generate`'s"],
-                 [[f"`{o['prompt']}`", o["prompt_tokens"], o["distinct_continuations"],
-                   f"{o['blocks_held_with_forks']} / {o['blocks_held_by_caches_of_their_own']}",
-                   f"{o['prompt_rows_with_forks']} / "
-                   f"{o['prompt_rows_with_caches_of_their_own']}",
-                   bold(f"{o['identical_to_generate']} of {forks}")] for o in p["openings"]])
 
 
 def block_tables(record=None, timing=None, folder=LAB):

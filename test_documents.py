@@ -28,7 +28,7 @@ class Marks(unittest.TestCase):
 
     def test_a_mark_may_name_the_record_a_stage_to_come_or_a_function_of_the_lab(self):
         text = ("<!--fig work.cached_rows-->5<!--/--> <!--fig time.speedup-->1<!--/-->\n"
-                "<!--fig eviction.kept-->1<!--/--> <!--fig paged.forks_table()-->x<!--/-->\n\n"
+                "<!--fig eviction.kept-->1<!--/--> <!--fig forks.forks_table()-->x<!--/-->\n\n"
                 "<!--block lossy.ladder_table-->\n| a |\n\n"
                 "<!--picture lossy.ladder_picture-->\n![the ladder](kv-ladder.svg)\n")
         self.assertEqual(documents.unknown_names(text, RECORDED, STAGES), [])

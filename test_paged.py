@@ -14,7 +14,7 @@ import paged
 import prefill
 import support
 import verdicts
-from instruments import recording, replacing
+from instruments import replacing
 from kv_cache import feed, forward_step, generate_cached
 from quick_checks import STEPS, Wrong, excerpt, step
 from stories import story_ids
@@ -245,53 +245,6 @@ class Paged(unittest.TestCase):
         assert_same_rows(self, rows, cached_rows(PARAMS, self.ids)[10:])
         assert_equal(self, snapshot(fork),
                      snapshot(filled_cache(self.ids[:10] + TOK.encode(" tom ran"))), "the fork")
-
-    def test_sampled_continuations_from_forks_share_the_prompt_s_blocks(self):
-        """Parallel sampling (paged.sample_from_forks): the prompt is computed once, its
-        full blocks are held once for all the continuations, its partly filled last block
-        is copied by every fork but the last to write, and each continuation is
-        generate's for its seed."""
-        pool, prompt, seeds = paged.BlockPool(PARAMS, 48, 4), OPENINGS[4], (0, 1, 2)
-        prompt_tokens = len(TOK.encode(prompt))   # 14: 3 full blocks and 2 positions
-        with recording(kv_cache, "forward_step") as rows:
-            results, held = paged.sample_from_forks(PARAMS, TOK, prompt, seeds, pool)
-        for seed, result in zip(seeds, results):
-            assert_equal(self, result, generate_cached(PARAMS, TOK, prompt, temperature=1.0,
-                                                       seed=seed), f"seed {seed}")
-        positions = [len(story_ids(TOK, prompt, result)) - 1 for result in results]
-        full = prompt_tokens // 4
-        self.assertEqual(held, full + sum(math.ceil(n / 4) - full for n in positions))
-        self.assertEqual(len(rows), prompt_tokens + sum(n - prompt_tokens for n in positions))
-        self.assertEqual((pool.free_blocks(), pool.ref_counts), (48, [0] * 48))
-
-    def test_sample_from_forks_refuses_bad_seeds_and_pools_before_anything_changes(self):
-        """Seeds that are not a list, a tuple or a range (an iterator would be read up by
-        the forks, leaving none to continue them; an int), seeds generate would refuse
-        (None, 1.5, "a", True), and a pool that is not one of these params', each refused
-        by name with the pool as it was; a range and a tuple are taken."""
-        pool, prompt = paged.BlockPool(PARAMS, 48, 4), OPENINGS[4]
-        other = paged.BlockPool(model.init_params(1), 48, 4)
-        before = support.pool_snapshot(pool)
-        for seeds, given, fragment in (
-                (iter([0, 1]), pool, "seeds must be a list, a tuple or a range of ints, one a "
-                                     "continuation, got list_iterator"),
-                ((s for s in [0]), pool, "got generator"), (5, pool, "got int"),
-                ([0, None], pool, r"seeds\[1\] must be an int, got None"),
-                ([1.5], pool, r"seeds\[0\] must be an int, got 1\.5"),
-                (["a"], pool, r"seeds\[0\] must be an int, got 'a'"),
-                ([True], pool, r"seeds\[0\] must be an int, got True"),
-                ([0], None, "pool must be a BlockPool made for these params, got NoneType"),
-                ([0], other, "pool must be a BlockPool made for these params, got one made "
-                             "for others")):
-            with self.subTest(seeds=seeds, pool=type(given).__name__), \
-                    self.assertRaisesRegex(ValueError, fragment):
-                paged.sample_from_forks(PARAMS, TOK, prompt, seeds, given)
-            assert_equal(self, support.pool_snapshot(pool), before, "the pool")
-        for seeds in (range(1, 3), (1, 2)):
-            results, _ = paged.sample_from_forks(PARAMS, TOK, prompt, seeds, pool)
-            self.assertEqual([r["text"] for r in results],
-                             [generate_cached(PARAMS, TOK, prompt, temperature=1.0,
-                                              seed=seed)["text"] for seed in seeds])
 
     def test_crop_into_a_shared_block_copies_it_only_when_it_writes(self):
         pool = paged.BlockPool(PARAMS, 40, 4)
@@ -692,18 +645,6 @@ class TheRecord(unittest.TestCase):
     def test_every_opening_continued_from_a_shared_prefix_is_generate_s(self):
         self.assertEqual(support.recorded("paged")["prefix_sharing_blocks_of_4"]
                          ["greedy_identical"], len(OPENINGS))
-
-    def test_forks_sample_generate_s_continuations_and_share_the_prompt_s_blocks(self):
-        sampling = support.recorded("parallel_sampling")
-        for opening in sampling["openings"]:
-            with self.subTest(opening["prompt"]):
-                self.assertEqual(opening["identical_to_generate"],
-                                 sampling["continuations_each"])
-                self.assertEqual(opening["prompt_rows_with_forks"], opening["prompt_tokens"])
-                self.assertEqual(opening["blocks_held_by_caches_of_their_own"]
-                                 - opening["blocks_held_with_forks"],
-                                 (sampling["continuations_each"] - 1)
-                                 * (opening["prompt_tokens"] // 4))   # its full blocks
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ import cache_files
 import context_shift
 import deep_model
 import documents
+import forks
 import latent_attention
 import trace_lesson
 import lossy
@@ -85,7 +86,7 @@ STAGES = (
     Stage(1, "sums_in_another_order", trace_lesson.reordered_sums),
     Stage(2, "one_pass_prefill", prefill.experiment, ("runs",)),
     Stage(2, "paged", paged.experiment, ("runs",)),
-    Stage(2, "parallel_sampling", paged.parallel_sampling),
+    Stage(2, "parallel_sampling", forks.parallel_sampling),
     Stage(2, "ladder", lossy.ladder_rung, ("runs",), cases=range(len(lossy.RUNGS)),
           gather=lossy.ladder),
     Stage(3, "prefix_cache", serving.prefix_cache, ("runs",)),
