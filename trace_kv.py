@@ -128,8 +128,11 @@ def run(full_timing=False, folder=LAB, progress=None, workers=None, stories=None
         while len(done) < len(stages):
             for stage in stages:   # queue each stage whose needs are done, in table order
                 if stage.name not in left and all(need in done for need in stage.needs):
-                    needs = [done[need] if workers == 1 else shipped.setdefault(
-                             need, _Shipped(need, done[need])) for need in stage.needs]
+                    for need in stage.needs:   # to the workers, each pickled once
+                        if workers > 1 and need not in shipped:
+                            shipped[need] = _Shipped(need, done[need])
+                    needs = [shipped[need] if workers > 1 else done[need]
+                             for need in stage.needs]
                     cases = stage.cases(lab) if callable(stage.cases) else stage.cases
                     cases = [None] if cases is None else list(cases)
                     results[stage.name], left[stage.name] = [None] * len(cases), len(cases)
