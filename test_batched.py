@@ -141,8 +141,8 @@ def quick_check():
     docstring says (where_kernels_round_otherwise)."""
     ids = [TOK.encode(story) for story in STORIES[:3]]
     labels = [story_name(index) for index in range(3)]
-    for kind, fresh in (("", KVCache),
-                        (" in an int8 QuantizedCache", lambda params: QuantizedCache(params, "int8"))):
+    for kind, fresh in (("", KVCache), (" in an int8 QuantizedCache",
+                                        lambda params: QuantizedCache(params, "int8"))):
         step(f"feeding three test stories{kind or ' in KVCaches'} through batched.forward_rows "
              f"in mixed batches, expecting forward_step's rows")
         why = where_batches_differ(PARAMS, [fresh(PARAMS) for _ in ids], ids,

@@ -347,13 +347,12 @@ class CacheFiles(unittest.TestCase):
         cache_files.save_cache(filled_cache(TOK.encode(OPENINGS[0])), self.path)
         with open(self.path, encoding="utf-8") as f:
             record = json.load(f)
-        for part, edit in (("tokens", lambda r: r["tokens"].__setitem__(1, (r["tokens"][1] + 1)
-                                                                        % model.VOCAB_SIZE)),
-                           ("keys", lambda r: r["keys"][2].__setitem__(3, r["keys"][2][3] * 2)),
-                           ("values", lambda r: r["values"][2].__setitem__(3,
-                                                                          r["values"][2][3] * 2))):
+        for part in ("tokens", "keys", "values"):
             edited = json.loads(json.dumps(record))
-            edit(edited)
+            if part == "tokens":
+                edited["tokens"][1] = (edited["tokens"][1] + 1) % model.VOCAB_SIZE
+            else:
+                edited[part][2][3] *= 2   # position 2, number 3
             with open(self.path, "w", encoding="utf-8") as f:
                 json.dump(edited, f)
             with self.subTest(part=part), self.assertRaisesRegex(
