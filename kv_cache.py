@@ -117,6 +117,7 @@ def forward_step(params, cache, token_id, position):
     keys, values = cache.keys, cache.values      # positions 0..position, from the cache
     scores = [dot(q, k_j) * SCALE for k_j in keys]
     weights = softmax_row(scores)
+    cache.attended(weights)             # what this row read (a cache that evicts chooses by it)
     mixed = [dot(weights, column) for column in zip(*values)]
     x1 = add(x0, linear(mixed, cols["Wo"]))
     h2 = layernorm(x1, params["ln2_g"], params["ln2_b"])
@@ -338,6 +339,9 @@ class CacheProtocol:
                             room_for(demands) answers for several caches at once, its
                             check_room(demands) refuses, naming what is short (demands:
                             a list of (cache, more positions))
+      attended(weights)     told, by forward_step, what the newest row read: its
+                            attention weights over keys, in their order (a cache that
+                            evicts by attention keeps its scores; the others ignore it)
       stored(vector)        a key or value as the cache gives it back once kept (itself,
                             or rounded to the cache's format), refusing one it cannot keep
       keeps_every_position  whether keys and values hold every position (a window's don't)
@@ -358,6 +362,9 @@ class CacheProtocol:
     def stored(self, vector):
         """vector as the cache gives it back once kept: a list keeps it as it is."""
         return vector
+
+    def attended(self, weights):
+        """Nothing to keep: a list evicts nothing, whatever the rows read."""
 
     def check_computed_by(self, kernel):
         """Nothing to refuse: no other sequence reads a list's keys and values."""

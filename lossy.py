@@ -88,14 +88,15 @@ class QuantizedCache(KVCache):
         self.format = fmt
         self.stores_exactly = fmt == "float64"   # a float64 array holds each float as it is
         self.tokens, self.stored_keys, self.stored_values = [], [], []
+        self._keys, self._values = [], []   # what they stand for, unpacked once
 
     @property
     def keys(self):
-        return [_unpack(self.format, stored) for stored in self.stored_keys]
+        return self._keys
 
     @property
     def values(self):
-        return [_unpack(self.format, stored) for stored in self.stored_values]
+        return self._values
 
     def __len__(self):
         return len(self.stored_keys)
@@ -110,9 +111,12 @@ class QuantizedCache(KVCache):
         self.tokens += token_ids
         self.stored_keys += stored_keys
         self.stored_values += stored_values
+        self._keys += [_unpack(self.format, stored) for stored in stored_keys]
+        self._values += [_unpack(self.format, stored) for stored in stored_values]
 
     def _forget_from(self, length):
         del self.tokens[length:], self.stored_keys[length:], self.stored_values[length:]
+        del self._keys[length:], self._values[length:]
 
     def bytes_per_position(self):
         """The bytes its keys and values take per position: numbers and scales, measured."""
@@ -196,46 +200,55 @@ RUNGS = (("exact lists, sums in another order", "reordered"),
 
 
 def ladder_rung(lab, rung, runs):
-    """One way of keeping the cache (RUNGS[rung]), on every opening: its bytes per
-    position (measured, for the compact formats) or the positions it keeps (for a
-    window), the largest logit gap against the exact rows over every position of the
-    greedy stories (their tokens fed through that cache), and how many greedy and sampled
-    stories change their text (a greedy story changes where a fed row's best token is not
-    the next one; a sampled one is generated again through that cache, with its own random
-    numbers, up to the first token it chooses otherwise). The prompt but its last token is
-    fed once, and both stories go on from copies of that cache."""
-    params, tok, prompts = lab.params, lab.tok, lab.prompts
+    """One way of keeping the cache (RUNGS[rung]) measured on every opening (measure):
+    with its bytes per position (measured, for the compact formats) or the positions it
+    keeps (for a window)."""
     name, kind = RUNGS[rung]
 
     def make():
         if kind == "reordered":
-            return KVCache(params)
+            return KVCache(lab.params)
         if isinstance(kind, tuple):
-            return WindowCache(params, *kind)
-        return QuantizedCache(params, kind)
-    gap = 0.0
-    greedy_changed = sampled_changed = 0
+            return WindowCache(lab.params, *kind)
+        return QuantizedCache(lab.params, kind)
     with sums_in_another_order() if kind == "reordered" else contextlib.nullcontext():
-        for index, (prompt, result, rows) in enumerate(zip(prompts, runs.greedy,
-                                                           runs.greedy_rows)):
-            ids, prompt_tokens = story_ids(tok, prompt, result), len(tok.encode(prompt))
-            start = make()   # all of the prompt but its last token, for both stories
-            prompt_rows = feed(params, start, ids[:prompt_tokens - 1])
-            cache = start.copy()
-            fed = prompt_rows + feed(params, cache, ids[:-1])
-            gap = max(gap, largest_gap(fed, rows))
-            chosen = range(prompt_tokens - 1, len(fed))   # rows that chose
-            greedy_changed += any(fed[p].index(max(fed[p])) != ids[p + 1] for p in chosen)
-            sampled = runs.sampled[index]   # as generate made it: seed index
-            generation = Generation(tok, ids[:prompt_tokens], len(sampled["steps"]), 1.0,
-                                    None, index)
-            sampled_changed += _strays(params, start.copy(), generation,
-                                       story_ids(tok, prompt, sampled))
+        measured, cache = measure(lab, runs, make)
     return {"cache": name,
             "bytes_per_position": cache.bytes_per_position() if kind in FORMATS else None,
-            "positions_kept": sum(kind) if isinstance(kind, tuple) else None,
-            "largest_logit_gap": gap, "greedy_stories_changed": greedy_changed,
-            "sampled_stories_changed": sampled_changed}
+            "positions_kept": sum(kind) if isinstance(kind, tuple) else None, **measured}
+
+
+def measure(lab, runs, make, each_story=None):
+    """A kind of cache (make() starts one) on every opening: the largest logit gap against
+    the exact rows over every position of the greedy stories (their tokens fed through
+    that cache), and how many greedy and sampled stories change their text (a greedy story
+    changes where a fed row's best token is not the next one; a sampled one is generated
+    again through that cache, with its own random numbers, up to the first token it
+    chooses otherwise). The prompt but its last token is fed once, and both stories go on
+    from copies of that cache. each_story(cache, ids, rows), if given, is told each greedy
+    story's cache, the token IDs fed and their rows. Returns (the three figures, the last
+    greedy story's cache)."""
+    params, tok, prompts = lab.params, lab.tok, lab.prompts
+    gap = 0.0
+    greedy_changed = sampled_changed = 0
+    for index, (prompt, result, rows) in enumerate(zip(prompts, runs.greedy, runs.greedy_rows)):
+        ids, prompt_tokens = story_ids(tok, prompt, result), len(tok.encode(prompt))
+        start = make()   # all of the prompt but its last token, for both stories
+        prompt_rows = feed(params, start, ids[:prompt_tokens - 1])
+        cache = start.copy()
+        fed = prompt_rows + feed(params, cache, ids[:-1])
+        if each_story:
+            each_story(cache, ids[:-1], fed)
+        gap = max(gap, largest_gap(fed, rows))
+        chosen = range(prompt_tokens - 1, len(fed))   # rows that chose
+        greedy_changed += any(fed[p].index(max(fed[p])) != ids[p + 1] for p in chosen)
+        sampled = runs.sampled[index]   # as generate made it: seed index
+        generation = Generation(tok, ids[:prompt_tokens], len(sampled["steps"]), 1.0,
+                                None, index)
+        sampled_changed += _strays(params, start.copy(), generation,
+                                   story_ids(tok, prompt, sampled))
+    return {"largest_logit_gap": gap, "greedy_stories_changed": greedy_changed,
+            "sampled_stories_changed": sampled_changed}, cache
 
 
 def _strays(params, cache, generation, story):

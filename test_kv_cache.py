@@ -774,7 +774,7 @@ class Protocol(unittest.TestCase):
     docstring (where Part 2 first needs it), which KVCache's docstring points to."""
 
     PROTOCOL = ("params", "columns", "tokens", "keys", "values", "len", "append", "extend",
-                "copy", "crop", "free", "room_for", "room_left", "room_owner", "stored",
+                "copy", "crop", "free", "room_for", "room_left", "room_owner", "attended", "stored",
                 "keeps_every_position", "stores_exactly", "check_computed_by")
 
     def test_every_cache_offers_the_whole_documented_protocol(self):
