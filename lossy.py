@@ -205,7 +205,7 @@ def ladder_rung(lab, rung, runs):
     keeps (for a window)."""
     name, kind = RUNGS[rung]
 
-    def make():
+    def make(prompt_tokens):
         if kind == "reordered":
             return KVCache(lab.params)
         if isinstance(kind, tuple):
@@ -225,7 +225,8 @@ def measure(lab, runs, make, each_story=None):
     changes where a fed row's best token is not the next one; a sampled one is generated
     again through that cache, with its own random numbers, up to the first token it
     chooses otherwise). The prompt but its last token is fed once, and both stories go on
-    from copies of that cache. each_story(cache, ids, rows), if given, is told each greedy
+    from copies of that cache, which make(prompt_tokens) starts for a prompt of that many
+    tokens. each_story(cache, ids, rows, prompt_tokens), if given, is told each greedy
     story's cache, the token IDs fed and their rows. Returns (the three figures, the last
     greedy story's cache)."""
     params, tok, prompts = lab.params, lab.tok, lab.prompts
@@ -233,12 +234,12 @@ def measure(lab, runs, make, each_story=None):
     greedy_changed = sampled_changed = 0
     for index, (prompt, result, rows) in enumerate(zip(prompts, runs.greedy, runs.greedy_rows)):
         ids, prompt_tokens = story_ids(tok, prompt, result), len(tok.encode(prompt))
-        start = make()   # all of the prompt but its last token, for both stories
+        start = make(prompt_tokens)   # all of the prompt but its last token, for both stories
         prompt_rows = feed(params, start, ids[:prompt_tokens - 1])
         cache = start.copy()
         fed = prompt_rows + feed(params, cache, ids[:-1])
         if each_story:
-            each_story(cache, ids[:-1], fed)
+            each_story(cache, ids[:-1], fed, prompt_tokens)
         gap = max(gap, largest_gap(fed, rows))
         chosen = range(prompt_tokens - 1, len(fed))   # rows that chose
         greedy_changed += any(fed[p].index(max(fed[p])) != ids[p + 1] for p in chosen)

@@ -1,0 +1,210 @@
+"""Keep fewer positions, chosen by what attention reads (Part 2, section 17): caches that
+evict. Each holds at most budget positions for a row to read, its own included, like a
+WindowCache of budget positions, but chooses which by their content:
+
+  HeavyHitterCache   H2O's heavy hitters: the positions that have received the most
+                     attention so far, summed over every row, beside a recent window
+  KeyNormCache       K-norm: the positions whose keys have the smallest norm, beside a
+                     recent window
+  SnapKVCache        SnapKV's choice, made once, at the end of the prompt: the prompt
+                     positions its last window rows attended to most (pooled over
+                     neighbours), beside a window over the latest positions
+
+A cache learns what a row read through the cache protocol: forward_step calls
+cache.attended(weights) after its softmax. After each row it evicts down to budget - 1
+positions, so the next row, with its own, reads budget. It keeps every token ID, and for
+every row the positions that row read (reads): model.forward with that mask gives the
+same rows, bit for bit, which the experiment checks on every story. So what eviction
+changes is what the dropped positions would have added, and nothing else.
+"""
+from math import fsum
+
+import model
+from documents import shown, table
+from kv_cache import KVCache
+from lossy import measure
+
+
+class EvictingCache(KVCache):
+    """What the three kinds share: the positions kept (kept, in order), their keys,
+    values and scores, and the rows' reads. After each row, while it holds budget
+    positions or more, it drops the one whose score is lowest (the earliest of equals)
+    among all but the recent - 1 latest; score(weights) is each kind's own."""
+
+    keeps_every_position = stores_exactly = False
+
+    def __init__(self, params, budget, recent):
+        model.check_int("budget", budget, 2, model.CONTEXT, " (positions a row reads)")
+        model.check_int("recent", recent, 1, budget, " (the budget)")
+        self._belong_to(params)
+        self.budget, self.recent = budget, recent
+        self.tokens = []                    # every token fed, one per position
+        self.kept = []                      # the positions held, in order
+        self._keys, self._values, self.scores = [], [], []   # theirs, in the same order
+        self.reads = []                     # for each row fed: the positions it read
+
+    def __len__(self):
+        return len(self.tokens)
+
+    @property
+    def keys(self):   # a copy: attended evicts while the row still reads its values
+        return self._keys[:]
+
+    @property
+    def values(self):
+        return self._values[:]
+
+    def extend(self, token_ids, keys, values):
+        for token_id, k, v in zip(token_ids, keys, values):
+            self.kept.append(len(self.tokens))
+            self.tokens.append(token_id)
+            self._keys.append(k)
+            self._values.append(v)
+            self.scores.append(self.first_score(k))
+
+    def first_score(self, k):
+        return 0.0
+
+    def attended(self, weights):
+        """The newest row read the kept positions with these weights: note its reads,
+        let the kind score them, and evict down to budget - 1 positions."""
+        if len(weights) != len(self.kept):
+            raise ValueError(f"attended got {len(weights)} weights for the {len(self.kept)} "
+                             f"positions held")
+        self.reads.append(list(self.kept))
+        self.score(weights)
+        while len(self.kept) >= self.budget:
+            self._evict(self.victim())
+
+    def victim(self):
+        """The index, in kept, of the position to drop next."""
+        older = range(len(self.kept) - (self.recent - 1))
+        return min(older, key=lambda i: (self.scores[i], i))
+
+    def _evict(self, index):
+        del self.kept[index], self._keys[index], self._values[index], self.scores[index]
+
+    def crop(self, length):
+        """Forget every position from length on: only all of them (0), or none, since each
+        choice it made depends on every row it has read."""
+        if length not in (0, len(self)):
+            raise ValueError(f"crop length must be 0 or {len(self)} (the positions fed), got "
+                             f"{length!r}: an evicting cache's choices depend on every row "
+                             f"it has read, so it cannot be rewound part of the way")
+        super().crop(length)
+
+    def _forget_from(self, length):
+        del self.tokens[length:], self.reads[length:]
+        del self.kept[:], self._keys[:], self._values[:], self.scores[:]
+
+
+class HeavyHitterCache(EvictingCache):
+    """H2O: a position's score is the attention it has received, summed over every row
+    so far; the recent - 1 latest positions are kept whatever their score (default: half
+    the budget is a window, as H2O's paper splits it)."""
+
+    def __init__(self, params, budget, recent=None):
+        super().__init__(params, budget, budget // 2 if recent is None else recent)
+
+    def score(self, weights):
+        self.scores = [held + w for held, w in zip(self.scores, weights)]
+
+
+class KeyNormCache(EvictingCache):
+    """K-norm: a position's score is minus its key's squared norm, so the keys of
+    largest norm go first; the recent - 1 latest positions are kept."""
+
+    def __init__(self, params, budget, recent=None):
+        super().__init__(params, budget, budget // 2 if recent is None else recent)
+
+    def first_score(self, k):
+        return -fsum(x * x for x in k)
+
+    def score(self, weights):
+        """A key's norm does not change: nothing to add."""
+
+
+class SnapKVCache(EvictingCache):
+    """SnapKV: the prompt's rows read every prompt position (prefill). At the end of the
+    prompt (its prompt_tokens-th row), each earlier position is scored by the mean weight
+    the window last rows gave it, averaged with its neighbours (kernel positions, the
+    missing ones at the edges counted as 0, as avg_pool1d does), and the budget - window
+    best are kept for good; the rest of the budget is a window over the latest
+    positions."""
+
+    def __init__(self, params, budget, prompt_tokens, window=4, kernel=3):
+        super().__init__(params, budget, budget)
+        model.check_int("window", window, 1, budget - 1, " (the budget - 1)")
+        model.check_int("kernel", kernel, 1)
+        model.check_int("prompt_tokens", prompt_tokens, 1, model.CONTEXT)
+        self.prompt_tokens, self.window, self.kernel = prompt_tokens, window, kernel
+        self.last_rows = []   # the weights of the latest window rows of the prompt
+
+    def attended(self, weights):
+        if len(self.reads) >= self.prompt_tokens:
+            return super().attended(weights)
+        self.reads.append(list(self.kept))
+        self.last_rows = (self.last_rows + [weights])[-self.window:]
+        if len(self.reads) == self.prompt_tokens:
+            chosen = snapkv_choice(self.last_rows, self.budget - self.window, self.kernel)
+            self.scores = [1.0 if p in chosen else 0.0 for p in self.kept]
+            self.recent = self.budget - len(chosen)
+            while len(self.kept) >= self.budget:
+                self._evict(self.victim())
+
+    def score(self, weights):
+        """The choice was made at the end of the prompt: nothing to add."""
+
+
+def snapkv_choice(rows, keep, kernel):
+    """The keep positions before the window (the positions rows, the window's weights,
+    do not end on) that the window attended to most, pooled: sorted."""
+    before = len(rows[-1]) - len(rows)
+    mean = [fsum(row[p] for row in rows) / len(rows) for p in range(before)]
+    half = kernel // 2
+    pooled = [fsum(mean[max(0, p - half):p + half + 1]) / kernel for p in range(before)]
+    return sorted(sorted(range(before), key=lambda p: (-pooled[p], p))[:keep])
+
+
+# ---- the experiment (a stage of trace_kv.py, one rung a case) ----------------------
+
+BUDGETS = (8, 12, 16, 20)
+KINDS = (("heavy hitters", HeavyHitterCache), ("key norms", KeyNormCache),
+         ("SnapKV", SnapKVCache))
+RUNGS = tuple((kind, budget) for kind, _ in KINDS for budget in BUDGETS)
+
+
+def rung(lab, index, runs):
+    """One kind of evicting cache at one budget (RUNGS[index]), measured on every opening
+    as the ladder's rungs are (lossy.measure), with the most positions a row read once
+    its prompt was read. At the smallest budget, where the reads are furthest from the
+    causal mask, every row of every greedy story is also compared with model.forward's
+    over the same tokens with that row's reads as its mask: how many rows, and how many
+    are equal (==)."""
+    name, budget = RUNGS[index]
+    kind = dict(KINDS)[name]
+    compared = equal = most_read = 0
+
+    def make(prompt_tokens):
+        if kind is SnapKVCache:
+            return SnapKVCache(lab.params, budget, prompt_tokens)
+        return kind(lab.params, budget)
+
+    def check(cache, ids, rows, prompt_tokens):
+        nonlocal compared, equal, most_read
+        most_read = max(most_read, *map(len, cache.reads[prompt_tokens:]))
+        if budget == BUDGETS[0]:
+            full, _ = model.forward(lab.params, ids, cache.reads.__getitem__)
+            compared += len(rows)
+            equal += sum(a == b for a, b in zip(rows, full))
+    measured, _ = measure(lab, runs, make, check)
+    return {"cache": f"{name}, {budget} kept", "bytes_per_position": None,
+            "positions_kept": budget, **measured,
+            "most_positions_a_row_read_after_the_prompt": most_read,
+            "rows_compared_with_the_masked_pass": compared,
+            "rows_equal_to_the_masked_pass": equal}
+
+
+def ladder(lab, rungs):
+    """The record: every rung, and on how many openings."""
+    return {"stories": len(lab.prompts), "rungs": rungs}
