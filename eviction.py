@@ -208,3 +208,50 @@ def rung(lab, index, runs):
 def ladder(lab, rungs):
     """The record: every rung, and on how many openings."""
     return {"stories": len(lab.prompts), "rungs": rungs}
+
+
+# ---- what Part 2 shows of it (documents.py fills its marks) --------------------------
+
+def rows_equal_to_the_masked_pass(record, timing):
+    """The rows compared with the masked full pass and the equal ones, in words: for each
+    kind, or all kinds at once where they agree."""
+    counts = [(rung["cache"].split(",")[0], rung["rows_equal_to_the_masked_pass"],
+               rung["rows_compared_with_the_masked_pass"])
+              for rung in record["eviction"]["rungs"] if rung["rows_compared_with_the_masked_pass"]]
+    if len({(equal, compared) for _, equal, compared in counts}) == 1:
+        return f"{counts[0][1]:,} of {counts[0][2]:,} rows for each kind"
+    return "; ".join(f"{name}: {equal:,} of {compared:,} rows" for name, equal, compared in counts)
+
+
+def rungs_table(record, timing):
+    """Every rung: the most positions a row read after its prompt, the largest logit gap,
+    the stories changed, and the rows equal to the masked full pass (of those compared)."""
+    stories = record["eviction"]["stories"]
+    rows = [[rung["cache"], rung["most_positions_a_row_read_after_the_prompt"],
+             shown(rung["largest_logit_gap"]), rung["greedy_stories_changed"],
+             rung["sampled_stories_changed"],
+             f"{rung['rows_equal_to_the_masked_pass']:,} of "
+             f"{rung['rows_compared_with_the_masked_pass']:,}"
+             if rung["rows_compared_with_the_masked_pass"] else "—"]
+            for rung in record["eviction"]["rungs"]]
+    return table(["the cache", "most positions a row read", "largest logit gap",
+                  f"greedy stories changed (of {stories})",
+                  f"sampled stories changed (of {stories})",
+                  "rows equal to the masked full pass"], rows)
+
+
+def budgets_table(record, timing):
+    """Greedy (and sampled) stories changed, of the openings, at each number of positions
+    kept: by position (the ladder's windows and sinks) and by attention (each kind)."""
+    windows = [rung for rung in record["ladder"]["rungs"] if rung["positions_kept"]]
+    by_kind = {(rung["cache"].split(",")[0], rung["positions_kept"]): rung
+               for rung in record["eviction"]["rungs"]}
+
+    def cell(rung):
+        return f"{rung['greedy_stories_changed']} ({rung['sampled_stories_changed']})"
+    rows = [[budget, "; ".join(f"{r['cache']}: {cell(r)}" for r in windows
+                               if r["positions_kept"] == budget) or "—",
+             *(cell(by_kind[name, budget]) for name, _ in KINDS)] for budget in BUDGETS]
+    stories = record["eviction"]["stories"]
+    return table(["positions kept", f"by position (window, sinks): greedy (sampled) stories "
+                  f"changed, of {stories}", *(name for name, _ in KINDS)], rows)

@@ -180,6 +180,8 @@ LAYERS = {
     "prefill": Layer("one-pass prefill (prefill.py)", ("lesson",), "python3 -m unittest test_prefill"),
     "paged": Layer("the paged cache (paged.py)", ("lesson", "prefill"), "python3 -m unittest test_paged"),
     "lossy": Layer("the lossy caches (lossy.py)", ("lesson", "prefill"), "python3 -m unittest test_lossy"),
+    "eviction": Layer("the evicting caches (eviction.py)", ("lesson", "lossy"),
+                      "python3 -m unittest test_eviction"),
     "batched": Layer("batched rows (batched.py)", ("lesson", "paged", "lossy"),
                      "python3 -m unittest test_batched"),
     "serving": Layer("serving (serving.py)", ("prefill", "paged", "batched"),

@@ -40,6 +40,7 @@ import cache_files
 import context_shift
 import deep_model
 import documents
+import eviction
 import forks
 import latent_attention
 import trace_lesson
@@ -89,6 +90,8 @@ STAGES = (
     Stage(2, "parallel_sampling", forks.parallel_sampling),
     Stage(2, "ladder", lossy.ladder_rung, ("runs",), cases=range(len(lossy.RUNGS)),
           gather=lossy.ladder),
+    Stage(2, "eviction", eviction.rung, ("runs",), cases=range(len(eviction.RUNGS)),
+          gather=eviction.ladder),
     Stage(3, "prefix_cache", serving.prefix_cache, ("runs",)),
     Stage(3, "many_requests", serving.many_requests, ("runs",)),
     Stage(3, "speculative_decoding", speculative.experiment, ("runs",),

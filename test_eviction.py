@@ -1,0 +1,249 @@
+"""The evicting caches (eviction.py): each keeps what its kind chooses, as its docstring
+says, worked out here plainly; each row equals the full pass with that row's reads as its
+mask; what cannot be done with a cache that drops positions is refused, saying why."""
+import ast
+import unittest
+from math import fsum
+
+import eviction
+import model
+import support
+import verdicts
+from instruments import replacing
+from kv_cache import KVCache, feed, generate_cached
+from model import SCALE, dot, softmax_row
+from quick_checks import Wrong, differ, step
+from support import PARAMS, STORIES, TOK
+
+
+def setUpModule():
+    verdicts.set_up("eviction")   # skips if a layer under it is wrong; runs from elsewhere
+
+
+tearDownModule = support.tear_down
+
+
+def expected_reads(kind, ids, budget, prompt_tokens=None):
+    """The positions each row of ids reads in a cache of kind with budget, worked out
+    plainly from eviction.py's docstrings: a row reads the positions held and its own;
+    after it, while budget or more are held, the one of lowest score (the earliest of
+    equals) among all but the recent - 1 latest goes. Heavy hitters: a score is the weight
+    received, summed over the rows; key norms: minus the key's squared norm; SnapKV: none
+    go before the end of the prompt, then the budget - window prompt positions before its
+    last window rows with the most mean weight from them, averaged over 3 neighbours (0
+    past the edges), stay for good, the rest of the budget being a window. The weights are
+    the full pass's queries against its keys (a key does not depend on the mask here)."""
+    _, saved = model.forward(PARAMS, ids)
+    recent = budget // 2 if kind != "SnapKV" else budget
+    held, score, reads, rows = [], {}, [], []
+    for i in range(len(ids)):
+        held.append(i)
+        score[i] = -fsum(x * x for x in saved.k[i]) if kind == "key norms" else 0.0
+        reads.append(list(held))
+        weights = softmax_row([dot(saved.q[i], saved.k[j]) * SCALE for j in held])
+        if kind == "heavy hitters":
+            for j, w in zip(held, weights):
+                score[j] += w
+        if kind == "SnapKV":
+            rows.append(dict(zip(held, weights)))
+            if i + 1 < prompt_tokens:
+                continue
+            if i + 1 == prompt_tokens:
+                window = rows[-4:]
+                before = i + 1 - len(window)
+                mean = [sum(row[p] for row in window) / len(window) for p in range(before)]
+                pooled = {p: sum(mean[q] for q in (p - 1, p, p + 1) if 0 <= q < before) / 3
+                          for p in range(before)}
+                chosen = sorted(pooled, key=lambda p: (-pooled[p], p))[:budget - 4]
+                score = {p: 1.0 if p in chosen else 0.0 for p in held}
+                recent = budget - len(chosen)
+        while len(held) >= budget:
+            older = held[:len(held) - (recent - 1)]
+            held.remove(min(older, key=lambda p: (score[p], p)))
+    return reads
+
+
+CASES = [(kind, budget) for kind, _ in eviction.KINDS for budget in (6, 12)]
+
+
+def make(kind, budget, prompt_tokens):
+    cache = dict(eviction.KINDS)[kind]
+    return cache(PARAMS, budget, prompt_tokens) if kind == "SnapKV" else cache(PARAMS, budget)
+
+
+def quick_check():
+    """The first test story (30 tokens; its prompt, for SnapKV, its first 14) fed through
+    each kind of evicting cache at budgets of 6 and 12: each row's reads are
+    expected_reads', and each row is model.forward's with those reads as its mask."""
+    ids = TOK.encode(STORIES[0])
+    for kind, budget in CASES:
+        label = f"the first test story through a {kind} cache of {budget} positions"
+        step(f"{label}: feeding it")
+        cache = make(kind, budget, 14)
+        rows = feed(PARAMS, cache, ids)
+        wanted = expected_reads(kind, ids, budget, 14)
+        for row, (got, expected) in enumerate(zip(cache.reads, wanted)):
+            if got != expected:
+                return Wrong(f"{label}: row {row} read positions {got}, {expected} expected",
+                             f"token IDs {ids}; the rows before read {wanted[:row]}")
+        step(f"{label}: its rows against the full pass with its reads as the mask")
+        why = differ(label, rows, model.forward(PARAMS, ids, wanted.__getitem__)[0],
+                     "the cache", fed=f"token IDs {ids}; each row's mask: its expected reads")
+        if why:
+            return why
+    return None
+
+
+QuickCheck = verdicts.quick_check_case("eviction", __name__)
+
+
+def method(name):
+    return lambda node: isinstance(node, ast.Attribute) and node.attr == name
+
+
+SCORES_OF_THE_LAST_ROW = replacing(   # held + w becomes w: the last row's weight alone
+    lambda node: (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add)
+                  and getattr(node.left, "id", None) == "held"),
+    lambda node: node.right)
+A_RECENT_WINDOW_TOO_SHORT = replacing(   # recent - 1 latest kept becomes recent - 2
+    lambda node: (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub)
+                  and method("recent")(node.left) and getattr(node.right, "value", None) == 1),
+    lambda node: ast.BinOp(node.left, ast.Sub(), ast.Constant(2)))
+NEGATION_DROPPED = replacing(   # -fsum(x * x ...) becomes fsum(...); -pooled[p], pooled[p]
+    lambda node: isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub),
+    lambda node: node.operand)
+ROW_READ = r"cache of \d+ positions: row \d+ read positions \[[\d, ]+\], \[[\d, ]+\] expected"
+MISTAKES = [
+    ("heavy hitters scored by the last row's weights alone, not summed over every row",
+     eviction.HeavyHitterCache, "score", SCORES_OF_THE_LAST_ROW,
+     "heavy hitters " + ROW_READ),
+    ("a recent window one position short", eviction.EvictingCache, "victim",
+     A_RECENT_WINDOW_TOO_SHORT, "heavy hitters " + ROW_READ),
+    ("the keys of largest norm kept, not the smallest", eviction.KeyNormCache, "first_score",
+     NEGATION_DROPPED, "key norms " + ROW_READ),
+    ("SnapKV keeping the prompt positions its window attended to least",
+     eviction, "snapkv_choice", NEGATION_DROPPED, "SnapKV " + ROW_READ),
+]
+
+
+class Teeth(unittest.TestCase):
+    """Each mistake, planted in the real eviction.py (by its syntax tree), makes the
+    layer's quick check fail, naming the kind, its budget and the row that reads
+    otherwise."""
+
+    def test_each_mistake_is_named_by_the_quick_check(self):
+        verdicts.assert_verdicts(self, "eviction", MISTAKES)
+
+
+class Eviction(unittest.TestCase):
+
+    IDS = TOK.encode(STORIES[1])
+
+    def test_every_kind_reads_at_most_its_budget_and_is_the_masked_pass(self):
+        """At every budget the trace runs, on the second test story, beyond its prompt."""
+        for kind, _ in eviction.KINDS:
+            for budget in eviction.BUDGETS:
+                with self.subTest(kind=kind, budget=budget):
+                    cache = make(kind, budget, 10)
+                    rows = feed(PARAMS, cache, self.IDS)
+                    self.assertEqual(cache.reads, expected_reads(kind, self.IDS, budget, 10))
+                    self.assertLessEqual(max(map(len, cache.reads[10:])), budget)
+                    self.assertEqual(rows, model.forward(PARAMS, self.IDS,
+                                                         cache.reads.__getitem__)[0])
+
+    def test_a_budget_the_story_never_fills_is_the_exact_cache(self):
+        for kind, _ in eviction.KINDS:
+            with self.subTest(kind=kind):
+                rows = feed(PARAMS, make(kind, 64, 10), self.IDS)
+                self.assertEqual(rows, feed(PARAMS, KVCache(PARAMS), self.IDS))
+
+    def test_generation_through_an_evicting_cache_and_its_fork(self):
+        """generate_cached takes an evicting cache (it copies it); a fork goes on as the
+        original would, and leaves it as it was."""
+        cache = eviction.HeavyHitterCache(PARAMS, 8)
+        feed(PARAMS, cache, self.IDS[:12])
+        reads, kept = [list(r) for r in cache.reads], list(cache.kept)
+        fork = cache.copy()
+        feed(PARAMS, fork, self.IDS[:20])
+        self.assertEqual((cache.reads, cache.kept), (reads, kept))
+        again = cache.copy()
+        feed(PARAMS, again, self.IDS[:20])
+        self.assertEqual((again.reads, again.kept), (fork.reads, fork.kept))
+        prompt = TOK.decode(self.IDS[:12])
+        result = generate_cached(PARAMS, TOK, prompt, 5, cache=eviction.HeavyHitterCache(PARAMS, 64))
+        self.assertEqual(result, generate_cached(PARAMS, TOK, prompt, 5))
+
+    def test_what_needs_every_position_refuses_an_evicting_cache_saying_why(self):
+        import batched
+        import cache_files
+        import prefill
+        import serving
+        import speculative
+        cache = eviction.HeavyHitterCache(PARAMS, 8)
+        feed(PARAMS, cache, self.IDS[:10])
+        before = (list(cache.tokens), list(cache.kept), [list(r) for r in cache.reads])
+        for what, call, fragment in (
+                ("a batch", lambda: batched.forward_rows(PARAMS, [(cache, self.IDS[10], 10)]),
+                 "drops positions, and a batched row attends to every one"),
+                ("prefill", lambda: prefill.prefill(PARAMS, cache, self.IDS[10:12], 10),
+                 "a HeavyHitterCache drops some"),
+                ("speculative decoding", lambda: speculative.generate_speculative(
+                    PARAMS, TOK, TOK.decode(self.IDS[:11]), 3, cache=cache), "drops positions"),
+                ("a cache file", lambda: cache_files.save_cache(cache, "unused.json"),
+                 "stores_exactly"),
+                ("a crop part of the way", lambda: cache.crop(5),
+                 "cannot be rewound part of the way"),
+                ("serving, which takes a pool", lambda: serving.serve(
+                    PARAMS, TOK, [{"prompt": "mia"}], cache, 1), "BlockPool")):
+            with self.subTest(what=what):
+                with self.assertRaisesRegex(ValueError, fragment):
+                    call()
+                self.assertEqual((cache.tokens, cache.kept, cache.reads), before)
+
+    def test_bad_budgets_and_settings_are_refused_by_name(self):
+        for call, fragment in ((lambda: eviction.HeavyHitterCache(PARAMS, 1), "budget"),
+                               (lambda: eviction.KeyNormCache(PARAMS, 8.0), "budget"),
+                               (lambda: eviction.HeavyHitterCache(PARAMS, 8, 9), "recent"),
+                               (lambda: eviction.SnapKVCache(PARAMS, 8, 0), "prompt_tokens"),
+                               (lambda: eviction.SnapKVCache(PARAMS, 8, 5, window=8), "window"),
+                               (lambda: eviction.SnapKVCache(PARAMS, 8, 5, kernel=0), "kernel")):
+            with self.subTest(fragment=fragment):
+                with self.assertRaisesRegex(ValueError, fragment):
+                    call()
+        cache = eviction.HeavyHitterCache(PARAMS, 8)
+        with self.assertRaisesRegex(ValueError, "attended got 2 weights for the 0 positions"):
+            cache.attended([0.5, 0.5])
+
+
+class TheRecord(unittest.TestCase):
+    """What the recorded run (support.recorded) says of the evicting caches."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.rungs = support.recorded("eviction")["rungs"]
+        cls.windows = {rung["cache"]: rung for rung in support.recorded("ladder")["rungs"]}
+
+    def test_every_row_compared_equals_the_masked_pass_and_reads_at_most_its_budget(self):
+        compared = [rung for rung in self.rungs if rung["rows_compared_with_the_masked_pass"]]
+        self.assertEqual(sorted(rung["cache"].split(",")[0] for rung in compared),
+                         sorted(name for name, _ in eviction.KINDS))
+        for rung in compared:
+            self.assertEqual(rung["rows_equal_to_the_masked_pass"],
+                             rung["rows_compared_with_the_masked_pass"], rung["cache"])
+        for rung in self.rungs:
+            self.assertLessEqual(rung["most_positions_a_row_read_after_the_prompt"],
+                                 rung["positions_kept"], rung["cache"])
+
+    def test_what_part_2_says_of_the_heavy_hitters(self):
+        """At 20 kept they change fewer greedy stories than a window of 20 or 4 sinks and
+        a window of 16; at 8 kept, no fewer than a window of 8."""
+        heavy = {rung["positions_kept"]: rung["greedy_stories_changed"]
+                 for rung in self.rungs if rung["cache"].startswith("heavy hitters")}
+        self.assertLess(heavy[20], min(self.windows[name]["greedy_stories_changed"] for name
+                                       in ("window 20, sinks 0", "window 16, sinks 4")))
+        self.assertGreaterEqual(heavy[8], self.windows["window 8, sinks 0"]
+                                ["greedy_stories_changed"])
+
+
+if __name__ == "__main__":
+    unittest.main()
