@@ -234,16 +234,21 @@ class TheRecord(unittest.TestCase):
             self.assertLessEqual(rung["most_positions_a_row_read_after_the_prompt"],
                                  rung["positions_kept"], rung["cache"])
 
-    def test_what_part_2_says_of_the_heavy_hitters(self):
-        """At 20 kept they change fewer greedy stories than a window of 20 or 4 sinks and
-        a window of 16; at 8 kept, no fewer than a window of 8."""
-        heavy = {rung["positions_kept"]: rung["greedy_stories_changed"]
-                 for rung in self.rungs if rung["cache"].startswith("heavy hitters")}
-        self.assertLess(heavy[20], min(self.windows[name]["greedy_stories_changed"] for name
-                                       in ("window 20, sinks 0", "window 16, sinks 4")))
-        self.assertGreaterEqual(heavy[8], self.windows["window 8, sinks 0"]
-                                ["greedy_stories_changed"])
-
+    def test_what_part_2_says_of_the_kinds_against_the_windows(self):
+        """At 20 kept, heavy hitters change fewer greedy stories than a window of 20 or 4
+        sinks and a window of 16, and SnapKV a number between the heavy hitters' and the
+        window's; at 8 kept, heavy hitters change no fewer than a window of 8; key norms
+        change more than a window at 12 and 20 kept."""
+        changed = {rung["cache"]: rung["greedy_stories_changed"] for rung in self.rungs}
+        window = {kept: self.windows[f"window {kept}, sinks 0"]["greedy_stories_changed"]
+                  for kept in (8, 12, 20)}
+        self.assertLess(changed["heavy hitters, 20 kept"], min(
+            window[20], self.windows["window 16, sinks 4"]["greedy_stories_changed"]))
+        self.assertLess(changed["heavy hitters, 20 kept"], changed["SnapKV, 20 kept"])
+        self.assertLess(changed["SnapKV, 20 kept"], window[20])
+        self.assertGreaterEqual(changed["heavy hitters, 8 kept"], window[8])
+        for kept in (12, 20):
+            self.assertGreater(changed[f"key norms, {kept} kept"], window[kept])
 
 if __name__ == "__main__":
     unittest.main()
