@@ -114,9 +114,9 @@ class Layers(unittest.TestCase):
 
     def test_a_record_entry_no_stage_writes_says_the_line_to_add(self):
         with self.assertRaises(AssertionError) as missing:
-            support.recorded("eviction")
-        self.assertIn("kv-trace.json has no entry 'eviction'", str(missing.exception))
-        self.assertIn("Stage(PART, 'eviction', MODULE.experiment", str(missing.exception))
+            support.recorded("idea")
+        self.assertIn("kv-trace.json has no entry 'idea'", str(missing.exception))
+        self.assertIn("Stage(PART, 'idea', MODULE.experiment", str(missing.exception))
         self.assertEqual(support.recorded("stories"), 60)
 
     def test_a_sound_layer_runs_from_another_folder(self):
