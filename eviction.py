@@ -28,9 +28,10 @@ from lossy import measure
 
 class EvictingCache(KVCache):
     """What the three kinds share: the positions kept (kept, in order), their keys,
-    values and scores, and the rows' reads. After each row, while it holds budget
-    positions or more, it drops the one whose score is lowest (the earliest of equals)
-    among all but the recent - 1 latest; score(weights) is each kind's own."""
+    values and scores, and the rows' reads. After each row (for SnapKV, from the end of
+    its prompt on), while it holds budget positions or more, it drops the one whose score
+    is lowest (the earliest of equals) among all but the recent - 1 latest;
+    score(weights) is each kind's own."""
 
     keeps_every_position = stores_exactly = False
 
@@ -74,8 +75,12 @@ class EvictingCache(KVCache):
                              f"positions held")
         self.reads.append(list(self.kept))
         self.score(weights)
-        while len(self.kept) >= self.budget:
+        while len(self.kept) >= self.budget and self.evicts():
             self._evict(self.victim())
+
+    def evicts(self):
+        """Whether it evicts after this row: always, but for SnapKV."""
+        return True
 
     def victim(self):
         """The index, in kept, of the position to drop next."""
@@ -141,20 +146,18 @@ class SnapKVCache(EvictingCache):
         self.prompt_tokens, self.window, self.kernel = prompt_tokens, window, kernel
         self.last_rows = []   # the weights of the latest window rows of the prompt
 
-    def attended(self, weights):
-        if len(self.reads) >= self.prompt_tokens:
-            return super().attended(weights)
-        self.reads.append(list(self.kept))
-        self.last_rows = (self.last_rows + [weights])[-self.window:]
+    def score(self, weights):
+        """Keep the weights of the prompt's latest window rows; at its last row, choose."""
+        if len(self.reads) <= self.prompt_tokens:
+            self.last_rows = (self.last_rows + [weights])[-self.window:]
         if len(self.reads) == self.prompt_tokens:
             chosen = snapkv_choice(self.last_rows, self.budget - self.window, self.kernel)
             self.scores = [1.0 if p in chosen else 0.0 for p in self.kept]
             self.recent = self.budget - len(chosen)
-            while len(self.kept) >= self.budget:
-                self._evict(self.victim())
 
-    def score(self, weights):
-        """The choice was made at the end of the prompt: nothing to add."""
+    def evicts(self):
+        """Not before the end of the prompt: its rows read every prompt position."""
+        return len(self.reads) >= self.prompt_tokens
 
 
 def snapkv_choice(rows, keep, kernel):
