@@ -47,6 +47,7 @@ import lossy
 import model
 import paged
 import prefill
+import quantization
 import serving
 import speculative
 from checkpoint import (LAB, add_folder_flag, finish_saving, positive_int, read_json,
@@ -89,6 +90,8 @@ STAGES = (
     Stage(2, "parallel_sampling", forks.parallel_sampling),
     Stage(2, "ladder", lossy.ladder_rung, ("runs",), cases=range(len(lossy.RUNGS)),
           gather=lossy.ladder),
+    Stage(2, "quantization", quantization.rung, ("runs",), cases=range(len(quantization.RUNGS)),
+          gather=quantization.rungs),
     Stage(3, "prefix_cache", serving.prefix_cache, ("runs",)),
     Stage(3, "many_requests", serving.many_requests, ("runs",)),
     Stage(3, "speculative_decoding", speculative.experiment, ("runs",),
