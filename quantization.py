@@ -16,7 +16,8 @@ import sys
 from array import array
 
 import model
-from documents import shown, table
+import documents
+from documents import shown
 from instruments import largest_gap
 from kv_cache import KVCache, feed
 from lossy import measure
@@ -358,19 +359,20 @@ def compounding(exact):
 
 # ---- what Part 2 shows of it (documents.py fills its marks) --------------------------
 
-def table_of_rungs(record, timing):
-    """The ladder's int8 and int4 rungs, then each rung of GroupedCache."""
+def table(record, timing):
+    """The ladder's int8 and int4 rungs (one scale per vector), then each GroupedCache's."""
     ladder = {rung["cache"]: rung for rung in record["ladder"]["rungs"]}
-    rows = [[fmt, "one scale per vector", shown(ladder[fmt]["bytes_per_position"], "g"),
+    rows = [[f"{fmt}, one scale a vector", "none", "—", shown(ladder[fmt]["bytes_per_position"],
+                                                           "g"),
              shown(ladder[fmt]["bytes_per_position"], "g"),
              shown(ladder[fmt]["largest_logit_gap"]), ladder[fmt]["greedy_stories_changed"],
              ladder[fmt]["sampled_stories_changed"]] for fmt in ("int8", "int4")]
-    rows += [[r["cache"], f"residual {r['residual']}, {r['flush']}",
-              shown(r["bytes_per_quantized_position"], "g"), shown(r["bytes_per_position"], ".4g"),
+    rows += [[r["cache"], f"1 to {r['residual']}", r["flush"],
+              shown(r["bytes_per_quantized_position"], "g"), shown(r["bytes_per_position"], "g"),
               shown(r["largest_logit_gap"]), r["greedy_stories_changed"],
               r["sampled_stories_changed"]] for r in record["quantization"]["rungs"]]
     stories = record["quantization"]["stories"]
-    return table(["the cache", "kept exact, flush", "bytes per quantized position",
-                  "bytes per position, 64 held", "largest logit gap",
-                  f"greedy stories changed (of {stories})",
-                  f"sampled stories changed (of {stories})"], rows)
+    return documents.table(["the cache", "newest kept exact", "flush",
+                            "bytes per quantized position", "bytes per position, 64 held",
+                            "largest logit gap", f"greedy stories changed (of {stories})",
+                            f"sampled stories changed (of {stories})"], rows)
