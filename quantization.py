@@ -125,7 +125,9 @@ class GroupedCache(KVCache):
     position held again, from the floats the cache gives back (Hugging Face's
     QuantizedCache), in groups of group from position 0, the last one perhaps short.
     With rotate, each key and value is turned (turned) before it is quantized, and
-    turned back when given back. What attention reads is computed at each flush, once."""
+    turned back when given back. What attention reads is computed at each flush, once.
+    Fed several positions at once (prefill, batched rows), each row reads the others as
+    the cache holds them after the last."""
 
     stores_exactly = False
 
@@ -230,7 +232,7 @@ class GroupedCache(KVCache):
         been quantized with some of the positions forgotten (a shorter sequence would
         still hold them exact)."""
         held = len(self.stored_values)
-        if model.is_int(length) and 0 < length <= min(held, len(self)):
+        if model.is_int(length) and 0 < length <= held:
             raise ValueError(f"crop length must be 0, or from {held + 1} to {len(self)}, got "
                              f"{length}: positions 0 to {held - 1} are quantized, and a "
                              f"sequence of {length} would not have quantized them yet")
