@@ -201,6 +201,9 @@ LAYERS["bandwidth"] = Layer("the numbers a step reads (bandwidth.py)",
                             "python3 -m unittest test_bandwidth")
 LAYERS["blockwise"] = Layer("attention read block by block (blockwise.py)",
                             ("lesson", "batched", "serving"), "python3 -m unittest test_blockwise")
+LAYERS["quantization"] = Layer("keys by channel, values by token (quantization.py)",
+                               ("lesson", "prefill", "lossy"),
+                               "python3 -m unittest test_quantization")
 LAYERS["every Part"] = Layer("every Part", tuple(LAYERS), "python3 -m unittest", lambda: None)
 
 

@@ -48,6 +48,7 @@ import lossy
 import model
 import paged
 import prefill
+import quantization
 import serving
 import speculative
 from checkpoint import (LAB, add_folder_flag, finish_saving, positive_int, read_json,
@@ -92,6 +93,8 @@ STAGES = (
           gather=lossy.ladder),
     Stage(2, "eviction", eviction.rung, ("runs",), cases=range(len(eviction.RUNGS)),
           gather=eviction.ladder),
+    Stage(2, "quantization", quantization.rung, ("runs",), cases=range(len(quantization.RUNGS)),
+          gather=quantization.rungs),
     Stage(3, "prefix_cache", serving.prefix_cache, ("runs",)),
     Stage(3, "many_requests", serving.many_requests, ("runs",)),
     Stage(3, "speculative_decoding", speculative.experiment, ("runs",),

@@ -1,0 +1,381 @@
+"""Fewer bits, as engines store them (Part 2, section 17): keys by channel, values by token.
+
+KIVI (arXiv 2402.02750) found that a model's keys have outlier channels (a few numbers
+of every key much larger than the rest) and its values do not. So GroupedCache
+quantizes each key's channel over a group of positions (one zero point and one scale
+for each channel of a group) and each value on its own (one of each per value), and
+keeps the most recent positions exact: they wait, as floats, until the residual is full,
+and are then quantized together. With rotate, every key and value is first turned by a
+Hadamard matrix, as llama.cpp does, spreading an outlier over all 16 numbers; attention
+reads them turned back. lossy.py's int8 and int4, one scale per vector, are the rungs to
+beat, at the same bytes.
+"""
+import math
+import struct
+import sys
+from array import array
+
+import model
+import documents
+from documents import shown
+from instruments import largest_gap
+from kv_cache import KVCache, feed
+from lossy import measure
+
+BITS = (2, 4, 8, 64)   # 64: no levels, every number kept as a float64 (the rotation alone)
+FLUSHES = ("groups", "requantize")
+FLOAT32_MAX = 3.4028234663852886e38
+SPREAD = 4   # a turned number is at most 4 times the largest of its vector (16 x 0.25)
+
+
+def _sylvester(n):
+    """Sylvester's Hadamard matrix of size n (a power of two): entries 1 and -1, its rows
+    orthogonal."""
+    h = [[1]]
+    while len(h) < n:
+        h = [row + row for row in h] + [row + [-x for x in row] for row in h]
+    return h
+
+
+# Scaled by 1 / sqrt(16) = 1/4, it is orthonormal and symmetric, so it is its own inverse:
+# turned(turned(x)) is x, but for the rounding of the sums. Each entry, +-0.25, is exact.
+HADAMARD = [[x / math.sqrt(model.WIDTH) for x in row] for row in _sylvester(model.WIDTH)]
+
+
+def turned(vector):
+    """vector times the Hadamard matrix (each number a correctly rounded sum)."""
+    return [model.dot(row, vector) for row in HADAMARD]
+
+
+def _f32(x):
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+def _grid(numbers, top):
+    """The zero point and scale numbers share, both 32-bit floats: the smallest maps to
+    level 0, the largest to level top."""
+    low = min(numbers)
+    return _f32(low), _f32((max(numbers) - low) / top)
+
+
+def _level(x, zero, scale, top):
+    """The nearest level of x from 0 to top (ties to the even one, as round does)."""
+    return min(top, max(0, round((x - zero) / scale))) if scale else 0
+
+
+def _packed(levels, bits):
+    """Levels of bits bits, 8 // bits to a byte, the first in the lowest bits."""
+    per = 8 // bits
+    return bytes(sum(level << bits * i for i, level in enumerate(levels[at:at + per]))
+                 for at in range(0, len(levels), per))
+
+
+def _unpacked(data, bits):
+    mask = (1 << bits) - 1
+    return [byte >> bits * i & mask for byte in data for i in range(8 // bits)]
+
+
+def keys_by_channel(keys, bits):
+    """A group of keys as stored: for each of the 16 channels, a zero point and a scale
+    over the group's positions (_grid); every number its level, packed position by
+    position. At 64 bits, the numbers themselves."""
+    if bits == 64:
+        return (array("d", [x for key in keys for x in key]),)
+    top = 2 ** bits - 1
+    zeros, scales = zip(*(_grid(channel, top) for channel in zip(*keys)))
+    levels = [_level(x, zero, scale, top)
+              for key in keys for x, zero, scale in zip(key, zeros, scales)]
+    return _packed(levels, bits), array("f", zeros), array("f", scales)
+
+
+def value_by_token(value, bits):
+    """One value as stored: one zero point and one scale over its 16 numbers (_grid);
+    every number its level, packed. At 64 bits, the numbers themselves."""
+    if bits == 64:
+        return (array("d", value),)
+    top = 2 ** bits - 1
+    zero, scale = _grid(value, top)
+    return _packed([_level(x, zero, scale, top) for x in value], bits), array("f", [zero, scale])
+
+
+def given_back(stored, bits, per_channel):
+    """The vectors stored (keys_by_channel's, per_channel, or value_by_token's) stands for:
+    each level times its scale, plus its zero point."""
+    if bits == 64:
+        numbers = list(stored[0])
+    else:
+        data, *grids = stored
+        zeros, scales = grids if per_channel else ([grids[0][0]], [grids[0][1]])
+        numbers = [level * scales[i % len(scales)] + zeros[i % len(zeros)]
+                   for i, level in enumerate(_unpacked(data, bits))]
+    return [numbers[at:at + model.WIDTH] for at in range(0, len(numbers), model.WIDTH)]
+
+
+def _stored_bytes(stored):
+    return sum(len(part) * getattr(part, "itemsize", 1) for part in stored)
+
+
+class GroupedCache(KVCache):
+    """A cache that quantizes as KIVI does: keys per channel over each group of group
+    positions (keys_by_channel), values per token (value_by_token), at 2, 4 or 8 bits
+    (or 64: none). The newest positions stay exact, as float64 arrays: when a new one
+    finds residual of them waiting, they are quantized first, so the row of every position
+    reads its own key and value exact, and 1 to residual of the newest ones. flush
+    "groups" quantizes their groups, each once (KIVI); "requantize" quantizes every
+    position held again, from the floats the cache gives back (Hugging Face's
+    QuantizedCache), in groups of group from position 0, the last one perhaps short.
+    With rotate, each key and value is turned (turned) before it is quantized, and
+    turned back when given back. What attention reads is computed at each flush, once.
+    Fed several positions at once (prefill, batched rows), each row reads the others as
+    the cache holds them after the last."""
+
+    stores_exactly = False
+
+    def __init__(self, params, bits, group, residual, rotate=False, flush="groups"):
+        if not model.is_int(bits) or bits not in BITS:
+            raise ValueError(f"bits must be 2, 4, 8 or 64, got {model.excerpt(bits)}")
+        model.check_int("group", group, 1, model.CONTEXT, " (positions)")
+        model.check_int("residual", residual, 1, model.CONTEXT, " (the newest positions, "
+                        "kept exact)")
+        if not isinstance(rotate, bool):
+            raise ValueError(f"rotate must be True or False, got {model.excerpt(rotate)}")
+        if flush not in FLUSHES:
+            raise ValueError(f"flush must be 'groups' or 'requantize', got "
+                             f"{model.excerpt(flush)}")
+        if flush == "groups" and residual % group:
+            raise ValueError(f"residual {residual} is not a multiple of group {group}: a "
+                             f"flush quantizes whole groups, each once (as KIVI asks too); "
+                             f"use flush='requantize' to quantize a short group again later")
+        self._belong_to(params)
+        self.bits, self.group, self.residual = bits, group, residual
+        self.rotate, self.flush = rotate, flush
+        self.tokens = []
+        self.key_groups, self.stored_values = [], []   # as stored: keys a group, values each
+        self.exact_keys, self.exact_values = [], []    # the newest positions, as stored
+        self._keys, self._values = [], []   # what attention reads, at each flush
+        self.requantized = self.moved = 0   # numbers quantized again; and given back changed
+
+    @property
+    def keys(self):
+        return self._keys
+
+    @property
+    def values(self):
+        return self._values
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def stored(self, vector):
+        """vector as the cache gives it back once kept: exact, as the newest position
+        (a later flush rounds it with its group)."""
+        self._check(vector)
+        return list(vector)
+
+    def _check(self, vector):
+        """Refuse a key or value this cache cannot store, naming it."""
+        if len(vector) != model.WIDTH:
+            raise ValueError(f"a key or value of {len(vector)} numbers cannot be stored: a "
+                             f"GroupedCache keeps {model.WIDTH} numbers each (the head width)")
+        bad = next((x for x in vector if not math.isfinite(x)), None)
+        if bad is not None:
+            raise ValueError(f"a GroupedCache cannot store a vector holding {bad!r}")
+        largest = (sys.float_info.max if self.bits == 64 else FLOAT32_MAX / 2) / (
+            SPREAD if self.rotate else 1)
+        if max(map(abs, vector)) > largest:
+            raise ValueError(f"a number of {model.excerpt(vector)} is beyond {largest:.3g}, "
+                             f"the largest this GroupedCache can store "
+                             + ("turned" if self.bits == 64 else
+                                "with a 32-bit zero point and scale"))
+
+    def extend(self, token_ids, keys, values):
+        for vector in [*keys, *values]:   # all checked before any is kept
+            self._check(vector)
+        for token_id, k, v in zip(token_ids, keys, values):
+            if len(self.exact_keys) == self.residual:
+                self._flush()
+            self.tokens.append(token_id)
+            self.exact_keys.append(array("d", k))
+            self.exact_values.append(array("d", v))
+            self._keys.append(list(k))
+            self._values.append(list(v))
+
+    def _flush(self):
+        """Quantize the exact positions, now residual of them: their groups ("groups"),
+        or every position held, again ("requantize")."""
+        start = len(self.stored_values) if self.flush == "groups" else 0
+        keys, values = self._keys[start:], self._values[start:]
+        if self.rotate:
+            keys, values = list(map(turned, keys)), list(map(turned, values))
+        groups = [keys_by_channel(keys[at:at + self.group], self.bits)
+                  for at in range(0, len(keys), self.group)]
+        stored_values = [value_by_token(v, self.bits) for v in values]
+        keys_back = [k for g in groups for k in given_back(g, self.bits, True)]
+        values_back = [given_back(v, self.bits, False)[0] for v in stored_values]
+        if self.rotate:
+            keys_back, values_back = list(map(turned, keys_back)), list(map(turned, values_back))
+        again = len(self.stored_values) - start   # positions quantized before, again now
+        self.requantized += 2 * again * model.WIDTH
+        self.moved += sum(a != b for old, new in zip(self._keys[start:start + again] +
+                                                    self._values[start:start + again],
+                                                    keys_back[:again] + values_back[:again])
+                          for a, b in zip(old, new))
+        del self.key_groups[start // self.group:]
+        self.key_groups += groups
+        self.stored_values[start:] = stored_values
+        self._keys[start:], self._values[start:] = keys_back, values_back
+        self.exact_keys.clear()
+        self.exact_values.clear()
+
+    def crop(self, length):
+        """Forget every position from length on: refused where positions left would have
+        been quantized with some of the positions forgotten (a shorter sequence would
+        still hold them exact)."""
+        held = len(self.stored_values)
+        if model.is_int(length) and 0 < length <= held:
+            raise ValueError(f"crop length must be 0, or from {held + 1} to {len(self)}, got "
+                             f"{length}: positions 0 to {held - 1} are quantized, and a "
+                             f"sequence of {length} would not have quantized them yet")
+        super().crop(length)
+
+    def _forget_from(self, length):
+        if not length:
+            self.key_groups.clear()
+            self.stored_values.clear()
+        held = len(self.stored_values)
+        del self.exact_keys[length - held:], self.exact_values[length - held:]
+        del self.tokens[length:], self._keys[length:], self._values[length:]
+
+    def stored_bytes(self):
+        """The bytes it stores, counted: (those of the quantized positions, their packed
+        levels and every zero point and scale; those of the exact positions' floats)."""
+        return (sum(map(_stored_bytes, self.key_groups + self.stored_values)),
+                _stored_bytes(self.exact_keys + self.exact_values))
+
+    def bytes_per_position(self):
+        """The bytes its keys and values take per position (stored_bytes)."""
+        if not len(self):
+            raise ValueError("the cache holds no position yet")
+        return sum(self.stored_bytes()) / len(self)
+
+
+def bytes_by_formula(bits, group, residual, positions):
+    """What a GroupedCache holding positions positions (at least 1) stores per position:
+    16 numbers a key and 16 a value, at bits / 8 bytes each once quantized, 8 while exact;
+    4 bytes for each zero point and each scale, one of each per channel of a group of
+    keys (the last group perhaps short) and per value. The exact ones are those fed since
+    the last flush: 1 to residual of them."""
+    exact = (positions - 1) % residual + 1
+    quantized = positions - exact
+    grids = 0 if bits == 64 else model.WIDTH * math.ceil(quantized / group) + quantized
+    return (2 * model.WIDTH * (quantized * bits / 8 + exact * 8) + 8 * grids) / positions
+
+
+# ---- the experiment (a stage of trace_kv.py, one rung a case) ----------------------
+
+# The stories hold 30 to 64 positions, so a residual of 16 and groups of 8 or 16 (KIVI's
+# 128 and 32, Hugging Face's 128 and 64, would leave most stories exact): a story of 30
+# quantizes 16 positions. 4 bits in groups of 8 take int8's 40 bytes a quantized position,
+# 2 bits in groups of 16 int4's 24.
+RUNGS = (("KIVI 4-bit, groups of 8", dict(bits=4, group=8, residual=16)),
+         ("KIVI 2-bit, groups of 16", dict(bits=2, group=16, residual=16)),
+         ("rotated 4-bit, groups of 8", dict(bits=4, group=8, residual=16, rotate=True)),
+         ("rotated 2-bit, groups of 16", dict(bits=2, group=16, residual=16, rotate=True)),
+         ("2-bit re-quantized at each flush", dict(bits=2, group=16, residual=16,
+                                                   flush="requantize")))
+
+
+def full_context(lab):
+    """The first 64 tokens of the test stories: a full context."""
+    return [t for story in lab.test for t in lab.tok.encode(story)][:model.CONTEXT]
+
+
+def rung(lab, case, runs):
+    """One GroupedCache (RUNGS[case]) measured on every opening (lossy.measure), with its
+    bytes per position holding a full context (counted), the bytes a quantized position
+    takes there, and the numbers re-quantized and those that came back changed (summed
+    over the greedy stories)."""
+    name, settings = RUNGS[case]
+    counts = {"numbers_requantized": 0, "numbers_moved": 0}
+
+    def each_story(cache, ids, rows, prompt_tokens):
+        counts["numbers_requantized"] += cache.requantized
+        counts["numbers_moved"] += cache.moved
+    measured, _ = measure(lab, runs, lambda prompt_tokens: GroupedCache(lab.params, **settings),
+                          each_story)
+    full = GroupedCache(lab.params, **settings)
+    feed(lab.params, full, full_context(lab))
+    return {"cache": name, "rotate": False, "flush": "groups", **settings,
+            "bytes_per_position": full.bytes_per_position(),
+            "bytes_per_quantized_position": full.stored_bytes()[0] / len(full.stored_values),
+            "positions_kept": None, **measured, **counts}
+
+
+# Re-quantizing gives a group its own levels back (its smallest number is level 0, its
+# largest the top), so errors compound only where a group grows: a residual of 12 leaves
+# the last group of 16 short at each flush.
+COMPOUNDING = dict(bits=2, group=16, residual=12, flush="requantize")
+
+
+TURNED_ONLY = dict(bits=64, group=16, residual=16, rotate=True)   # no levels: the rotation
+
+
+def rungs(lab, results):
+    """The stage's record: every rung and on how many openings; and, on a full context,
+    the largest logit gap of a GroupedCache(TURNED_ONLY), how far the channels' peaks of
+    the keys and the values differ (outliers) and what re-quantizing does to a group that
+    grows (compounding)."""
+    exact, turned_only = KVCache(lab.params), GroupedCache(lab.params, **TURNED_ONLY)
+    exact_rows = feed(lab.params, exact, full_context(lab))
+    rows = feed(lab.params, turned_only, full_context(lab))
+    return {"stories": len(lab.prompts), "rungs": results,
+            "turned_only": {"positions": len(rows), "rows_equal": rows == exact_rows,
+                            "largest_logit_gap": largest_gap(rows, exact_rows)},
+            **outliers(exact), "compounding": compounding(exact)}
+
+
+def outliers(exact):
+    """For the keys and for the values of a cache: the largest magnitude of the channel
+    whose is largest, over that of the channel whose is smallest."""
+    def ratio(vectors):
+        peaks = [max(map(abs, channel)) for channel in zip(*vectors)]
+        return max(peaks) / min(peaks)
+    return {"key_channel_peaks": ratio(exact.keys), "value_channel_peaks": ratio(exact.values)}
+
+
+def compounding(exact):
+    """The keys and values of a cache fed through a GroupedCache(COMPOUNDING): the numbers
+    it re-quantized and those that came back changed; and the largest error of a key it
+    gives back against the exact keys, beside that of the same groups quantized once."""
+    cache = GroupedCache(exact.params, **COMPOUNDING)
+    cache.extend(exact.tokens, exact.keys, exact.values)
+    held, group, bits = len(cache.stored_values), COMPOUNDING["group"], COMPOUNDING["bits"]
+    once = [key for at in range(0, held, group) for key in given_back(
+        keys_by_channel(exact.keys[at:min(at + group, held)], bits), bits, True)]
+
+    def error(keys):
+        return max(abs(a - b) for key, wanted in zip(keys, exact.keys) for a, b in zip(key, wanted))
+    return {"positions": len(cache), "quantized": held, "numbers_requantized": cache.requantized,
+            "numbers_moved": cache.moved, "largest_key_error": error(cache.keys[:held]),
+            "largest_key_error_quantized_once": error(once)}
+
+
+# ---- what Part 2 shows of it (documents.py fills its marks) --------------------------
+
+def table(record, timing):
+    """The ladder's int8 and int4 rungs (one scale per vector), then each GroupedCache's."""
+    ladder = {rung["cache"]: rung for rung in record["ladder"]["rungs"]}
+    rows = [[f"{fmt}, one scale a vector", "none", "—", shown(ladder[fmt]["bytes_per_position"],
+                                                           "g"),
+             shown(ladder[fmt]["bytes_per_position"], "g"),
+             shown(ladder[fmt]["largest_logit_gap"]), ladder[fmt]["greedy_stories_changed"],
+             ladder[fmt]["sampled_stories_changed"]] for fmt in ("int8", "int4")]
+    rows += [[r["cache"], f"1 to {r['residual']}", r["flush"],
+              shown(r["bytes_per_quantized_position"], "g"), shown(r["bytes_per_position"], "g"),
+              shown(r["largest_logit_gap"]), r["greedy_stories_changed"],
+              r["sampled_stories_changed"]] for r in record["quantization"]["rungs"]]
+    stories = record["quantization"]["stories"]
+    return documents.table(["the cache", "newest kept exact", "flush",
+                            "bytes per quantized position", "bytes per position, 64 held",
+                            "largest logit gap", f"greedy stories changed (of {stories})",
+                            f"sampled stories changed (of {stories})"], rows)

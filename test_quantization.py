@@ -1,0 +1,319 @@
+"""Fewer bits as engines store them (quantization.py): a GroupedCache gives back what its
+docstring says, worked out plainly; it counts its bytes as the formula does; re-quantizing
+compounds only where a group grows; what it cannot store is refused."""
+import ast
+import math
+import struct
+import unittest
+
+import quantization
+import support
+import verdicts
+from instruments import replacing
+from kv_cache import KVCache, feed
+from quantization import GroupedCache, bytes_by_formula
+from quick_checks import Wrong, differ, step, strayed
+from support import PARAMS, STORIES, TOK, assert_equal
+
+
+def setUpModule():
+    verdicts.set_up("quantization")   # skips if a layer under it is wrong; runs from elsewhere
+
+
+tearDownModule = support.tear_down
+
+
+def f32(x):
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def on_one_grid(numbers, bits):
+    """numbers on the grid they share, plainly: a 32-bit zero point, their smallest, and a
+    32-bit scale, (largest - smallest) / (2**bits - 1); each number the nearest level
+    (ties to even) from 0 to the top, times the scale, plus the zero point. At 64 bits,
+    the numbers."""
+    if bits == 64:
+        return list(numbers)
+    top = 2 ** bits - 1
+    zero, scale = f32(min(numbers)), f32((max(numbers) - min(numbers)) / top)
+    return [min(top, max(0, round((x - zero) / scale))) * scale + zero if scale else zero
+            for x in numbers]
+
+
+# The Hadamard matrix of 16, entry (i, j) (-1) to the number of bits i and j share, over 4.
+HADAMARD = [[(-1) ** bin(i & j).count("1") / 4 for j in range(16)] for i in range(16)]
+
+
+def turn(vector):
+    return [math.fsum(h * x for h, x in zip(row, vector)) for row in HADAMARD]
+
+
+def as_given_back(settings, keys, values):
+    """The keys and values a GroupedCache(params, **settings) fed these gives back, by
+    its docstring: before position p = residual, 2 residual, ... is added, the positions
+    from p - residual ("groups"), or from 0 ("requantize"), to p - 1 are quantized from
+    what it gave back until then: keys a group of group at a time, each channel on one
+    grid, values each on one grid, turned first and back after if rotate."""
+    bits, group, residual = settings["bits"], settings["group"], settings["residual"]
+    rotate = settings.get("rotate", False)
+    keys, values = [list(k) for k in keys], [list(v) for v in values]
+    around = turn if rotate else list
+    for p in range(residual, len(keys), residual):
+        start = p - residual if settings.get("flush", "groups") == "groups" else 0
+        for at in range(start, p, group):
+            block = [around(k) for k in keys[at:min(at + group, p)]]
+            back = zip(*(on_one_grid(channel, bits) for channel in zip(*block)))
+            keys[at:at + len(block)] = [around(list(k)) for k in back]
+        values[start:p] = [around(on_one_grid(around(v), bits)) for v in values[start:p]]
+    return keys, values
+
+
+def described(settings):
+    words = ", ".join(f"{name}={value!r}" for name, value in settings.items())
+    return f"GroupedCache(params, {words})"
+
+
+SETTINGS = (dict(bits=4, group=8, residual=16), dict(bits=2, group=4, residual=8, rotate=True),
+            dict(bits=8, group=16, residual=12, flush="requantize"))
+
+
+def quick_check():
+    """The keys and values of the first test story (30 tokens) appended one position at a
+    time to GroupedCaches of SETTINGS: after each, every key and value it gives back is
+    as_given_back's. Fed the story, one at 64 bits gives forward_step's rows, and one at
+    64 bits turned and back gives them within rounding."""
+    ids = TOK.encode(STORIES[0])
+    step("feeding the first test story through a KVCache")
+    exact = KVCache(PARAMS)
+    exact_rows = feed(PARAMS, exact, ids)
+    for settings in SETTINGS:
+        cache = GroupedCache(PARAMS, **settings)
+        for n, kept in enumerate(zip(exact.tokens, exact.keys, exact.values), 1):
+            label = f"the first test story's keys and values through {described(settings)}"
+            step(f"{label}: appending position {n - 1}")
+            cache.append(*kept)
+            wanted = as_given_back(settings, exact.keys[:n], exact.values[:n])
+            for part, expected in zip(("keys", "values"), wanted):
+                why = differ(f"{label}, {n} positions held: the {part} it gives back",
+                             getattr(cache, part), expected, "the cache",
+                             names=("position", "number"), fed=f"token IDs {ids[:n]}")
+                if why:
+                    return why
+    for rotate, compare in ((False, differ), (True, strayed)):
+        settings = dict(bits=64, group=4, residual=8, rotate=rotate)
+        step(f"the first test story through {described(settings)}")
+        why = compare(f"the first test story through {described(settings)}",
+                      feed(PARAMS, GroupedCache(PARAMS, **settings), ids), exact_rows,
+                      "the cache", fed=f"token IDs {ids}")
+        if why:
+            return why
+    return None
+
+
+QuickCheck = verdicts.quick_check_case("quantization", __name__)
+
+
+def is_call(node, name):
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id == name)
+
+
+ONE_GRID_A_GROUP = replacing(   # _grid(channel, top): _grid(every number of the group, top)
+    lambda node: is_call(node, "_grid") and getattr(node.args[0], "id", None) == "channel",
+    lambda node: ast.Call(node.func, [ast.parse("[x for key in keys for x in key]",
+                                                mode="eval").body, node.args[1]], []))
+RESIDUAL_OF_ONE_MORE = replacing(   # len(self.exact_keys) == self.residual: ... + 1
+    lambda node: isinstance(node, ast.Attribute) and node.attr == "residual"
+    and isinstance(node.ctx, ast.Load),
+    lambda node: ast.BinOp(node, ast.Add(), ast.Constant(1)))
+
+
+def values_not_turned_back(tree):
+    """A planting for GroupedCache._flush: the values given back are not turned back."""
+    return replacing(lambda node: is_call(node, "map") and len(node.args) == 2
+                     and isinstance(node.args[1], ast.Name)
+                     and node.args[1].id == "values_back",
+                     lambda node: node.args[1])(tree)
+
+
+ONLY_THE_NEW_POSITIONS = replacing(   # start = len(...) if groups else 0: len(...) always
+    lambda node: isinstance(node, ast.IfExp) and getattr(node.orelse, "value", None) == 0,
+    lambda node: node.body)
+
+
+def given_back_wrong(part, settings=r"[^)]*"):
+    return (rf"through GroupedCache\(params, {settings}\), \d+ positions held: the {part} "
+            rf"it gives back, at position \d+, number \d+: \S+ from the cache, \S+ expected")
+
+
+MISTAKES = [
+    ("one zero point and scale for a group's keys, not one per channel", quantization,
+     "keys_by_channel", ONE_GRID_A_GROUP, given_back_wrong("keys")),
+    ("a residual of one more position than asked", GroupedCache, "extend",
+     RESIDUAL_OF_ONE_MORE, r"bits=4, group=8, residual=16\), 17 positions held: the keys"),
+    ("the values not turned back", GroupedCache, "_flush", values_not_turned_back,
+     given_back_wrong("values", "bits=2, group=4, residual=8, rotate=True")),
+    ("a re-quantizing flush that quantizes only the positions waiting", GroupedCache,
+     "_flush", ONLY_THE_NEW_POSITIONS, given_back_wrong("keys", ".*requantize'")),
+]
+
+
+class Teeth(unittest.TestCase):
+    """Each mistake, planted in the real quantization.py (by its syntax tree), makes the
+    layer's quick check fail, naming the cache, the positions held, the part and both
+    numbers."""
+
+    def test_each_mistake_is_named_by_the_quick_check(self):
+        verdicts.assert_verdicts(self, "quantization", MISTAKES)
+
+
+LONGEST = [t for story in STORIES for t in TOK.encode(story)][:64]
+
+
+class Grouped(unittest.TestCase):
+    """What a GroupedCache keeps, counts and refuses."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.exact = KVCache(PARAMS)
+        feed(PARAMS, cls.exact, LONGEST)
+
+    def test_its_bytes_are_the_formula_s_at_every_length(self):
+        for settings in (*SETTINGS, *(rung for _, rung in quantization.RUNGS),
+                         quantization.COMPOUNDING, quantization.TURNED_ONLY):
+            cache = GroupedCache(PARAMS, **settings)
+            for n, kept in enumerate(zip(self.exact.tokens, self.exact.keys,
+                                         self.exact.values), 1):
+                cache.append(*kept)
+                wanted = bytes_by_formula(settings["bits"], settings["group"],
+                                          settings["residual"], n)
+                if cache.bytes_per_position() != wanted:
+                    self.fail(f"{described(settings)} holding {n} positions counts "
+                              f"{cache.bytes_per_position()} bytes a position, the formula "
+                              f"{wanted}")
+        # By hand: a quantized key of 16 numbers at 4 bits, 8 bytes, and its share of a
+        # group's 16 zero points and 16 scales, 128 / 8; a value, 8 bytes and its own 8.
+        self.assertEqual([bytes_by_formula(4, 8, 16, 17) * 17 - 256, 8 + 16 + 8 + 8], [640, 40])
+        self.assertEqual([bytes_by_formula(2, 16, 16, 64), bytes_by_formula(64, 16, 16, 5)],
+                         [(48 * (4 + 8 + 4 + 8) + 16 * 256) / 64, 256])
+
+    def test_re_quantizing_a_group_that_stays_gives_its_levels_back(self):
+        twins = [GroupedCache(PARAMS, 2, 16, 16, flush=flush) for flush in ("groups",
+                                                                             "requantize")]
+        for cache in twins:
+            cache.extend(self.exact.tokens, self.exact.keys, self.exact.values)
+        assert_equal(self, (twins[1].keys, twins[1].values), (twins[0].keys, twins[0].values),
+                     "re-quantized at each flush and quantized once")
+        self.assertEqual((twins[1].requantized, twins[1].moved), (2 * 16 * (16 + 32), 0))
+
+    def test_copy_and_crop(self):
+        alone = feed(PARAMS, GroupedCache(PARAMS, 2, 4, 8), LONGEST)
+        cache = GroupedCache(PARAMS, 2, 4, 8)
+        feed(PARAMS, cache, LONGEST[:20])   # positions 0 to 15 quantized, 16 to 19 exact
+        fork = cache.copy()
+        support.assert_same_rows(self, feed(PARAMS, fork, LONGEST), alone[20:])
+        self.assertEqual(len(cache), 20, "a copy must not share what its parent keeps")
+        cache.crop(17)
+        support.assert_same_rows(self, feed(PARAMS, cache, LONGEST), alone[17:])
+        before = support.snapshot(cache)
+        for length in (16, 3):
+            with self.assertRaisesRegex(ValueError, rf"crop length must be 0, or from 57 to "
+                                                    rf"64, got {length}: positions 0 to 55"):
+                cache.crop(length)
+        self.assertEqual(support.snapshot(cache), before)
+        cache.crop(0)
+        support.assert_same_rows(self, feed(PARAMS, cache, LONGEST), alone)
+
+    def test_bad_settings_are_refused_naming_them(self):
+        for args, named, fragment in (
+                ((3, 8, 16), {}, "bits must be 2, 4, 8 or 64, got 3"),
+                ((4.0, 8, 16), {}, "bits must be 2, 4, 8 or 64, got 4.0"),
+                ((True, 8, 16), {}, "bits must be 2, 4, 8 or 64, got True"),
+                ((4, 0, 16), {}, r"group must be an int from 1 to 64 \(positions\), got 0"),
+                ((4, 8.0, 16), {}, "group must be an int from 1 to 64"),
+                ((4, 8, 0), {}, "residual must be an int from 1 to 64 .*, got 0"),
+                ((4, 8, True), {}, "residual must be an int from 1 to 64 .*, got True"),
+                ((4, 8, 12), {}, "residual 12 is not a multiple of group 8"),
+                ((4, 8, 16), {"rotate": 1}, "rotate must be True or False, got 1"),
+                ((4, 8, 16), {"flush": "all"}, "flush must be 'groups' or 'requantize', "
+                                               "got 'all'")):
+            with self.subTest(args=args, named=named), self.assertRaisesRegex(ValueError,
+                                                                              fragment):
+                GroupedCache(PARAMS, *args, **named)
+
+    def test_what_it_cannot_store_is_refused_before_anything_changes(self):
+        cache = GroupedCache(PARAMS, 4, 8, 8, rotate=True)
+        feed(PARAMS, cache, LONGEST[:8])   # full: the next position flushes it
+        key = self.exact.keys[8]
+        support.assert_each_refused(self, [
+            (lambda: cache.append(5, key[:3], key), "a key or value of 3 numbers cannot be "
+                                                    "stored: a GroupedCache keeps 16"),
+            (lambda: cache.extend([5, 6], [key, key], [key, [math.nan] * 16]),
+             "cannot store a vector holding nan"),
+            (lambda: cache.append(5, [math.inf] + key[1:], key), "holding inf"),
+            (lambda: cache.append(5, [1e38] + key[1:], key), r"is beyond 4.25e\+37, the "
+                                                             r"largest .* 32-bit zero point"),
+            (lambda: cache.stored([-1e38] + key[1:]), "is beyond 4.25e")],
+            lambda: (support.snapshot(cache), cache.bytes_per_position()))
+        with self.assertRaisesRegex(ValueError, r"beyond 4.49e\+307, the largest .* turned"):
+            GroupedCache(PARAMS, 64, 8, 8, rotate=True).stored([1e308] * 16)
+        with self.assertRaisesRegex(ValueError, "no position yet"):
+            GroupedCache(PARAMS, 4, 8, 8).bytes_per_position()
+
+
+class TheRecord(unittest.TestCase):
+    """What the recorded run (support.recorded) says of GroupedCache, and what Part 2's
+    section 17 says of it."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.record = support.recorded("quantization")
+        cls.rungs = {rung["cache"]: rung for rung in cls.record["rungs"]}
+        cls.ladder = {rung["cache"]: rung for rung in support.recorded("ladder")["rungs"]}
+
+    def test_each_rung_is_the_cache_it_names_counted_as_the_formula_says(self):
+        for name, settings in quantization.RUNGS:
+            rung = self.rungs[name]
+            with self.subTest(name):
+                self.assertEqual({key: rung[key] for key in settings}, settings)
+                self.assertEqual(rung["bytes_per_position"], bytes_by_formula(
+                    settings["bits"], settings["group"], settings["residual"], 64))
+        self.assertEqual(len(self.rungs), len(quantization.RUNGS))
+
+    def test_a_quantized_position_takes_int8_s_or_int4_s_bytes(self):
+        for bits, fmt in ((4, "int8"), (2, "int4")):
+            self.assertEqual({rung["bytes_per_quantized_position"]
+                              for rung in self.rungs.values() if rung["bits"] == bits},
+                             {self.ladder[fmt]["bytes_per_position"]}, fmt)
+
+    def test_turned_and_back_at_64_bits_the_rows_are_within_rounding(self):
+        turned = self.record["turned_only"]
+        self.assertEqual((turned["positions"], turned["rows_equal"]), (64, False))
+        self.assertLess(turned["largest_logit_gap"], 1e-13)
+
+    def test_re_quantizing_compounds_only_where_a_group_grows(self):
+        requantized, once = (self.rungs["2-bit re-quantized at each flush"],
+                             self.rungs["KIVI 2-bit, groups of 16"])
+        figures = ("largest_logit_gap", "greedy_stories_changed", "sampled_stories_changed")
+        self.assertEqual([requantized[f] for f in figures], [once[f] for f in figures])
+        self.assertEqual(requantized["numbers_moved"], 0)
+        self.assertGreater(requantized["numbers_requantized"], 0)
+        grown = self.record["compounding"]
+        self.assertGreater(grown["numbers_moved"], 0)
+        self.assertGreater(grown["largest_key_error"], grown["largest_key_error_quantized_once"])
+
+    def test_what_section_17_says_of_the_rungs(self):
+        """At equal bytes a quantized position, int8 and int4 gap less and change fewer
+        greedy stories; the rotation helps neither 2-bit figure; no channel stands out."""
+        for kivi, fmt in (("KIVI 4-bit, groups of 8", "int8"), ("KIVI 2-bit, groups of 16",
+                                                                "int4")):
+            for figure in ("largest_logit_gap", "greedy_stories_changed"):
+                self.assertGreater(self.rungs[kivi][figure], self.ladder[fmt][figure])
+        for figure in ("largest_logit_gap", "greedy_stories_changed", "sampled_stories_changed"):
+            self.assertGreaterEqual(self.rungs["rotated 2-bit, groups of 16"][figure],
+                                    self.rungs["KIVI 2-bit, groups of 16"][figure])
+        self.assertLess(self.record["key_channel_peaks"], self.record["value_channel_peaks"])
+
+
+if __name__ == "__main__":
+    unittest.main()
