@@ -17,9 +17,9 @@ measures what absorption does to it.
 """
 from collections import namedtuple
 
-from deep_model import (BASE, SHAPE, DeepCache, check_model_shape, check_params, check_step,
-                        compressed, deep_ids, forward, forward_step, heads_of, init_params,
-                        latent_query)
+from deep_model import (DeepCache, angles, check_step, compressed, deep_ids, forward,
+                        forward_step, heads_of, init_params, latent_query)
+from deep_params import SHAPE, check_model_shape, check_params
 from documents import bold, shown, table
 from instruments import largest_gap
 from model import (VOCAB_SIZE, WIDTH, add, check_int, dot, excerpt, layernorm, linear, relu,
@@ -96,12 +96,9 @@ def absorbed_step(folded, cache, token_id, position):
     _check_folded(folded)
     shape = params["shape"]
     heads, d, d_key, _, scale = heads_of(shape)
-    thetas = r_thetas = []
-    if shape["positions"] == "rotary":
+    thetas, r_thetas = angles(shape)
+    if thetas:
         x0 = params["tok_emb"][token_id]
-        thetas = [BASE ** (-(c % d) / d) for c in range(0, shape["width"], 2)]
-        r = shape["rotary_key"]
-        r_thetas = [BASE ** (-(c % r) / r) for c in range(0, heads * r, 2)]
     else:
         x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])
     attended = cache.mask(position)

@@ -81,6 +81,23 @@ def where_heads_of_wrong(params):
                    1 / math.sqrt(d_key)], "heads_of", names=("entry",), fed=f"shape {shape}")
 
 
+def where_angles_wrong(params):
+    """None if deep_model.angles gives, for params' shape, pair i of every head of q and k
+    the angle 10000^(-2i/d) (d the head width) and pair i of a rotary query or key
+    10000^(-2i/r) (r the rotary key's width), as RoFormer's, and none with learned
+    positions; else a Wrong naming the pair."""
+    shape = params["shape"]
+    heads, d, r = shape["heads"], shape["width"] // shape["heads"], shape["rotary_key"]
+    wanted = [[], []]   # learned positions: no turn
+    if shape["positions"] == "rotary":
+        wanted = [[10000.0 ** (-2 * i / d) for _ in range(heads) for i in range(d // 2)],
+                  [10000.0 ** (-2 * i / r) for _ in range(heads) for i in range(r // 2)]]
+    step(f"{deep_label(params)}: its rotary angles (deep_model.angles)")
+    return differ(f"{deep_label(params)}: deep_model.angles (thetas, then r_thetas)",
+                  list(deep_model.angles(shape)), wanted, "angles", names=("list", "pair"),
+                  fed=f"shape {shape}")
+
+
 def where_lesson_differs(ids):
     """None if a 1-layer, 1-head deep_model holding the lesson's trained weights gives the
     lesson's rows (model.forward's), fed ids through its cache; else a Wrong naming the
@@ -130,7 +147,8 @@ def quick_check():
     the cache of 2-layer models of grouped-query attention (4 heads, 2 kv heads, learned
     positions), multi-query attention (rotary) and latent attention (learned, and rotary
     with a rotary key): their heads as heads_of's docstring says (where_heads_of_wrong),
-    and every row == the full pass's (where_deep_rows_differ)."""
+    their rotary angles RoFormer's (where_angles_wrong), and every row == the full pass's
+    (where_deep_rows_differ)."""
     ids = TOK.encode(STORIES[0])[:12]
     why = where_rotate_turns_wrong() or where_lesson_differs(ids)
     for args in DEEP_MODELS:
@@ -138,7 +156,8 @@ def quick_check():
             return why
         step(f"making a model of deep_model.init_params{args}")
         params = with_biases_and_gains_drawn(deep_model.init_params(*args))
-        why = where_heads_of_wrong(params) or where_deep_rows_differ(params, ids)
+        why = (where_heads_of_wrong(params) or where_angles_wrong(params)
+               or where_deep_rows_differ(params, ids))
     return why
 
 
@@ -249,10 +268,6 @@ class Teeth(unittest.TestCase):
                                                         ast.parse("position + 1",
                                                                   mode="eval").body,
                                                         *node.args[2:]], [])),
-        "the frequency index counted from the start of q, not restarted at each head":
-            replacing(lambda node: isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod)
-                      and ast.unparse(node) == "c % d",
-                      lambda node: node.left),
     }
 
     def test_each_mistake_of_layers_and_heads_is_caught(self):
@@ -350,6 +365,11 @@ class QuickCheckTeeth(unittest.TestCase):
          deep_model, "rotate", SIN_SIGN,
          r"deep_model.rotate's turn of the pairs \(1, 0\) and \(0, 1\) by the angles 1.5 and "
          r"0.75, at number 2: \S+ from rotate, \S+ expected"),
+        ("the frequency index counted from the start of q, not restarted at each head "
+         "(the angles both paths share)", deep_model, "angles",
+         replacing(lambda node: ast.unparse(node) == "c % d", lambda node: node.left),
+         MULTI_QUERY + r": deep_model.angles \(thetas, then r_thetas\), at list 0, pair 2: "
+         r"\S+ from angles, 1.0 expected"),
         ("the scores scaled by 1 / sqrt(width), as the lesson's one head, not by the head's",
          deep_model, "heads_of", SCALED_BY_WIDTH,
          GROUPED + r": deep_model.heads_of \(heads, head width, key width, query heads a kv "
