@@ -109,12 +109,31 @@ def rotate(x, position, thetas):
     return turned
 
 
+def layer_masks(mask, layers, positions, start=0):
+    """mask as one mask per layer: itself if it is a list (one mask a layer), else mask in
+    every layer; each checked as model.check_mask checks one, for the positions from start
+    to positions - 1 (a mask of a list named by its layer)."""
+    if not isinstance(mask, list):
+        check_mask(mask, positions, start)
+        return [mask] * layers
+    if len(mask) != layers:
+        raise ValueError(f"mask must be a function of a position, or a list of one per "
+                         f"layer ({layers}), got a list of {len(mask)}")
+    for layer, each in enumerate(mask):
+        try:
+            check_mask(each, positions, start)
+        except ValueError as error:
+            raise ValueError(f"layer {layer}'s {error}") from None
+    return mask
+
+
 def forward(params, ids, mask=causal):
     """Next-token logits for every position of ids: layer by layer, first every
-    position's q, k and v, then each position's heads attending to positions mask(i)."""
+    position's q, k and v, then each position's heads attending to positions mask(i)
+    (mask may be a list, one mask a layer)."""
     check_params(params)
     check_ids(ids)
-    check_mask(mask, len(ids))
+    masks = layer_masks(mask, params["shape"]["layers"], len(ids))
     block_cols, out_cols = _columns(params)
     shape = params["shape"]
     heads, d, d_key, group, scale = heads_of(shape)
@@ -124,7 +143,7 @@ def forward(params, ids, mask=causal):
     else:
         xs = [add(params["tok_emb"][token_id], params["pos_emb"][position])
               for position, token_id in enumerate(ids)]
-    for block, cols in zip(params["blocks"], block_cols):
+    for block, cols, layer_mask in zip(params["blocks"], block_cols, masks):
         qs, ks, vs = [], [], []
         for position, x0 in enumerate(xs):
             h1 = layernorm(x0, block["ln1_g"], block["ln1_b"])
@@ -142,7 +161,7 @@ def forward(params, ids, mask=causal):
             ks.append(k)
             vs.append(v)
         for i, x0 in enumerate(xs):
-            keys, values = [ks[j] for j in mask(i)], [vs[j] for j in mask(i)]
+            keys, values = [ks[j] for j in layer_mask(i)], [vs[j] for j in layer_mask(i)]
             mixed = []
             for head in range(heads):
                 kv = head // group                     # the key-value head it reads
@@ -164,13 +183,20 @@ class DeepCache:
     each position, the key and the value of layer L's kv_heads key-value heads side by
     side; in a latent model, layers[L]["latents"] and ["rotary_keys"] hold its latent and
     its rotary key instead. mask(i), causal unless given, is which held positions
-    position i attends to. With rotary positions a key is kept after its rotation by its
-    own position, so a later query, rotated by its own, reads it as it is; the rotation
-    adds no number."""
+    position i attends to (mask may be a list, one mask a layer). With rotary positions a
+    key is kept after its rotation by its own position, so a later query, rotated by its
+    own, reads it as it is; the rotation adds no number.
+
+    A deep cache's protocol, beyond the lists: reads(position), the positions each
+    layer's row at position attends to; keep(token_id, new), a step's vectors; and
+    attended(layer, weights_by_head), told by forward_step, once the whole step has
+    succeeded, what each layer's heads read: one list of attention weights a head, over
+    that layer's reads in their order (a cache that evicts by attention chooses by them;
+    a DeepCache ignores them)."""
 
     def __init__(self, params, mask=causal):
         check_params(params)
-        check_mask(mask, 0)   # that it is a function; what it gives, at each step
+        layer_masks(mask, params["shape"]["layers"], 0)   # functions; what they give, each step
         self.params, self.mask, self.tokens = params, mask, []
         self.block_columns, self.out_columns = _columns(params)
         parts = ("latents", "rotary_keys") if params["shape"]["latent"] else ("keys", "values")
@@ -185,6 +211,13 @@ class DeepCache:
             raise ValueError("the cache holds no position yet")
         return sum(len(vector) for layer in self.layers for vectors in layer.values()
                    for vector in vectors) / len(self)
+
+    def reads(self, position):
+        """The held positions each layer's row at position attends to: its mask's."""
+        return [mask(position) for mask in layer_masks(self.mask, len(self.layers), 0)]
+
+    def attended(self, layer, weights_by_head):
+        """Nothing to keep: a DeepCache evicts nothing, whatever the rows read."""
 
     def keep(self, token_id, new):
         """Append token_id, and to each layer's lists the vectors of new (one dict a
@@ -208,7 +241,7 @@ def check_step(params, cache, token_id, position):
         raise ValueError(f"position {position} is beyond the {CONTEXT} positions of the "
                          f"model's table")
     check_token_id(token_id)
-    check_mask(cache.mask, position + 1, position)
+    layer_masks(cache.mask, len(cache.layers), position + 1, position)
 
 
 def forward_step(params, cache, token_id, position):
@@ -225,9 +258,9 @@ def forward_step(params, cache, token_id, position):
         x0 = params["tok_emb"][token_id]
     else:
         x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])
-    attended = cache.mask(position)
-    new = []   # each layer's vectors for this position, kept at the end
-    for block, cols, layer in zip(params["blocks"], cache.block_columns, cache.layers):
+    new, weights_read = [], []   # each layer's vectors for this position; its heads' weights
+    for block, cols, layer, attended in zip(params["blocks"], cache.block_columns,
+                                            cache.layers, cache.reads(position)):
         h1 = layernorm(x0, block["ln1_g"], block["ln1_b"])
         q = linear(h1, cols["Wq"])
         if shape["latent"]:   # keep the latent; rebuild every attended key and value
@@ -251,11 +284,13 @@ def forward_step(params, cache, token_id, position):
             values = [held_values[j] for j in attended]
             new.append({"keys": k, "values": v})
         mixed = []
+        weights_read.append([])
         for head in range(heads):
             kv = head // group                     # the key-value head it reads
             q_h = q[head * d_key:(head + 1) * d_key]
             scores = [dot(q_h, k_j[kv * d_key:(kv + 1) * d_key]) * scale for k_j in keys]
             weights = softmax_row(scores)
+            weights_read[-1].append(weights)
             mixed += [dot(weights, column)
                       for column in zip(*(v_j[kv * d:(kv + 1) * d] for v_j in values))]
         x1 = add(x0, linear(mixed, cols["Wo"]))
@@ -265,6 +300,8 @@ def forward_step(params, cache, token_id, position):
     logits = add(linear(layernorm(x0, params["lnf_g"], params["lnf_b"]), cache.out_columns),
                  params["b_out"])
     cache.keep(token_id, new)   # every layer computed: nothing can go wrong now
+    for layer, weights_by_head in enumerate(weights_read):   # a cache that evicts chooses by
+        cache.attended(layer, weights_by_head)               # what each layer read
     return logits
 
 

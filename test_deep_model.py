@@ -179,8 +179,9 @@ class Exactness(unittest.TestCase):
         """Case n draws, from random.Random(n), 1 to 3 layers, a width of 4 to 24, heads
         that divide it and key-value heads that divide those (or, one case in three, a
         latent of 2 to 12 and, if rotary, a rotary key of 0 to 6), learned or (for an even
-        head width) rotary positions, a seed, 1 to 20 random tokens, and the causal mask
-        or a band of 1 to 8 (with sinks): every cached row == the full pass's, and the
+        head width) rotary positions, a seed, 1 to 20 random tokens, and the causal mask,
+        a band of 1 to 8 (with sinks) or a band of its own in each layer: every cached row
+        == the full pass's, and the
         cache keeps 2 x layers x kv_heads x head width numbers a position (the rotation
         adds none), or layers x (latent + rotary key)."""
         def check(index):
@@ -197,7 +198,8 @@ class Exactness(unittest.TestCase):
             params = deep_model.init_params(layers, heads, kv_heads, width, rng.randrange(99),
                                             positions, latent, rotary_key)
             window = rng.randint(1, 8)
-            mask = rng.choice((deep_model.causal, model.band(window, rng.randrange(window))))
+            mask = rng.choice((deep_model.causal, model.band(window, rng.randrange(window)),
+                               [model.band(rng.randint(1, 8)) for _ in range(layers)]))
             ids = random_tokens(rng.randint(1, 20), seed=index)
             rows, cache = deep_rows(params, ids, mask)
             label = (f"{layers} layers, {heads} heads, {kv_heads} kv heads, width {width}, "
@@ -386,6 +388,62 @@ class QuickCheckTeeth(unittest.TestCase):
 
     def test_the_quick_check_names_each_mistake_s_model_layer_and_position(self):
         verdicts.assert_verdicts(self, "deep_model", self.MISTAKES)
+
+
+class WhatEachLayerReads(unittest.TestCase):
+
+    def test_a_mask_a_layer_gives_each_layer_its_own_reads(self):
+        """A list of masks, one a layer (a band of 2 in layer 0, causal in layer 1): the
+        cached rows are the full pass's, and differ from those of either mask alone."""
+        params, ids = deep_model.init_params(2, 4, 2, 16, 0), random_tokens(10)
+        masks = [model.band(2), deep_model.causal]
+        assert_rows_equal(self, params, ids, masks)
+        rows = deep_model.forward(params, ids, masks)
+        for alone in masks:
+            self.assertNotEqual(rows, deep_model.forward(params, ids, alone),
+                                "the rows of one mask a layer, against one mask in both")
+
+    def test_the_cache_is_told_what_each_layer_read_once_the_step_succeeded(self):
+        """DeepCache.attended(layer, weights_by_head) is called for every layer, in order,
+        after the step is kept: one list of weights a head, over the layer's reads, each
+        the softmax of that head's scores (they sum to 1, up to rounding); a step that
+        fails part-way tells it nothing."""
+        told = []
+
+        class Told(deep_model.DeepCache):
+            def attended(self, layer, weights_by_head):
+                told.append((len(self), layer, weights_by_head))
+        params = deep_model.init_params(2, 4, 2, 16, 0)
+        cache = Told(params, [model.band(3), deep_model.causal])
+        for position, token_id in enumerate(random_tokens(5)):
+            deep_model.forward_step(params, cache, token_id, position)
+        self.assertEqual([(held, layer) for held, layer, _ in told],
+                         [(position + 1, layer) for position in range(5) for layer in (0, 1)])
+        for held, layer, weights_by_head in told:
+            reads = cache.reads(held - 1)[layer]
+            self.assertEqual([len(weights) for weights in weights_by_head], [len(reads)] * 4)
+            for weights in weights_by_head:
+                self.assertAlmostEqual(sum(weights), 1.0, places=12)
+        spoiled = copy.deepcopy(params)
+        cache, told[:] = Told(spoiled), []
+        spoiled["blocks"][1]["b2"][0] = "x"   # layer 0 computes; layer 1 fails
+        with self.assertRaises(TypeError):
+            deep_model.forward_step(spoiled, cache, 3, 0)
+        self.assertEqual((told, len(cache)), ([], 0))
+
+    def test_masks_of_another_count_or_a_bad_mask_of_a_layer_are_refused(self):
+        params = deep_model.init_params(2, 4, 2, 16, 0)
+        for masks, fragment in (([deep_model.causal], "a list of one per layer \\(2\\), got a "
+                                                      "list of 1"),
+                                ([deep_model.causal, 5], "layer 1's mask must be a function"),
+                                ([deep_model.causal, lambda i: [i + 1]],
+                                 r"layer 1's mask\(0\) gives \[1\]")):
+            for attempt in (lambda: deep_model.forward(params, [1, 2], masks),
+                            lambda: deep_model.forward_step(
+                                params, deep_model.DeepCache(params, masks), 5, 0)):
+                with self.subTest(fragment=fragment), \
+                        self.assertRaisesRegex(ValueError, fragment):
+                    attempt()
 
 
 class Window(unittest.TestCase):
