@@ -187,8 +187,8 @@ class DeepCache:
     key is kept after its rotation by its own position, so a later query, rotated by its
     own, reads it as it is; the rotation adds no number.
 
-    A deep cache's protocol, beyond the lists: reads(position), the positions each
-    layer's row at position attends to; keep(token_id, new), a step's vectors; and
+    A deep cache's protocol, beyond the lists: positions_read(position), the positions
+    each layer's row at position attends to; keep(token_id, new), a step's vectors; and
     attended(layer, weights_by_head), told by forward_step, once the whole step has
     succeeded, what each layer's heads read: one list of attention weights a head, over
     that layer's reads in their order (a cache that evicts by attention chooses by them;
@@ -206,13 +206,14 @@ class DeepCache:
         return len(self.tokens)
 
     def floats_per_position(self):
-        """The numbers the cache keeps per position, counted in its lists."""
+        """The numbers the cache keeps per position, counted in its lists (a position a
+        layer dropped, None there, counts none)."""
         if not self.tokens:
             raise ValueError("the cache holds no position yet")
         return sum(len(vector) for layer in self.layers for vectors in layer.values()
-                   for vector in vectors) / len(self)
+                   for vector in vectors if vector is not None) / len(self)
 
-    def reads(self, position):
+    def positions_read(self, position):
         """The held positions each layer's row at position attends to: its mask's."""
         return [mask(position) for mask in layer_masks(self.mask, len(self.layers), 0)]
 
@@ -259,8 +260,8 @@ def forward_step(params, cache, token_id, position):
     else:
         x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])
     new, weights_read = [], []   # each layer's vectors for this position; its heads' weights
-    for block, cols, layer, attended in zip(params["blocks"], cache.block_columns,
-                                            cache.layers, cache.reads(position)):
+    for block, cols, layer, attended in zip(params["blocks"], cache.block_columns, cache.layers,
+                                            cache.positions_read(position)):
         h1 = layernorm(x0, block["ln1_g"], block["ln1_b"])
         q = linear(h1, cols["Wq"])
         if shape["latent"]:   # keep the latent; rebuild every attended key and value

@@ -104,7 +104,7 @@ def absorbed_step(folded, cache, token_id, position):
     new, weights_read = [], []
     for block, cols, folded_block, layer, attended in zip(
             params["blocks"], cache.block_columns, folded.blocks, cache.layers,
-            cache.reads(position)):
+            cache.positions_read(position)):
         h1 = layernorm(x0, block["ln1_g"], block["ln1_b"])
         q = latent_query(linear(h1, cols["Wq"]), h1, cols, position, thetas, r_thetas, heads)
         c_kv, k_r = compressed(h1, block, cols, position, r_thetas)

@@ -148,7 +148,8 @@ def quick_check():
     positions), multi-query attention (rotary) and latent attention (learned, and rotary
     with a rotary key): their heads as heads_of's docstring says (where_heads_of_wrong),
     their rotary angles RoFormer's (where_angles_wrong), and every row == the full pass's
-    (where_deep_rows_differ)."""
+    (where_deep_rows_differ); and, for the grouped-query model, with a mask a layer (a band
+    of 2 in layer 0, causal in layer 1)."""
     ids = TOK.encode(STORIES[0])[:12]
     why = where_rotate_turns_wrong() or where_lesson_differs(ids)
     for args in DEEP_MODELS:
@@ -158,6 +159,8 @@ def quick_check():
         params = with_biases_and_gains_drawn(deep_model.init_params(*args))
         why = (where_heads_of_wrong(params) or where_angles_wrong(params)
                or where_deep_rows_differ(params, ids))
+        if args == DEEP_MODELS[0]:
+            why = why or where_deep_rows_differ(params, ids, [model.band(2), deep_model.causal])
     return why
 
 
@@ -363,6 +366,10 @@ class QuickCheckTeeth(unittest.TestCase):
          GROUPED + r", wrong from layer 1 on \(layer 0 alone agrees\): " + ROW),
         ("the query turned by the next position (position + 1)", deep_model, "forward_step",
          QUERY_A_POSITION_ON, MULTI_QUERY + r", wrong from layer 0 on: " + ROW),
+        ("the full pass's layers all masked by the first layer's mask", deep_model, "forward",
+         replacing(lambda node: isinstance(node, ast.Name) and node.id == "layer_mask"
+                   and isinstance(node.ctx, ast.Load), lambda node: expression("masks[0]")),
+         GROUPED + r", wrong from layer 1 on \(layer 0 alone agrees\): " + ROW),
         ("the turn's sin with the wrong sign in the first number of a pair: not a turn",
          deep_model, "rotate", SIN_SIGN,
          r"deep_model.rotate's turn of the pairs \(1, 0\) and \(0, 1\) by the angles 1.5 and "
@@ -420,7 +427,7 @@ class WhatEachLayerReads(unittest.TestCase):
         self.assertEqual([(held, layer) for held, layer, _ in told],
                          [(position + 1, layer) for position in range(5) for layer in (0, 1)])
         for held, layer, weights_by_head in told:
-            reads = cache.reads(held - 1)[layer]
+            reads = cache.positions_read(held - 1)[layer]
             self.assertEqual([len(weights) for weights in weights_by_head], [len(reads)] * 4)
             for weights in weights_by_head:
                 self.assertAlmostEqual(sum(weights), 1.0, places=12)

@@ -47,6 +47,7 @@ import lossy
 import model
 import paged
 import prefill
+import pyramid_kv
 import serving
 import speculative
 from checkpoint import (LAB, add_folder_flag, finish_saving, positive_int, read_json,
@@ -99,6 +100,7 @@ STAGES = (
           gather=blockwise.kinds_table),
     Stage(3, "cache_files", cache_files.experiment, ("runs",)),
     Stage(4, "deep_models", deep_model.experiment),
+    Stage(4, "pyramid", pyramid_kv.experiment),
     Stage(4, "rotary", context_shift.experiment),
     Stage(4, "latent_attention", latent_attention.experiment),
     Stage(4, "bytes_read", bandwidth.experiment),
