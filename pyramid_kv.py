@@ -86,17 +86,16 @@ class PyramidKVCache(DeepCache):
         position = len(self) - 1
         self.reads[layer].append(list(self._reads_of(layer, position)))
         if self.prompt_tokens - self.window <= position < self.prompt_tokens:
-            self.window_rows[layer].append([fsum(weights) / len(weights_by_head)
-                                            for weights in zip(*weights_by_head)])
+            self.window_rows[layer].append([fsum(at_position) / len(weights_by_head)
+                                            for at_position in zip(*weights_by_head)])
         if position == self.prompt_tokens - 1:
             window = list(range(self.prompt_tokens - self.window, self.prompt_tokens))
             self.kept[layer] = snapkv_choice(self.window_rows[layer],
                                              self.budgets[layer] - self.window,
                                              self.kernel) + window
-            for dropped in sorted(set(range(self.prompt_tokens)) - set(self.kept[layer])):
+            for dropped in set(range(self.prompt_tokens)) - set(self.kept[layer]):
                 for vectors in self.layers[layer].values():
                     vectors[dropped] = None
-
 
 
 # ---- the experiment (a stage of trace_kv.py) ---------------------------------------

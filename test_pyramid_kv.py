@@ -73,7 +73,7 @@ class Told(deep_model.DeepCache):
 def expected_kept(params, ids, budgets, window=4, kernel=3):
     """What each layer should keep of the prompt ids: snapkv_choice over the heads' mean
     weights of its own last window rows (read from a Told cache fed the prompt), then the
-    window's positions."""
+    window's positions; and the numbers a layer keeps a position."""
     told = Told(params)
     for position, token_id in enumerate(ids):
         deep_model.forward_step(params, told, token_id, position)
@@ -83,7 +83,7 @@ def expected_kept(params, ids, budgets, window=4, kernel=3):
                 for heads in told.told[layer][-window:]]
         kept.append(snapkv_choice(rows, budget - window, kernel)
                     + list(range(len(ids) - window, len(ids))))
-    return kept
+    return kept, told.floats_per_position() / params["shape"]["layers"]
 
 
 def where_pyramid_wrong(kind, params, ids, prompt_tokens, budget):
@@ -98,7 +98,7 @@ def where_pyramid_wrong(kind, params, ids, prompt_tokens, budget):
     rows = stepped_rows(label, deep_model.forward_step, params, cache, ids)
     budgets = budgets_by_the_paper(budget, params["shape"]["layers"], prompt_tokens, 4, 20, kind)
     step(f"{label}: what each layer should keep (a DeepCache told what the prompt read)")
-    kept = expected_kept(params, ids[:prompt_tokens], budgets)
+    kept, numbers = expected_kept(params, ids[:prompt_tokens], budgets)
     fed = f"token IDs {ids}, the first {prompt_tokens} the prompt"
     for layer, positions in enumerate(kept):
         reads = [list(range(i + 1)) for i in range(prompt_tokens)] + [
@@ -110,13 +110,11 @@ def where_pyramid_wrong(kind, params, ids, prompt_tokens, budget):
                          names=("position", "entry"), fed=fed))
         if why:
             return why
-    shape = params["shape"]
-    held = sum(budgets) + shape["layers"] * (len(ids) - prompt_tokens)
+    held = sum(budgets) + params["shape"]["layers"] * (len(ids) - prompt_tokens)
     why = differ(f"{label}: the numbers the cache holds a position",
-                 [cache.floats_per_position()],
-                 [held * 2 * shape["kv_heads"] * (shape["width"] // shape["heads"]) / len(ids)],
+                 [cache.floats_per_position()], [held * numbers / len(ids)],
                  "PyramidKVCache", names=("entry",),
-                 fed=f"{fed}; {held} positions held over the layers, a key and a value each")
+                 fed=f"{fed}; {held} positions held over the layers, {numbers:g} numbers each")
     if why:
         return why
     step(f"{label}: the full pass masked by its reads (deep_model.forward)")
@@ -228,17 +226,18 @@ class Budgets(unittest.TestCase):
 class Exactness(unittest.TestCase):
 
     def test_every_row_is_the_full_pass_masked_by_its_reads_for_shapes_and_budgets(self):
-        """Multi-head, grouped-query and multi-query attention, learned and rotary
+        """Multi-head, grouped-query, multi-query and latent attention, learned and rotary
         positions, 1 to 3 layers, prompts of 6 to 14 and budgets from the window + 1 to
         the prompt, both kinds: what where_pyramid_wrong checks holds."""
-        cases = ((1, 4, 4, "learned", 6, 5), (2, 4, 1, "rotary", 10, 7),
-                 (3, 4, 2, "rotary", 14, 9), (2, 2, 2, "learned", 8, 8))
-        for layers, heads, kv_heads, positions, prompt, budget in cases:
-            params = deep_model.init_params(layers, heads, kv_heads, 16, 1, positions)
+        cases = ((1, 4, 4, "learned", None, 6, 5), (2, 4, 1, "rotary", None, 10, 7),
+                 (3, 4, 2, "rotary", None, 14, 9), (2, 2, 2, "learned", None, 8, 8),
+                 (2, 4, 4, "rotary", 8, 9, 6))
+        for layers, heads, kv_heads, positions, latent, prompt, budget in cases:
+            params = deep_model.init_params(layers, heads, kv_heads, 16, 1, positions, latent)
             ids = random_tokens(prompt + 3, seed=layers)
             for kind in KINDS:
                 with self.subTest(layers=layers, kv_heads=kv_heads, positions=positions,
-                                  kind=kind):
+                                  latent=latent, kind=kind):
                     why = verdicts.checked(
                         lambda: where_pyramid_wrong(kind, params, ids, prompt, budget))
                     if why:
