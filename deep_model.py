@@ -23,87 +23,18 @@ all heads share, turned by its position, and its query a rotary part of its own:
 head h's query is q_h then q_r_h, its key k_h then k_r. The cache keeps c_kv and k_r only,
 and this module's forward_step rebuilds the keys and values at every step, in the full
 pass's order; latent_attention.py reads the latents directly instead.
+
+What a shape may be, and the parameters of one, are deep_params.py's.
 """
 import math
-import random
 
+from deep_params import check_params, init_params
 from documents import bold, shown, table
 from instruments import largest_gap
-from model import (CONTEXT, VOCAB_SIZE, WIDTH, add, band, causal, check_ids, check_int,
-                   check_mask, check_shape, check_token_id, check_values, dot, is_int,
-                   layernorm, linear, relu, softmax_row)
+from model import (CONTEXT, VOCAB_SIZE, WIDTH, add, band, causal, check_ids, check_mask,
+                   check_token_id, dot, is_int, layernorm, linear, relu, softmax_row)
 
 BASE = 10000.0   # of the rotary angles
-SHAPE = ("layers", "heads", "kv_heads", "width", "positions", "latent", "rotary_key")
-MAX_NUMBERS = 10 ** 7   # in a model's params: about 300 MB of floats, seconds to make
-
-
-def init_params(layers, heads, kv_heads, width, seed, positions="learned", latent=None,
-                rotary_key=None):
-    """Random params of this shape: per layer ln1, Wq (width x width), Wk and Wv (width x
-    kv_heads * head width), Wo, ln2 and an MLP of 4 x width; embeddings and the output
-    layer as model.py's, without pos_emb if positions is "rotary". With latent (an int),
-    Wdkv (width x latent), lnc and Wuk and Wuv (latent x width) instead of Wk and Wv, every
-    head its own key and value (kv_heads = heads); with rotary positions also Wqr (width
-    x heads * rotary_key) and Wkr (width x rotary_key). rotary_key defaults to half a head,
-    as DeepSeek-V2's 64 of 128 (at least 2, even); 0 turns the rebuilt keys instead. The
-    shape is kept in params["shape"]."""
-    if rotary_key is None:
-        rotary_key = max(2, width // heads // 4 * 2) if latent and positions == "rotary" else 0
-    shape = {"layers": layers, "heads": heads, "kv_heads": kv_heads, "width": width,
-             "positions": positions, "latent": latent, "rotary_key": rotary_key}
-    check_model_shape(**shape)
-    rng = random.Random(seed)
-
-    def made(name, dims):   # a matrix of rows x columns, std 1 / sqrt(rows); g 1, b 0
-        if len(dims) == 1:
-            return [1.0 if name.endswith("_g") else 0.0] * dims[0]
-        std = 0.5 if name.endswith("_emb") else dims[0] ** -0.5
-        return [[rng.gauss(0.0, std) for _ in range(dims[1])] for _ in range(dims[0])]
-    wanted = param_shapes(shape)
-    blocks = [{name: made(name, dims) for name, dims in block.items()}
-              for block in wanted.pop("blocks")]
-    return {"shape": shape, "blocks": blocks,
-            **{name: made(name, dims) for name, dims in wanted.items()}}
-
-
-def check_model_shape(layers, heads, kv_heads, width, positions, latent, rotary_key):
-    """Refuse a shape that cannot be built: counts that are not ints >= 1, heads that do
-    not divide the width, key-value heads that do not divide the heads, positions other
-    than "learned" or "rotary", or, for rotary, an odd head width; a latent that is not
-    None or an int >= 2, or shared by grouped heads; a rotary key that is not an even int
-    >= 0, or not 0 without a latent and rotary positions; more than MAX_NUMBERS numbers."""
-    for name, value in zip(SHAPE, (layers, heads, kv_heads, width)):
-        check_int(name, value, 1)
-    if width % heads:
-        raise ValueError(f"width {width} must be a multiple of heads {heads}")
-    if heads % kv_heads:
-        raise ValueError(f"heads {heads} must be a multiple of kv_heads {kv_heads}: each "
-                         f"key-value head serves the same number of query heads")
-    if positions not in ("learned", "rotary"):
-        raise ValueError(f"positions must be \"learned\" or \"rotary\", got {positions!r}")
-    if positions == "rotary" and width // heads % 2:
-        raise ValueError(f"rotary positions turn pairs of numbers: the head width "
-                         f"{width // heads} (width {width} / heads {heads}) must be even")
-    if latent is not None:
-        check_int("latent", latent, 2, why=": a layer norm of one number is always its bias")
-        if kv_heads != heads:
-            raise ValueError(f"a latent model rebuilds a key and a value for every head: "
-                             f"kv_heads must be heads {heads}, got {kv_heads}")
-    check_int("rotary_key", rotary_key, 0)
-    if rotary_key % 2:
-        raise ValueError(f"the rotary key turns pairs of numbers: rotary_key must be even, "
-                         f"got {rotary_key}")
-    if rotary_key and (latent is None or positions != "rotary"):
-        raise ValueError("a rotary key of its own (rotary_key > 0) is for a latent model "
-                         "with rotary positions; give latent= and positions=\"rotary\", "
-                         "or rotary_key=0")
-    one = param_shapes(dict(zip(SHAPE, (1, heads, kv_heads, width, positions, latent, rotary_key))))
-    numbers = layers * sum(map(math.prod, one.pop("blocks")[0].values())) + sum(
-        map(math.prod, one.values()))
-    if numbers > MAX_NUMBERS:
-        raise ValueError(f"a model of this shape holds {numbers:,} numbers, more than "
-                         f"{MAX_NUMBERS:,}: give fewer layers or a smaller width")
 
 
 def _columns(params):
@@ -120,6 +51,19 @@ def heads_of(shape):
     d = shape["width"] // shape["heads"]
     d_key = d + shape["rotary_key"]
     return shape["heads"], d, d_key, shape["heads"] // shape["kv_heads"], 1 / math.sqrt(d_key)
+
+
+def angles(shape):
+    """The rotary angles of a unit of position, for a model of this shape: thetas, one for
+    each pair of q or k, and r_thetas, one for each pair of a rotary query or key; [] and
+    [] with learned positions."""
+    if shape["positions"] != "rotary":
+        return [], []
+    d, r = shape["width"] // shape["heads"], shape["rotary_key"]
+    # the pair from column c of q or k is pair (c % d) / 2 of its head; of a rotary query
+    # or key, pair (c % r) / 2
+    return ([BASE ** (-(c % d) / d) for c in range(0, shape["width"], 2)],
+            [BASE ** (-(c % r) / r) for c in range(0, shape["heads"] * r, 2)])
 
 
 def _joined(a, b, heads):
@@ -165,81 +109,41 @@ def rotate(x, position, thetas):
     return turned
 
 
-def param_shapes(shape):
-    """The shape of every parameter of a model of this shape (params["shape"]): name ->
-    (rows, columns), or (entries,) for a vector; per block under "blocks". A rotary model
-    has no pos_emb."""
-    width, kv_width = shape["width"], shape["kv_heads"] * (shape["width"] // shape["heads"])
-    latent, rotary_key = shape["latent"], shape["rotary_key"]
-    if latent is None:
-        attention = {"Wk": (width, kv_width), "Wv": (width, kv_width)}
-    else:
-        attention = {"Wdkv": (width, latent), "lnc_g": (latent,), "lnc_b": (latent,),
-                     "Wuk": (latent, width), "Wuv": (latent, width)}
-        if rotary_key:
-            attention.update(Wqr=(width, shape["heads"] * rotary_key), Wkr=(width, rotary_key))
-    block = {"ln1_g": (width,), "ln1_b": (width,), "Wq": (width, width), **attention,
-             "Wo": (width, width), "ln2_g": (width,), "ln2_b": (width,),
-             "W1": (width, 4 * width), "b1": (4 * width,), "W2": (4 * width, width),
-             "b2": (width,)}
-    table = {"pos_emb": (CONTEXT, width)} if shape["positions"] == "learned" else {}
-    return {"tok_emb": (VOCAB_SIZE, width), **table,
-            "blocks": [block] * shape["layers"], "lnf_g": (width,), "lnf_b": (width,),
-            "W_out": (width, VOCAB_SIZE), "b_out": (VOCAB_SIZE,)}
-
-
-def check_params(params):
-    """Refuse anything but params of a consistent shape, as init_params makes them: a
-    shape that init_params accepts, and every matrix and vector of that shape, holding
-    finite floats no larger than model.MAX_WEIGHT (as model.check_params refuses)."""
-    if not isinstance(params, dict) or not isinstance(params.get("shape"), dict) \
-            or set(params["shape"]) != set(SHAPE):
-        raise ValueError(f"params must be deep_model.init_params(...)'s: a dict with a "
-                         f"\"shape\" of {', '.join(SHAPE)}")
-    shape = params["shape"]
-    check_model_shape(**shape)
-    if shape["positions"] == "rotary" and "pos_emb" in params:
-        raise ValueError("params: a rotary model has no pos_emb (it turns q and k by position "
-                         "instead); drop it, or make the shape's positions \"learned\"")
-    if shape["positions"] == "learned" and "pos_emb" not in params:
-        raise ValueError("params: a model of learned positions needs its pos_emb table")
-    wanted = param_shapes(shape)
-    if set(params) - {"shape"} != set(wanted):
-        raise ValueError(f"params must hold {sorted(wanted)} besides its shape")
-    if not isinstance(params["blocks"], list) or len(params["blocks"]) != shape["layers"]:
-        raise ValueError(f"params: blocks must be a list of {shape['layers']} blocks")
-    for name, dims in wanted.items():
-        if name != "blocks":
-            check_shape(params[name], dims, name)
-            check_values(name, params[name] if len(dims) == 2 else [params[name]])
-    for layer, (block, dims) in enumerate(zip(params["blocks"], wanted["blocks"])):
-        if not isinstance(block, dict) or set(block) != set(dims):
-            raise ValueError(f"params: blocks[{layer}] must hold {sorted(dims)}")
-        for name, wanted_dims in dims.items():
-            where = f"blocks[{layer}][{name!r}]"
-            check_shape(block[name], wanted_dims, where)
-            check_values(where, block[name] if len(wanted_dims) == 2 else [block[name]])
+def layer_masks(mask, layers, positions, start=0):
+    """mask as one mask per layer: itself if it is a list (one mask a layer), else mask in
+    every layer; each checked as model.check_mask checks one, for the positions from start
+    to positions - 1 (a mask of a list named by its layer)."""
+    if not isinstance(mask, list):
+        check_mask(mask, positions, start)
+        return [mask] * layers
+    if len(mask) != layers:
+        raise ValueError(f"mask must be a function of a position, or a list of one per "
+                         f"layer ({layers}), got a list of {len(mask)}")
+    for layer, each in enumerate(mask):
+        try:
+            check_mask(each, positions, start)
+        except ValueError as error:
+            raise ValueError(f"layer {layer}'s {error}") from None
+    return mask
 
 
 def forward(params, ids, mask=causal):
     """Next-token logits for every position of ids: layer by layer, first every
-    position's q, k and v, then each position's heads attending to positions mask(i)."""
+    position's q, k and v, then each position's heads attending to positions mask(i)
+    (mask may be a list, one mask a layer)."""
     check_params(params)
     check_ids(ids)
-    check_mask(mask, len(ids))
+    masks = layer_masks(mask, params["shape"]["layers"], len(ids))
     block_cols, out_cols = _columns(params)
     shape = params["shape"]
     heads, d, d_key, group, scale = heads_of(shape)
-    thetas = r_thetas = []
-    if shape["positions"] == "rotary":   # the pair from c of q or k is pair (c % d) / 2 of its head
+    thetas, r_thetas = angles(shape)
+    if thetas:
         xs = [params["tok_emb"][token_id] for token_id in ids]
-        thetas = [BASE ** (-(c % d) / d) for c in range(0, shape["width"], 2)]
-        r = shape["rotary_key"]   # and of a rotary query or key, pair (c % r) / 2
-        r_thetas = [BASE ** (-(c % r) / r) for c in range(0, heads * r, 2)]
     else:
         xs = [add(params["tok_emb"][token_id], params["pos_emb"][position])
               for position, token_id in enumerate(ids)]
-    for block, cols in zip(params["blocks"], block_cols):
+    for block, cols, layer_mask in zip(params["blocks"], block_cols, masks):
         qs, ks, vs = [], [], []
         for position, x0 in enumerate(xs):
             h1 = layernorm(x0, block["ln1_g"], block["ln1_b"])
@@ -257,7 +161,7 @@ def forward(params, ids, mask=causal):
             ks.append(k)
             vs.append(v)
         for i, x0 in enumerate(xs):
-            keys, values = [ks[j] for j in mask(i)], [vs[j] for j in mask(i)]
+            keys, values = [ks[j] for j in layer_mask(i)], [vs[j] for j in layer_mask(i)]
             mixed = []
             for head in range(heads):
                 kv = head // group                     # the key-value head it reads
@@ -279,13 +183,20 @@ class DeepCache:
     each position, the key and the value of layer L's kv_heads key-value heads side by
     side; in a latent model, layers[L]["latents"] and ["rotary_keys"] hold its latent and
     its rotary key instead. mask(i), causal unless given, is which held positions
-    position i attends to. With rotary positions a key is kept after its rotation by its
-    own position, so a later query, rotated by its own, reads it as it is; the rotation
-    adds no number."""
+    position i attends to (mask may be a list, one mask a layer). With rotary positions a
+    key is kept after its rotation by its own position, so a later query, rotated by its
+    own, reads it as it is; the rotation adds no number.
+
+    A deep cache's protocol, beyond the lists: positions_read(position), the positions
+    each layer's row at position attends to; keep(token_id, new), a step's vectors; and
+    attended(layer, weights_by_head), told by forward_step, once the whole step has
+    succeeded, what each layer's heads read: one list of attention weights a head, over
+    that layer's reads in their order (a cache that evicts by attention chooses by them;
+    a DeepCache ignores them)."""
 
     def __init__(self, params, mask=causal):
         check_params(params)
-        check_mask(mask, 0)   # that it is a function; what it gives, at each step
+        layer_masks(mask, params["shape"]["layers"], 0)   # functions; what they give, each step
         self.params, self.mask, self.tokens = params, mask, []
         self.block_columns, self.out_columns = _columns(params)
         parts = ("latents", "rotary_keys") if params["shape"]["latent"] else ("keys", "values")
@@ -295,11 +206,19 @@ class DeepCache:
         return len(self.tokens)
 
     def floats_per_position(self):
-        """The numbers the cache keeps per position, counted in its lists."""
+        """The numbers the cache keeps per position, counted in its lists (a position a
+        layer dropped, None there, counts none)."""
         if not self.tokens:
             raise ValueError("the cache holds no position yet")
         return sum(len(vector) for layer in self.layers for vectors in layer.values()
-                   for vector in vectors) / len(self)
+                   for vector in vectors if vector is not None) / len(self)
+
+    def positions_read(self, position):
+        """The held positions each layer's row at position attends to: its mask's."""
+        return [mask(position) for mask in layer_masks(self.mask, len(self.layers), 0)]
+
+    def attended(self, layer, weights_by_head):
+        """Nothing to keep: a DeepCache evicts nothing, whatever the rows read."""
 
     def keep(self, token_id, new):
         """Append token_id, and to each layer's lists the vectors of new (one dict a
@@ -323,7 +242,7 @@ def check_step(params, cache, token_id, position):
         raise ValueError(f"position {position} is beyond the {CONTEXT} positions of the "
                          f"model's table")
     check_token_id(token_id)
-    check_mask(cache.mask, position + 1, position)
+    layer_masks(cache.mask, len(cache.layers), position + 1, position)
 
 
 def forward_step(params, cache, token_id, position):
@@ -335,17 +254,14 @@ def forward_step(params, cache, token_id, position):
     check_step(params, cache, token_id, position)
     shape = params["shape"]
     heads, d, d_key, group, scale = heads_of(shape)
-    thetas = r_thetas = []
-    if shape["positions"] == "rotary":   # the pair from c of q or k is pair (c % d) / 2 of its head
+    thetas, r_thetas = angles(shape)
+    if thetas:
         x0 = params["tok_emb"][token_id]
-        thetas = [BASE ** (-(c % d) / d) for c in range(0, shape["width"], 2)]
-        r = shape["rotary_key"]   # and of a rotary query or key, pair (c % r) / 2
-        r_thetas = [BASE ** (-(c % r) / r) for c in range(0, heads * r, 2)]
     else:
         x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])
-    attended = cache.mask(position)
-    new = []   # each layer's vectors for this position, kept at the end
-    for block, cols, layer in zip(params["blocks"], cache.block_columns, cache.layers):
+    new, weights_read = [], []   # each layer's vectors for this position; its heads' weights
+    for block, cols, layer, attended in zip(params["blocks"], cache.block_columns, cache.layers,
+                                            cache.positions_read(position)):
         h1 = layernorm(x0, block["ln1_g"], block["ln1_b"])
         q = linear(h1, cols["Wq"])
         if shape["latent"]:   # keep the latent; rebuild every attended key and value
@@ -369,11 +285,13 @@ def forward_step(params, cache, token_id, position):
             values = [held_values[j] for j in attended]
             new.append({"keys": k, "values": v})
         mixed = []
+        weights_read.append([])
         for head in range(heads):
             kv = head // group                     # the key-value head it reads
             q_h = q[head * d_key:(head + 1) * d_key]
             scores = [dot(q_h, k_j[kv * d_key:(kv + 1) * d_key]) * scale for k_j in keys]
             weights = softmax_row(scores)
+            weights_read[-1].append(weights)
             mixed += [dot(weights, column)
                       for column in zip(*(v_j[kv * d:(kv + 1) * d] for v_j in values))]
         x1 = add(x0, linear(mixed, cols["Wo"]))
@@ -383,6 +301,8 @@ def forward_step(params, cache, token_id, position):
     logits = add(linear(layernorm(x0, params["lnf_g"], params["lnf_b"]), cache.out_columns),
                  params["b_out"])
     cache.keep(token_id, new)   # every layer computed: nothing can go wrong now
+    for layer, weights_by_head in enumerate(weights_read):   # a cache that evicts chooses by
+        cache.attended(layer, weights_by_head)               # what each layer read
     return logits
 
 

@@ -17,9 +17,9 @@ measures what absorption does to it.
 """
 from collections import namedtuple
 
-from deep_model import (BASE, SHAPE, DeepCache, check_model_shape, check_params, check_step,
-                        compressed, deep_ids, forward, forward_step, heads_of, init_params,
-                        latent_query)
+from deep_model import (DeepCache, angles, check_step, compressed, deep_ids, forward,
+                        forward_step, heads_of, init_params, latent_query)
+from deep_params import SHAPE, check_model_shape, check_params
 from documents import bold, shown, table
 from instruments import largest_gap
 from model import (VOCAB_SIZE, WIDTH, add, check_int, dot, excerpt, layernorm, linear, relu,
@@ -96,18 +96,15 @@ def absorbed_step(folded, cache, token_id, position):
     _check_folded(folded)
     shape = params["shape"]
     heads, d, d_key, _, scale = heads_of(shape)
-    thetas = r_thetas = []
-    if shape["positions"] == "rotary":
+    thetas, r_thetas = angles(shape)
+    if thetas:
         x0 = params["tok_emb"][token_id]
-        thetas = [BASE ** (-(c % d) / d) for c in range(0, shape["width"], 2)]
-        r = shape["rotary_key"]
-        r_thetas = [BASE ** (-(c % r) / r) for c in range(0, heads * r, 2)]
     else:
         x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])
-    attended = cache.mask(position)
-    new = []
-    for block, cols, folded_block, layer in zip(params["blocks"], cache.block_columns,
-                                                folded.blocks, cache.layers):
+    new, weights_read = [], []
+    for block, cols, folded_block, layer, attended in zip(
+            params["blocks"], cache.block_columns, folded.blocks, cache.layers,
+            cache.positions_read(position)):
         h1 = layernorm(x0, block["ln1_g"], block["ln1_b"])
         q = latent_query(linear(h1, cols["Wq"]), h1, cols, position, thetas, r_thetas, heads)
         c_kv, k_r = compressed(h1, block, cols, position, r_thetas)
@@ -116,12 +113,14 @@ def absorbed_step(folded, cache, token_id, position):
         latents = [held_latents[j] for j in attended]
         read = [held_latents[j] + held_rotary_keys[j] for j in attended]   # what a score reads
         mixed = []
+        weights_read.append([])
         for head in range(heads):
             q_h = q[head * d_key:(head + 1) * d_key]
             # the query in latent space, q_h Wuk_h^T, then its rotary part
             q_latent = linear(q_h[:d], folded_block["to_latent"][head]) + q_h[d:]
             scores = [dot(q_latent, c_j) * scale for c_j in read]
             weights = softmax_row(scores)
+            weights_read[-1].append(weights)
             mixed += [dot(weights, column) for column in zip(*latents)]
         x1 = add(x0, linear(mixed, folded_block["out"]))
         h2 = layernorm(x1, block["ln2_g"], block["ln2_b"])
@@ -131,6 +130,8 @@ def absorbed_step(folded, cache, token_id, position):
     logits = add(linear(layernorm(x0, params["lnf_g"], params["lnf_b"]), cache.out_columns),
                  params["b_out"])
     cache.keep(token_id, new)
+    for layer, weights_by_head in enumerate(weights_read):   # as forward_step tells it
+        cache.attended(layer, weights_by_head)
     return logits
 
 

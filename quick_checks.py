@@ -154,16 +154,19 @@ def deep_rows(params, ids, mask=None, label=None):
 def where_deep_rows_differ(params, ids, mask=None):
     """None if every row of a deep_model fed ids through its cache (deep_rows) equals its
     full pass's, else a Wrong naming the model, the first layer whose rows differ, the
-    position and the logit, with both numbers (by_layer)."""
+    position and the logit, with both numbers (by_layer); mask may be a list, a mask a
+    layer."""
     import deep_model
     mask = mask or deep_model.causal
     rebuilt = " (its keys and values rebuilt from the cached latents)"
 
     def compare(weights):
-        rows, _ = deep_rows(weights, ids, mask)
+        layers = weights["shape"]["layers"]   # a mask a layer: those of the layers kept
+        masks = mask[:layers] if isinstance(mask, list) else mask
+        rows, _ = deep_rows(weights, ids, masks)
         step(f"{deep_label(weights)}: its full pass (deep_model.forward)")
         return differ("the cached row" + (rebuilt if weights["shape"]["latent"] else ""),
-                      rows, deep_model.forward(weights, ids, mask), "forward_step",
+                      rows, deep_model.forward(weights, ids, masks), "forward_step",
                       fed=f"token IDs {ids}, one at a time through a new DeepCache"
                           + ("" if mask is deep_model.causal else ", with a mask"))
     return by_layer(params, compare)
@@ -204,6 +207,8 @@ LAYERS["blockwise"] = Layer("attention read block by block (blockwise.py)",
 LAYERS["quantization"] = Layer("keys by channel, values by token (quantization.py)",
                                ("lesson", "prefill", "lossy"),
                                "python3 -m unittest test_quantization")
+LAYERS["pyramid_kv"] = Layer("PyramidKV's budgets by layer (pyramid_kv.py)", ("deep_model",),
+                             "python3 -m unittest test_pyramid_kv")
 LAYERS["every Part"] = Layer("every Part", tuple(LAYERS), "python3 -m unittest", lambda: None)
 
 

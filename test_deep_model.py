@@ -81,6 +81,23 @@ def where_heads_of_wrong(params):
                    1 / math.sqrt(d_key)], "heads_of", names=("entry",), fed=f"shape {shape}")
 
 
+def where_angles_wrong(params):
+    """None if deep_model.angles gives, for params' shape, pair i of every head of q and k
+    the angle 10000^(-2i/d) (d the head width) and pair i of a rotary query or key
+    10000^(-2i/r) (r the rotary key's width), as RoFormer's, and none with learned
+    positions; else a Wrong naming the pair."""
+    shape = params["shape"]
+    heads, d, r = shape["heads"], shape["width"] // shape["heads"], shape["rotary_key"]
+    wanted = [[], []]   # learned positions: no turn
+    if shape["positions"] == "rotary":
+        wanted = [[10000.0 ** (-2 * i / d) for _ in range(heads) for i in range(d // 2)],
+                  [10000.0 ** (-2 * i / r) for _ in range(heads) for i in range(r // 2)]]
+    step(f"{deep_label(params)}: its rotary angles (deep_model.angles)")
+    return differ(f"{deep_label(params)}: deep_model.angles (thetas, then r_thetas)",
+                  list(deep_model.angles(shape)), wanted, "angles", names=("list", "pair"),
+                  fed=f"shape {shape}")
+
+
 def where_lesson_differs(ids):
     """None if a 1-layer, 1-head deep_model holding the lesson's trained weights gives the
     lesson's rows (model.forward's), fed ids through its cache; else a Wrong naming the
@@ -130,7 +147,9 @@ def quick_check():
     the cache of 2-layer models of grouped-query attention (4 heads, 2 kv heads, learned
     positions), multi-query attention (rotary) and latent attention (learned, and rotary
     with a rotary key): their heads as heads_of's docstring says (where_heads_of_wrong),
-    and every row == the full pass's (where_deep_rows_differ)."""
+    their rotary angles RoFormer's (where_angles_wrong), and every row == the full pass's
+    (where_deep_rows_differ); and, for the grouped-query model, with a mask a layer (a band
+    of 2 in layer 0, causal in layer 1)."""
     ids = TOK.encode(STORIES[0])[:12]
     why = where_rotate_turns_wrong() or where_lesson_differs(ids)
     for args in DEEP_MODELS:
@@ -138,7 +157,10 @@ def quick_check():
             return why
         step(f"making a model of deep_model.init_params{args}")
         params = with_biases_and_gains_drawn(deep_model.init_params(*args))
-        why = where_heads_of_wrong(params) or where_deep_rows_differ(params, ids)
+        why = (where_heads_of_wrong(params) or where_angles_wrong(params)
+               or where_deep_rows_differ(params, ids))
+        if args == DEEP_MODELS[0]:
+            why = why or where_deep_rows_differ(params, ids, [model.band(2), deep_model.causal])
     return why
 
 
@@ -160,8 +182,9 @@ class Exactness(unittest.TestCase):
         """Case n draws, from random.Random(n), 1 to 3 layers, a width of 4 to 24, heads
         that divide it and key-value heads that divide those (or, one case in three, a
         latent of 2 to 12 and, if rotary, a rotary key of 0 to 6), learned or (for an even
-        head width) rotary positions, a seed, 1 to 20 random tokens, and the causal mask
-        or a band of 1 to 8 (with sinks): every cached row == the full pass's, and the
+        head width) rotary positions, a seed, 1 to 20 random tokens, and the causal mask,
+        a band of 1 to 8 (with sinks) or a band of its own in each layer: every cached row
+        == the full pass's, and the
         cache keeps 2 x layers x kv_heads x head width numbers a position (the rotation
         adds none), or layers x (latent + rotary key)."""
         def check(index):
@@ -178,7 +201,8 @@ class Exactness(unittest.TestCase):
             params = deep_model.init_params(layers, heads, kv_heads, width, rng.randrange(99),
                                             positions, latent, rotary_key)
             window = rng.randint(1, 8)
-            mask = rng.choice((deep_model.causal, model.band(window, rng.randrange(window))))
+            mask = rng.choice((deep_model.causal, model.band(window, rng.randrange(window)),
+                               [model.band(rng.randint(1, 8)) for _ in range(layers)]))
             ids = random_tokens(rng.randint(1, 20), seed=index)
             rows, cache = deep_rows(params, ids, mask)
             label = (f"{layers} layers, {heads} heads, {kv_heads} kv heads, width {width}, "
@@ -249,10 +273,6 @@ class Teeth(unittest.TestCase):
                                                         ast.parse("position + 1",
                                                                   mode="eval").body,
                                                         *node.args[2:]], [])),
-        "the frequency index counted from the start of q, not restarted at each head":
-            replacing(lambda node: isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod)
-                      and ast.unparse(node) == "c % d",
-                      lambda node: node.left),
     }
 
     def test_each_mistake_of_layers_and_heads_is_caught(self):
@@ -346,10 +366,19 @@ class QuickCheckTeeth(unittest.TestCase):
          GROUPED + r", wrong from layer 1 on \(layer 0 alone agrees\): " + ROW),
         ("the query turned by the next position (position + 1)", deep_model, "forward_step",
          QUERY_A_POSITION_ON, MULTI_QUERY + r", wrong from layer 0 on: " + ROW),
+        ("the full pass's layers all masked by the first layer's mask", deep_model, "forward",
+         replacing(lambda node: isinstance(node, ast.Name) and node.id == "layer_mask"
+                   and isinstance(node.ctx, ast.Load), lambda node: expression("masks[0]")),
+         GROUPED + r", wrong from layer 1 on \(layer 0 alone agrees\): " + ROW),
         ("the turn's sin with the wrong sign in the first number of a pair: not a turn",
          deep_model, "rotate", SIN_SIGN,
          r"deep_model.rotate's turn of the pairs \(1, 0\) and \(0, 1\) by the angles 1.5 and "
          r"0.75, at number 2: \S+ from rotate, \S+ expected"),
+        ("the frequency index counted from the start of q, not restarted at each head "
+         "(the angles both paths share)", deep_model, "angles",
+         replacing(lambda node: ast.unparse(node) == "c % d", lambda node: node.left),
+         MULTI_QUERY + r": deep_model.angles \(thetas, then r_thetas\), at list 0, pair 2: "
+         r"\S+ from angles, 1.0 expected"),
         ("the scores scaled by 1 / sqrt(width), as the lesson's one head, not by the head's",
          deep_model, "heads_of", SCALED_BY_WIDTH,
          GROUPED + r": deep_model.heads_of \(heads, head width, key width, query heads a kv "
@@ -366,6 +395,62 @@ class QuickCheckTeeth(unittest.TestCase):
 
     def test_the_quick_check_names_each_mistake_s_model_layer_and_position(self):
         verdicts.assert_verdicts(self, "deep_model", self.MISTAKES)
+
+
+class WhatEachLayerReads(unittest.TestCase):
+
+    def test_a_mask_a_layer_gives_each_layer_its_own_reads(self):
+        """A list of masks, one a layer (a band of 2 in layer 0, causal in layer 1): the
+        cached rows are the full pass's, and differ from those of either mask alone."""
+        params, ids = deep_model.init_params(2, 4, 2, 16, 0), random_tokens(10)
+        masks = [model.band(2), deep_model.causal]
+        assert_rows_equal(self, params, ids, masks)
+        rows = deep_model.forward(params, ids, masks)
+        for alone in masks:
+            self.assertNotEqual(rows, deep_model.forward(params, ids, alone),
+                                "the rows of one mask a layer, against one mask in both")
+
+    def test_the_cache_is_told_what_each_layer_read_once_the_step_succeeded(self):
+        """DeepCache.attended(layer, weights_by_head) is called for every layer, in order,
+        after the step is kept: one list of weights a head, over the layer's reads, each
+        the softmax of that head's scores (they sum to 1, up to rounding); a step that
+        fails part-way tells it nothing."""
+        told = []
+
+        class Told(deep_model.DeepCache):
+            def attended(self, layer, weights_by_head):
+                told.append((len(self), layer, weights_by_head))
+        params = deep_model.init_params(2, 4, 2, 16, 0)
+        cache = Told(params, [model.band(3), deep_model.causal])
+        for position, token_id in enumerate(random_tokens(5)):
+            deep_model.forward_step(params, cache, token_id, position)
+        self.assertEqual([(held, layer) for held, layer, _ in told],
+                         [(position + 1, layer) for position in range(5) for layer in (0, 1)])
+        for held, layer, weights_by_head in told:
+            reads = cache.positions_read(held - 1)[layer]
+            self.assertEqual([len(weights) for weights in weights_by_head], [len(reads)] * 4)
+            for weights in weights_by_head:
+                self.assertAlmostEqual(sum(weights), 1.0, places=12)
+        spoiled = copy.deepcopy(params)
+        cache, told[:] = Told(spoiled), []
+        spoiled["blocks"][1]["b2"][0] = "x"   # layer 0 computes; layer 1 fails
+        with self.assertRaises(TypeError):
+            deep_model.forward_step(spoiled, cache, 3, 0)
+        self.assertEqual((told, len(cache)), ([], 0))
+
+    def test_masks_of_another_count_or_a_bad_mask_of_a_layer_are_refused(self):
+        params = deep_model.init_params(2, 4, 2, 16, 0)
+        for masks, fragment in (([deep_model.causal], "a list of one per layer \\(2\\), got a "
+                                                      "list of 1"),
+                                ([deep_model.causal, 5], "layer 1's mask must be a function"),
+                                ([deep_model.causal, lambda i: [i + 1]],
+                                 r"layer 1's mask\(0\) gives \[1\]")):
+            for attempt in (lambda: deep_model.forward(params, [1, 2], masks),
+                            lambda: deep_model.forward_step(
+                                params, deep_model.DeepCache(params, masks), 5, 0)):
+                with self.subTest(fragment=fragment), \
+                        self.assertRaisesRegex(ValueError, fragment):
+                    attempt()
 
 
 class Window(unittest.TestCase):

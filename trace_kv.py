@@ -48,6 +48,7 @@ import lossy
 import model
 import paged
 import prefill
+import pyramid_kv
 import quantization
 import serving
 import speculative
@@ -105,6 +106,7 @@ STAGES = (
           gather=blockwise.kinds_table),
     Stage(3, "cache_files", cache_files.experiment, ("runs",)),
     Stage(4, "deep_models", deep_model.experiment),
+    Stage(4, "pyramid", pyramid_kv.experiment),
     Stage(4, "rotary", context_shift.experiment),
     Stage(4, "latent_attention", latent_attention.experiment),
     Stage(4, "bytes_read", bandwidth.experiment),
