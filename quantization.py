@@ -280,9 +280,7 @@ def bytes_by_formula(bits, group, residual, positions):
 RUNGS = (("KIVI 4-bit, groups of 8", dict(bits=4, group=8, residual=16)),
          ("KIVI 2-bit, groups of 16", dict(bits=2, group=16, residual=16)),
          ("rotated 4-bit, groups of 8", dict(bits=4, group=8, residual=16, rotate=True)),
-         ("rotated 2-bit, groups of 16", dict(bits=2, group=16, residual=16, rotate=True)),
-         ("2-bit re-quantized at each flush", dict(bits=2, group=16, residual=16,
-                                                   flush="requantize")))
+         ("rotated 2-bit, groups of 16", dict(bits=2, group=16, residual=16, rotate=True)))
 
 
 def full_context(lab):
@@ -315,6 +313,7 @@ def rung(lab, case, runs):
 # largest the top), so errors compound only where a group grows: a residual of 12 leaves
 # the last group of 16 short at each flush.
 COMPOUNDING = dict(bits=2, group=16, residual=12, flush="requantize")
+WHOLE_GROUPS = dict(bits=2, group=16, residual=16, flush="requantize")   # none grows
 
 
 TURNED_ONLY = dict(bits=64, group=16, residual=16, rotate=True)   # no levels: the rotation
@@ -324,14 +323,15 @@ def rungs(lab, results):
     """The stage's record: every rung and on how many openings; and, on a full context,
     the largest logit gap of a GroupedCache(TURNED_ONLY), how far the channels' peaks of
     the keys and the values differ (outliers) and what re-quantizing does to a group that
-    grows (compounding)."""
+    grows (compounding) and to groups that do not (whole_groups)."""
     exact, turned_only = KVCache(lab.params), GroupedCache(lab.params, **TURNED_ONLY)
     exact_rows = feed(lab.params, exact, full_context(lab))
     rows = feed(lab.params, turned_only, full_context(lab))
     return {"stories": len(lab.prompts), "rungs": results,
             "turned_only": {"positions": len(rows), "rows_equal": rows == exact_rows,
                             "largest_logit_gap": largest_gap(rows, exact_rows)},
-            **outliers(exact), "compounding": compounding(exact)}
+            **outliers(exact), "compounding": compounding(exact, COMPOUNDING),
+            "whole_groups": compounding(exact, WHOLE_GROUPS)}
 
 
 def outliers(exact):
@@ -343,13 +343,14 @@ def outliers(exact):
     return {"key_channel_peaks": ratio(exact.keys), "value_channel_peaks": ratio(exact.values)}
 
 
-def compounding(exact):
-    """The keys and values of a cache fed through a GroupedCache(COMPOUNDING): the numbers
-    it re-quantized and those that came back changed; and the largest error of a key it
-    gives back against the exact keys, beside that of the same groups quantized once."""
-    cache = GroupedCache(exact.params, **COMPOUNDING)
+def compounding(exact, settings):
+    """The keys and values of a cache fed through a re-quantizing GroupedCache(**settings):
+    the numbers it re-quantized and those that came back changed; and the largest error
+    of a key it gives back against the exact keys, beside that of the same groups
+    quantized once."""
+    cache = GroupedCache(exact.params, **settings)
     cache.extend(exact.tokens, exact.keys, exact.values)
-    held, group, bits = len(cache.stored_values), COMPOUNDING["group"], COMPOUNDING["bits"]
+    held, group, bits = len(cache.stored_values), settings["group"], settings["bits"]
     once = [key for at in range(0, held, group) for key in given_back(
         keys_by_channel(exact.keys[at:min(at + group, held)], bits), bits, True)]
 
