@@ -161,6 +161,11 @@ def _check_items(params, items, kernel):
         if not cache.keeps_every_position:
             raise ValueError(f"items[{index}]: a {type(cache).__name__} drops positions, and "
                              f"a batched row attends to every one; feed it one token at a time")
+        if not cache.fixed_once_kept:
+            raise ValueError(f"items[{index}]: a {type(cache).__name__} changes the keys and "
+                             f"values it holds when it quantizes a group, so rows batched "
+                             f"together would read them otherwise than one at a time; feed "
+                             f"it one token at a time")
         expected = len(cache) + earlier[id(cache)]
         if not model.is_int(position) or position != expected:
             raise ValueError(f"items[{index}]: expected position {expected}, got {position!r}")

@@ -345,6 +345,9 @@ class CacheProtocol:
       stored(vector)        a key or value as the cache gives it back once kept (itself,
                             or rounded to the cache's format), refusing one it cannot keep
       keeps_every_position  whether keys and values hold every position (a window's don't)
+      fixed_once_kept       whether each key and value, once kept, is given back the same
+                            for good, as rows computed together need (a GroupedCache's
+                            change when it quantizes their group)
       stores_exactly        whether they are forward_step's, exactly and every one, so
                             that a file of them loads as the same cache
       check_computed_by(kernel)  refuse rows computed by kernel (None: forward_step's
@@ -356,6 +359,7 @@ class CacheProtocol:
     as written below (a kind of cache that keeps its positions another way overrides them)."""
 
     keeps_every_position = True   # what prefill.prefill's mask needs (a window drops some)
+    fixed_once_kept = True
     stores_exactly = True
     room_owner = ListRoom()
 

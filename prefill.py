@@ -36,6 +36,10 @@ def prefill(params, cache, token_ids, start):
     if not cache.keeps_every_position:
         raise ValueError(f"prefill needs a cache that keeps every position, and a "
                          f"{type(cache).__name__} drops some; feed it one token at a time")
+    if not cache.fixed_once_kept:
+        raise ValueError(f"a {type(cache).__name__} changes the keys and values it holds "
+                         f"when it quantizes a group, so rows prefilled together would read "
+                         f"them otherwise than one at a time; feed it one token at a time")
     cols = cache.columns
     x0_and_q, new_keys, new_values = [], [], []
     for i, t in enumerate(token_ids, start):

@@ -126,10 +126,10 @@ class GroupedCache(KVCache):
     QuantizedCache), in groups of group from position 0, the last one perhaps short.
     With rotate, each key and value is turned (turned) before it is quantized, and
     turned back when given back. What attention reads is computed at each flush, once.
-    Fed several positions at once (prefill, batched rows), each row reads the others as
-    the cache holds them after the last."""
+    A flush changes what it gives back for the positions it quantizes, so prefill and
+    batched rows, which compute several rows together, refuse it (fixed_once_kept)."""
 
-    stores_exactly = False
+    stores_exactly = fixed_once_kept = False
 
     def __init__(self, params, bits, group, residual, rotate=False, flush="groups"):
         if not model.is_int(bits) or bits not in BITS:

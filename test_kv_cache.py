@@ -775,7 +775,7 @@ class Protocol(unittest.TestCase):
 
     PROTOCOL = ("params", "columns", "tokens", "keys", "values", "len", "append", "extend",
                 "copy", "crop", "free", "room_for", "room_left", "room_owner", "attended", "stored",
-                "keeps_every_position", "stores_exactly", "check_computed_by")
+                "keeps_every_position", "fixed_once_kept", "stores_exactly", "check_computed_by")
 
     def test_every_cache_offers_the_whole_documented_protocol(self):
         """CacheProtocol's list names PROTOCOL, and a cache of every kind offers each name;

@@ -255,6 +255,15 @@ class Grouped(unittest.TestCase):
                                                              r"largest .* 32-bit zero point"),
             (lambda: cache.stored([-1e38] + key[1:]), "is beyond 4.25e")],
             lambda: (support.snapshot(cache), cache.bytes_per_position()))
+        import batched   # rows computed together: they would read what a flush changes
+        import prefill
+        support.assert_each_refused(self, [
+            (lambda: prefill.prefill(PARAMS, cache, LONGEST[8:10], 8),
+             "changes the keys and values it holds when it quantizes a group, so rows "
+             "prefilled together"),
+            (lambda: batched.forward_rows(PARAMS, [(cache, LONGEST[8], 8)]),
+             r"items\[0\]: a GroupedCache changes the keys and values")],
+            lambda: support.snapshot(cache))
         with self.assertRaisesRegex(ValueError, r"beyond 4.49e\+307, the largest .* turned"):
             GroupedCache(PARAMS, 64, 8, 8, rotate=True).stored([1e308] * 16)
         with self.assertRaisesRegex(ValueError, "no position yet"):
