@@ -20,7 +20,6 @@ changes is what the dropped positions would have added, and nothing else.
 from math import fsum
 
 import model
-import svg
 from documents import shown, table
 from kv_cache import KVCache
 from lossy import measure
@@ -264,33 +263,3 @@ def budgets_table(record, timing):
     return table(["positions kept", f"by position (window, sinks): greedy (sampled) stories "
                   f"changed, of {stories}", *(name for name, _ in KINDS)], rows)
 
-
-def changed_picture(record, timing):
-    """Section 17: the greedy stories each way of keeping fewer positions changed, against
-    the positions it keeps: the ladder's windows, without and with 4 sinks, and each
-    evicting kind."""
-    shape = {"stories": svg.COUNT, "rungs": [{
-        "cache": str, "positions_kept": (*svg.COUNT, None), "greedy_stories_changed": svg.COUNT}]}
-    checked = svg.checked(record, {"ladder": shape, "eviction": shape})
-    stories = checked["eviction"]["stories"]
-    lines = [(name, [rung for rung in checked["eviction"]["rungs"]
-                     if rung["cache"].split(",")[0] == name]) for name, _ in KINDS]
-    for sinks in (0, 4):
-        lines.append((f"a window, {sinks} sinks", [
-            rung for rung in checked["ladder"]["rungs"]
-            if rung["positions_kept"] and rung["cache"].endswith(f"sinks {sinks}")]))
-    kept = [rung["positions_kept"] for _, rungs in lines for rung in rungs]
-    if not kept:
-        raise ValueError("the record's ladder and eviction keep no positions to draw")
-    panel = svg.Panel((90, 50, 400, 280), (min(kept), max(kept) + 0.01), (0, stories))
-    body = panel.axes(sorted(set(kept)), svg.ticks(stories), "positions kept",
-                      f"greedy stories changed (of {stories})")
-    entries = []
-    for (name, rungs), color in zip(lines, svg.COLORS):
-        points = [(rung["positions_kept"], rung["greedy_stories_changed"],
-                   f"{rung['cache']}: {rung['greedy_stories_changed']} of {stories} greedy "
-                   f"stories changed") for rung in sorted(rungs, key=lambda r: r["positions_kept"])]
-        body += panel.line(points, color, dashed=name.startswith("a window"))
-        entries.append((name, color))
-    return svg.page(f"Keeping fewer positions: the stories changed ({stories} openings)",
-                    body + svg.legend(530, 80, entries))

@@ -322,3 +322,48 @@ def ladder_picture(record, timing):
     return svg.page(f"The ladder: what a cache keeps, and what it costs ({stories} openings)",
                     body + svg.legend(180, 393, [("no greedy story changed", svg.COLORS[2])])
                     + svg.legend(420, 393, [("some greedy stories changed", svg.COLORS[0])]))
+
+
+def side_by_side_picture(record, timing):
+    """Section 17, every rung that keeps less side by side: the greedy stories changed
+    against the positions kept (the windows, without and with 4 sinks, and each evicting
+    kind of eviction.py), and against the bytes a position takes in a full context of 64
+    (the formats, and quantization.py's GroupedCaches by kind)."""
+    kept_shape = {"stories": svg.COUNT, "rungs": [{
+        "cache": str, "positions_kept": (*svg.COUNT, None), "greedy_stories_changed": svg.COUNT,
+        "bytes_per_position": (*svg.COUNT, None)}]}
+    checked = svg.checked(record, {"ladder": kept_shape, "eviction": kept_shape,
+                                   "quantization": kept_shape})
+    stories = checked["ladder"]["stories"]
+
+    by_kept, by_bytes = {}, {"one scale a vector": [r for r in checked["ladder"]["rungs"]
+                                                    if r["bytes_per_position"] is not None]}
+    for rung in checked["ladder"]["rungs"]:
+        if rung["positions_kept"]:
+            by_kept.setdefault(f"a window, {rung['cache'].rpartition(', ')[2]}", []).append(rung)
+    for rung in checked["eviction"]["rungs"]:   # "heavy hitters, 8 kept": "heavy hitters"
+        by_kept.setdefault(rung["cache"].split(",")[0], []).append(rung)
+    for rung in checked["quantization"]["rungs"]:   # "KIVI 2-bit, groups of 16": "KIVI"
+        by_bytes.setdefault(rung["cache"].split(",")[0].rsplit(" ", 1)[0], []).append(rung)
+    body = []
+    for box, lines, key, label in (((80, 50, 250, 240), by_kept, "positions_kept", "positions kept"),
+                                   ((440, 50, 250, 240), by_bytes, "bytes_per_position",
+                                    "bytes a position, 64 held")):
+        xs = [rung[key] for rungs in lines.values() for rung in rungs]
+        if not xs:
+            raise ValueError(f"the record has no rung of {label} to draw")
+        panel = svg.Panel(box, (0, max(xs) * 1.05 or 1), (0, stories or 1))
+        body += panel.axes(svg.ticks(max(xs)), svg.ticks(stories), label,
+                           f"greedy stories changed (of {stories})")
+        entries = []
+        for (name, rungs), color in zip(lines.items(), svg.COLORS):
+            body += panel.line([(r[key], r["greedy_stories_changed"],
+                                 f"{r['cache']}: {r['greedy_stories_changed']} of {stories} "
+                                 f"greedy stories changed") for r in sorted(rungs, key=lambda
+                                                                             r: r[key])],
+                               color, dashed=name.startswith(("a window", "one scale")))
+            entries.append((name, color))
+        body += (svg.legend(box[0], 347, entries[:3], 11)   # two columns under the panel
+                 + svg.legend(box[0] + 130, 347, entries[3:], 11))
+    return svg.page(f"Keeping less, every way: the greedy stories changed ({stories} openings)",
+                    body)
