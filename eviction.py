@@ -211,11 +211,6 @@ def rung(lab, index, runs):
             "rows_equal_to_the_masked_pass": equal}
 
 
-def ladder(lab, rungs):
-    """The record: every rung, and on how many openings."""
-    return {"stories": len(lab.prompts), "rungs": rungs}
-
-
 # ---- what Part 2 shows of it (documents.py fills its marks) --------------------------
 
 def rows_equal_to_the_masked_pass(record, timing):

@@ -265,7 +265,8 @@ def _strays(params, cache, generation, story):
 
 
 def ladder(lab, rungs):
-    """The ladder's record: every rung, and on how many openings."""
+    """A ladder's record (this one's, or eviction.py's): every rung, and on how many
+    openings."""
     return {"stories": len(lab.prompts), "rungs": rungs}
 
 

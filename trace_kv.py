@@ -93,7 +93,7 @@ STAGES = (
     Stage(2, "ladder", lossy.ladder_rung, ("runs",), cases=range(len(lossy.RUNGS)),
           gather=lossy.ladder),
     Stage(2, "eviction", eviction.rung, ("runs",), cases=range(len(eviction.RUNGS)),
-          gather=eviction.ladder),
+          gather=lossy.ladder),
     Stage(2, "quantization", quantization.rung, ("runs",), cases=range(len(quantization.RUNGS)),
           gather=quantization.rungs),
     Stage(3, "prefix_cache", serving.prefix_cache, ("runs",)),
