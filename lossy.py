@@ -88,15 +88,7 @@ class QuantizedCache(KVCache):
         self.format = fmt
         self.stores_exactly = fmt == "float64"   # a float64 array holds each float as it is
         self.tokens, self.stored_keys, self.stored_values = [], [], []
-        self._keys, self._values = [], []   # what they stand for, unpacked once
-
-    @property
-    def keys(self):
-        return self._keys
-
-    @property
-    def values(self):
-        return self._values
+        self.keys, self.values = [], []   # what they stand for, unpacked once
 
     def __len__(self):
         return len(self.stored_keys)
@@ -111,12 +103,12 @@ class QuantizedCache(KVCache):
         self.tokens += token_ids
         self.stored_keys += stored_keys
         self.stored_values += stored_values
-        self._keys += [_unpack(self.format, stored) for stored in stored_keys]
-        self._values += [_unpack(self.format, stored) for stored in stored_values]
+        self.keys += [_unpack(self.format, stored) for stored in stored_keys]
+        self.values += [_unpack(self.format, stored) for stored in stored_values]
 
     def _forget_from(self, length):
         del self.tokens[length:], self.stored_keys[length:], self.stored_values[length:]
-        del self._keys[length:], self._values[length:]
+        del self.keys[length:], self.values[length:]
 
     def bytes_per_position(self):
         """The bytes its keys and values take per position: numbers and scales, measured."""

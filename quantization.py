@@ -152,16 +152,8 @@ class GroupedCache(KVCache):
         self.tokens = []
         self.key_groups, self.stored_values = [], []   # as stored: keys a group, values each
         self.exact_keys, self.exact_values = [], []    # the newest positions, as stored
-        self._keys, self._values = [], []   # what attention reads, at each flush
+        self.keys, self.values = [], []   # what attention reads, at each flush
         self.requantized = self.moved = 0   # numbers quantized again; and given back changed
-
-    @property
-    def keys(self):
-        return self._keys
-
-    @property
-    def values(self):
-        return self._values
 
     def __len__(self):
         return len(self.tokens)
@@ -197,14 +189,14 @@ class GroupedCache(KVCache):
             self.tokens.append(token_id)
             self.exact_keys.append(array("d", k))
             self.exact_values.append(array("d", v))
-            self._keys.append(list(k))
-            self._values.append(list(v))
+            self.keys.append(list(k))
+            self.values.append(list(v))
 
     def _flush(self):
         """Quantize the exact positions, now residual of them: their groups ("groups"),
         or every position held, again ("requantize")."""
         start = len(self.stored_values) if self.flush == "groups" else 0
-        keys, values = self._keys[start:], self._values[start:]
+        keys, values = self.keys[start:], self.values[start:]
         if self.rotate:
             keys, values = list(map(turned, keys)), list(map(turned, values))
         groups = [keys_by_channel(keys[at:at + self.group], self.bits)
@@ -216,14 +208,14 @@ class GroupedCache(KVCache):
             keys_back, values_back = list(map(turned, keys_back)), list(map(turned, values_back))
         again = len(self.stored_values) - start   # positions quantized before, again now
         self.requantized += 2 * again * model.WIDTH
-        self.moved += sum(a != b for old, new in zip(self._keys[start:start + again] +
-                                                    self._values[start:start + again],
+        self.moved += sum(a != b for old, new in zip(self.keys[start:start + again] +
+                                                    self.values[start:start + again],
                                                     keys_back[:again] + values_back[:again])
                           for a, b in zip(old, new))
         del self.key_groups[start // self.group:]
         self.key_groups += groups
         self.stored_values[start:] = stored_values
-        self._keys[start:], self._values[start:] = keys_back, values_back
+        self.keys[start:], self.values[start:] = keys_back, values_back
         self.exact_keys.clear()
         self.exact_values.clear()
 
@@ -244,7 +236,7 @@ class GroupedCache(KVCache):
             self.stored_values.clear()
         held = len(self.stored_values)
         del self.exact_keys[length - held:], self.exact_values[length - held:]
-        del self.tokens[length:], self._keys[length:], self._values[length:]
+        del self.tokens[length:], self.keys[length:], self.values[length:]
 
     def stored_bytes(self):
         """The bytes it stores, counted: (those of the quantized positions, their packed
