@@ -25,12 +25,11 @@ if __name__ == "__main__":   # first: Ctrl-C while the modules below load ends i
 
 import argparse
 import json
-import pickle
 import platform
 import signal
 import time
 from collections import namedtuple
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from math import fsum
 
@@ -59,10 +58,10 @@ from generate import load_trained
 from instruments import where_raised
 from kv_cache import work   # trace_kv.work: the contract
 from stories import openings, split_stories
+from workers import Here, Shipped, stop
 from trace_lesson import FULL_RECORD, summary
 
 MAX_WORKERS = 64   # the largest stage has 60 cases
-STOP_SECONDS = 5   # how long a terminated worker has to end before it is killed
 
 
 # ---- the stages of every Part, and the loop that runs them ---------------------------
@@ -138,7 +137,7 @@ def run(full_timing=False, folder=LAB, progress=None, workers=None, stories=None
                 if stage.name not in left and all(need in done for need in stage.needs):
                     for need in stage.needs:   # to the workers, each pickled once
                         if workers > 1 and need not in shipped:
-                            shipped[need] = _Shipped(need, done[need])
+                            shipped[need] = Shipped(need, done[need])
                     needs = [shipped[need] if workers > 1 else done[need]
                              for need in stage.needs]
                     cases = stage.cases(lab) if callable(stage.cases) else stage.cases
@@ -159,13 +158,13 @@ def run(full_timing=False, folder=LAB, progress=None, workers=None, stories=None
                                         stage.gather(lab, values) if stage.gather else values)
                     progress(stage.name, len(done), len(stages))
     except BrokenProcessPool:   # a worker killed (by the out-of-memory killer, say)
-        _stop(pool)
+        stop(pool)
         stopped = dict.fromkeys(f"{stage.name} (Part {stage.part})"
                                 for stage, _ in running.values())
         raise StageFailed(f"a worker process died during stage {' or '.join(stopped)}, "
                           f"killed by a signal or out of memory; the run was stopped") from None
     except BaseException:   # a stage that failed, or Ctrl-C: start nothing more
-        _stop(pool)
+        stop(pool)
         raise
     pool.shutdown()
     record = {}
@@ -189,28 +188,13 @@ def _stage(name, case, needs):
     """Run one stage (one case of it) in this process, on this process's lab."""
     stage = next(stage for stage in STAGES if stage.name == name)
     cases = () if stage.cases is None else (case,)
-    needs = [need.value() if isinstance(need, _Shipped) else need for need in needs]
+    needs = [need.value() if isinstance(need, Shipped) else need for need in needs]
     try:
         return stage.function(_LAB, *cases, *needs)
     except Exception as e:   # a mistake in a Part may raise anything: name its stage
         raise StageFailed(f"stage {name} (Part {stage.part}"
                           f"{'' if case is None else f', case {case}'}) failed: "
                           f"{type(e).__name__}: {e}{where_raised(e)}") from None
-
-
-class _Shipped:
-    """A stage's result on its way to the workers: pickled once here, and unpickled once
-    in each worker however many cases need it (the runs' rows and weights, about 3 MB,
-    would cost some 20 ms a case)."""
-    received = {}   # in a worker (which serves one run): each result by its stage's name
-
-    def __init__(self, name, value):
-        self.name, self.data = name, pickle.dumps(value, pickle.HIGHEST_PROTOCOL)
-
-    def value(self):
-        if self.name not in self.received:
-            self.received[self.name] = pickle.loads(self.data)
-        return self.received[self.name]
 
 
 _LAB = None   # what every stage reads, loaded once in each process by _load
@@ -230,23 +214,10 @@ def _load(folder, stories=None):
     return _LAB
 
 
-class _Here:
-    """Runs every task in this process as it is submitted, on the lab already loaded,
-    as a process pool would (--workers 1)."""
-
-    def submit(self, function, *args):
-        future = Future()
-        future.set_result(function(*args))
-        return future
-
-    def shutdown(self, wait=True, cancel_futures=False):
-        pass
-
-
 def _workers(count, folder, stories):
     """Where the stages run: count processes (each loads the lab once), or this one."""
     if count == 1:
-        return _Here()
+        return Here()
     return ProcessPoolExecutor(count, initializer=_start_worker, initargs=(folder, stories))
 
 
@@ -257,20 +228,6 @@ def _start_worker(folder, stories):
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _load(folder, stories)
-
-
-def _stop(pool):
-    """End a pool at once, its running stages too: cancel what has not started, terminate
-    its workers, and kill any still alive a few seconds later (never wait for ever)."""
-    workers = list((getattr(pool, "_processes", None) or {}).values())   # public in 3.14
-    for worker in workers:
-        worker.terminate()
-    pool.shutdown(wait=False, cancel_futures=True)
-    for worker in workers:
-        worker.join(STOP_SECONDS)
-        if worker.is_alive():
-            worker.kill()
-            worker.join()
 
 
 # ---- timing (kv-time.json: it varies, and is never compared) ------------------------
