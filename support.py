@@ -46,7 +46,7 @@ def _the_record():
 
 def recorded(name):
     """The entry name of the recorded run (kv-trace.json), for a Part's claims about its
-    record: test_trace_kv proves that the file is what python3 trace_kv.py records now,
+    record: test_whole_trace proves that the file is what python3 trace_kv.py records now,
     so what holds of the file holds of the run. A missing entry says what to add."""
     record = _the_record()
     if name not in record:

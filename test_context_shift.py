@@ -3,7 +3,7 @@ the caches the experiment builds from kept keys and values go on exactly as cach
 the same tokens, the kept keys turned back by the dropped positions are, within rounding,
 those computed at the new positions, and _shift records what one layer gives; five
 mistakes planted in the real module make it name the quantity and the place. The figures
-themselves are the record's (TheRecord here, and test_trace_kv)."""
+themselves are the record's (TheRecord here, and test_whole_trace)."""
 import ast
 import random
 import unittest

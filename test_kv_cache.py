@@ -61,7 +61,7 @@ class Exactness(unittest.TestCase):
     """The lesson's check, the command to run after any change to forward_step (a few
     seconds): python3 -m unittest test_kv_cache.Exactness
     It compares the cached path with the full pass on a few stories; the whole record
-    (60 openings, every Part) is test_trace_kv's."""
+    (60 openings, every Part) is test_whole_trace's."""
 
     def test_every_cached_row_equals_the_full_forward_pass(self):
         longest = [t for story in STORIES for t in TOK.encode(story)][:model.CONTEXT]
@@ -93,7 +93,7 @@ class RecordedTrace(unittest.TestCase):
 
     def test_recorded_trace(self):
         """kv-trace.json, the record of the last python3 trace_kv.py --write, holds the
-        lesson's claims (that this run reproduces it is test_trace_kv's, a slow test)."""
+        lesson's claims (that this run reproduces it is test_whole_trace's, a slow test)."""
         record = json.loads(lab_file("kv-trace.json"))
         self.assertEqual(record["largest_logit_gap_first_story"], 0.0)
         self.assertEqual(record["every_row_of_every_story"]["largest_logit_gap"], 0.0)

@@ -1,6 +1,6 @@
 """The lesson's record (trace_lesson.py, the stages of Part 1): what kv-trace.json says of
 both generators on the 60 test openings, and its figures against real runs. The file is
-this run's record: test_trace_kv proves it (support.recorded)."""
+this run's record: test_whole_trace proves it (support.recorded)."""
 import unittest
 
 import generate
