@@ -407,7 +407,9 @@ class Paged(unittest.TestCase):
 
     def test_random_operations_keep_every_sequence_and_the_pool_consistent(self):
         """Random runs of new sequences (with prefix reuse), feeds, forks, crops and frees
-        on small pools: after every operation each live sequence holds exactly the
+        on small pools (a feed appends what forward_step would, the keys and values of a
+        KVCache fed the story: in this model a position's key and value depend only on its
+        token and position): after every operation each live sequence holds exactly the
         tokens, keys and values a KVCache fed the same tokens holds, the pool counts every
         table holding each block, frees exactly the blocks nobody holds, and indexes only
         full blocks under the tokens they and the blocks before them hold."""
@@ -425,9 +427,11 @@ class Paged(unittest.TestCase):
                     if operation == "new" or pair is None:
                         story = rng.choice(stories)
                         live.append([pool.sequence(list(story[:rng.randint(0, 20)])), story])
-                    elif operation == "feed":
+                    elif operation == "feed":   # what forward_step appends, one at a time
                         seq, story = pair
-                        feed(PARAMS, seq, list(story[:rng.randint(len(seq), len(story))]))
+                        for p in range(len(seq), rng.randint(len(seq), len(story))):
+                            seq.append(story[p], reference[story].keys[p],
+                                       reference[story].values[p])
                     elif operation == "fork":
                         live.append([pair[0].copy(), pair[1]])
                     elif operation == "crop":
@@ -581,7 +585,8 @@ class RoomHasOneOwner(unittest.TestCase):
                         live.append(rng.choice(live).copy())
                     else:
                         live.append(rng.choice(pools).sequence(story[:rng.randint(0, 12)]))
-                        feed(PARAMS, live[-1], story[:rng.randint(len(live[-1]), 16)])
+                        for p in range(len(live[-1]), rng.randint(len(live[-1]), 16)):
+                            live[-1].append(story[p], whole.keys[p], whole.values[p])   # as fed
                     if rng.random() < 0.3:
                         live[-1].crop(rng.randint(0, len(live[-1])))
                     if rng.random() < 0.2:
