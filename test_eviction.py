@@ -2,6 +2,7 @@
 says, worked out here plainly; each row equals the full pass with that row's reads as its
 mask; what cannot be done with a cache that drops positions is refused, saying why."""
 import ast
+import functools
 import unittest
 from math import fsum
 
@@ -23,6 +24,11 @@ def setUpModule():
 tearDownModule = support.tear_down
 
 
+@functools.lru_cache(maxsize=None)   # once per story: every planting here is in eviction.py
+def _full_pass(ids):
+    return model.forward(PARAMS, list(ids))[1]
+
+
 def expected_reads(kind, ids, budget, prompt_tokens=None):
     """The positions each row of ids reads in a cache of kind with budget, worked out
     plainly from eviction.py's docstrings: a row reads the positions held and its own;
@@ -33,7 +39,7 @@ def expected_reads(kind, ids, budget, prompt_tokens=None):
     last window rows with the most mean weight from them, averaged over 3 neighbours (0
     past the edges), stay for good, the rest of the budget being a window. The weights are
     the full pass's queries against its keys (a key does not depend on the mask here)."""
-    _, saved = model.forward(PARAMS, ids)
+    saved = _full_pass(tuple(ids))
     recent = budget // 2 if kind != "SnapKV" else budget
     held, score, reads, rows = [], {}, [], []
     for i in range(len(ids)):

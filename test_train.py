@@ -122,21 +122,24 @@ class TrainingRunTest(unittest.TestCase):
     def setUpClass(cls):
         cls.tok = Tokenizer.load(os.path.join(HERE, "tokenizer.json"))
         cls.text = "".join(TINY_STORIES)
+        with tempfile.TemporaryDirectory() as folder:   # the run with seed 0, for both tests
+            cls.seed_0 = cls.run_training(folder, "best.json", 0)
+            cls.written = os.listdir(folder)
 
-    def run_training(self, folder, name, seed):
+    @classmethod
+    def run_training(cls, folder, name, seed):
         """train.train on the tiny corpus with a small CONFIG; the saved params and log."""
         path = os.path.join(folder, name)
         lines = []
         with mock.patch.dict(train.CONFIG, dict(TINY_CONFIG, seed=seed)):
-            best, baseline = train.train(self.tok, self.text, out_path=path, log=lines.append)
+            best, baseline = train.train(cls.tok, cls.text, out_path=path, log=lines.append)
             record = checkpoint.load(path, train.CONFIG,
-                                     checkpoint.input_signature(self.tok, self.text))
+                                     checkpoint.input_signature(cls.tok, cls.text))
         return record, best, baseline, lines
 
     def test_training_writes_the_best_checkpoint_and_reports_progress(self):
-        with tempfile.TemporaryDirectory() as folder:
-            record, best, baseline, lines = self.run_training(folder, "best.json", 0)
-            self.assertEqual(os.listdir(folder), ["best.json"])
+        record, best, baseline, lines = self.seed_0
+        self.assertEqual(self.written, ["best.json"])
         self.assertEqual(record["meta"]["val_loss"], best)
         self.assertEqual(record["meta"]["unigram_baseline"], baseline)
         self.assertIn(record["meta"]["epoch"], (1, 2))
@@ -146,14 +149,13 @@ class TrainingRunTest(unittest.TestCase):
         self.assertTrue(all("left" in line for line in lines if line.startswith("epoch")))
 
     def test_training_is_reproducible_by_seed(self):
+        first, best1, _, _ = self.seed_0
         with tempfile.TemporaryDirectory() as folder:
-            first, best1, _, _ = self.run_training(folder, "a.json", 0)
             second, best2, _, _ = self.run_training(folder, "b.json", 0)
             other, _, _, _ = self.run_training(folder, "c.json", 1)
         self.assertIsNone(params_difference(first["params"], second["params"]))
         self.assertEqual(best1, best2)
         self.assertIsNotNone(params_difference(first["params"], other["params"]))
-
 
 
 class InterruptedTraining(unittest.TestCase):
