@@ -404,7 +404,7 @@ class CacheFiles(unittest.TestCase):
             if snapshot(loaded) != snapshot(cache):
                 return f"{how} at {at}: it loaded, but not as the saved cache"
             return None
-        if len(support.check_random_cases(self, 100, check)) >= 100:
+        if len(support.check_random_cases(self, 50, check)) >= 50:
             self.assertGreater(refused, 0)   # some corruptions were refused
 
     def test_a_failed_write_keeps_the_previous_file(self):

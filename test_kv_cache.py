@@ -114,7 +114,7 @@ class RandomModels(BuiltOnTheLesson):
     of the lab's shapes, random prompts and random settings. Case n draws everything from
     random.Random(n) (support.random_case(n) rebuilds it)."""
 
-    DEFAULT_CASES = 40      # KV_LAB_RANDOM_CASES=1000 runs cases 0..999 instead
+    DEFAULT_CASES = 20      # KV_LAB_RANDOM_CASES=1000 runs cases 0..999 instead
     STOP_REASONS = {"end of story", "max_new_tokens", "context full"}
 
     def test_cached_generation_and_every_row_equal_uncached_on_random_models(self):

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import unittest
-from contextlib import redirect_stdout
+from contextlib import redirect_stderr, redirect_stdout
 from unittest import mock
 
 import checkpoint
@@ -247,14 +247,16 @@ class CommandLineTest(unittest.TestCase):
         self.assertNotIn("Traceback", done.stderr)
 
     def test_epochs_must_be_a_positive_int(self):
-        for bad in ("0", "-1", "2.5", "two"):
-            with self.subTest(epochs=bad):
-                done = subprocess.run([sys.executable, os.path.join(HERE, "train.py"),
-                                       "--epochs", bad], capture_output=True, text=True,
-                                      timeout=60)
-                self.assertEqual(done.returncode, 2)
-                self.assertIn("--epochs: invalid positive_int value", done.stderr)
-                self.assertNotIn("Traceback", done.stderr)
+        """As main() parses them (argparse's exit 2, before anything runs); the command's
+        own process gives the same exit (test_a_short_run_needs_a_file_of_its_own)."""
+        for bad in (["0"], ["-1"], ["2.5"], ["two"], []):
+            err = io.StringIO()
+            with self.subTest(epochs=bad), redirect_stderr(err), \
+                    self.assertRaises(SystemExit) as ended:
+                train.main(["--epochs", *bad])
+            self.assertEqual(ended.exception.code, 2)
+            self.assertIn("--epochs: invalid positive_int value" if bad else
+                          "--epochs: expected one argument", err.getvalue())
 
     def test_without_the_data_files_it_says_so_in_one_line(self):
         with tempfile.TemporaryDirectory() as folder:
