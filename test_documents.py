@@ -86,7 +86,8 @@ class Write(unittest.TestCase):
                     self.assertIn(f"<!--block {name}-->", text)
                     # the shipped folder's block is the shipped text's (test_readme's Figures)
                     theirs = block(documents.rendered(text, RECORD, TIMING, folder), name)
-                    self.assertNotEqual(theirs, block(text, name))
+                    self.assertNotEqual(theirs, block(text, name), f"{name}, drawn for "
+                                        f"another folder, is the shipped folder's")
                     for part in shown:
                         self.assertIn(part, theirs)
 
