@@ -127,6 +127,7 @@ def run(full_timing=False, folder=LAB, progress=None, workers=None, stories=None
     if stories is not None:   # a stage of no cases would never be done
         model.check_int("stories", stories, 1, None, " (the first test openings to run)")
     stages = [stage for stage in STAGES if stage.part <= parts]
+    needed = {need for stage in stages for need in stage.needs}
     start = time.perf_counter()
     lab = _load(folder, stories)
     done, results, left, waiting, running, shipped = {}, {}, {}, [], {}, {}
@@ -144,6 +145,11 @@ def run(full_timing=False, folder=LAB, progress=None, workers=None, stories=None
                     cases = [None] if cases is None else list(cases)
                     results[stage.name], left[stage.name] = [None] * len(cases), len(cases)
                     waiting += [(stage, i, case, needs) for i, case in enumerate(cases)]
+            # first the cases of a stage others need (they hold the rest up), then by their
+            # stage's number of cases, fewest first: a run ends on many small cases shared
+            # out among the workers, not on one long case with the others idle
+            waiting.sort(key=lambda queued: (queued[0].name not in needed,
+                                             len(results[queued[0].name])))
             while waiting and len(running) < workers:   # no more: a dead worker's is known
                 stage, i, case, needs = waiting.pop(0)
                 running[pool.submit(_stage, stage.name, case, needs)] = stage, i
