@@ -171,7 +171,7 @@ def snapkv_choice(rows, keep, kernel):
 
 # ---- the experiment (a stage of trace_kv.py, one rung a case) ----------------------
 
-BUDGETS = (8, 12, 16, 20)
+BUDGETS = (8, 12, 20)   # as many as the ladder's windows keep: each compared like for like
 KINDS = (("heavy hitters", HeavyHitterCache), ("key norms", KeyNormCache),
          ("SnapKV", SnapKVCache))
 # At 8 kept, heavy hitters and a window change nearly every story: the other kinds start at 12.
