@@ -14,7 +14,7 @@ from documents import shown, table
 from instruments import largest_gap, sums_in_another_order
 from generate import Generation
 from kv_cache import KVCache, feed
-from stories import story_ids
+from stories import common_start, story_ids
 
 FORMATS = ("float64", "float32", "float16", "int8", "int4")
 
@@ -216,42 +216,47 @@ def measure(lab, runs, make, each_story=None):
     that cache), and how many greedy and sampled stories change their text (a greedy story
     changes where a fed row's best token is not the next one; a sampled one is generated
     again through that cache, with its own random numbers, up to the first token it
-    chooses otherwise). The prompt but its last token is fed once, and both stories go on
-    from copies of that cache, which make(prompt_tokens) starts for a prompt of that many
-    tokens. each_story(cache, ids, rows, prompt_tokens), if given, is told each greedy
+    chooses otherwise). make(prompt_tokens) starts the cache for a prompt of that many
+    tokens. The sampled story goes on from a copy of the greedy one's cache where the two
+    part: before that they feed the same tokens, so their rows are the same rows, computed
+    once. each_story(cache, ids, rows, prompt_tokens), if given, is told each greedy
     story's cache, the token IDs fed and their rows. Returns (the three figures, the last
     greedy story's cache)."""
     params, tok, prompts = lab.params, lab.tok, lab.prompts
     gap = 0.0
     greedy_changed = sampled_changed = 0
     for index, (prompt, result, rows) in enumerate(zip(prompts, runs.greedy, runs.greedy_rows)):
+        sampled = runs.sampled[index]   # as generate made it: seed index
         ids, prompt_tokens = story_ids(tok, prompt, result), len(tok.encode(prompt))
-        start = make(prompt_tokens)   # all of the prompt but its last token, for both stories
-        prompt_rows = feed(params, start, ids[:prompt_tokens - 1])
-        cache = start.copy()
-        fed = prompt_rows + feed(params, cache, ids[:-1])
+        sampled_ids = story_ids(tok, prompt, sampled)
+        shared = common_start(ids, sampled_ids)   # positions both stories feed alike
+        cache = make(prompt_tokens)
+        fed = feed(params, cache, ids[:shared])
+        parting = cache.copy()                    # where the sampled story goes its own way
+        fed += feed(params, cache, ids[:-1])
         if each_story:
             each_story(cache, ids[:-1], fed, prompt_tokens)
         gap = max(gap, largest_gap(fed, rows))
         chosen = range(prompt_tokens - 1, len(fed))   # rows that chose
         greedy_changed += any(fed[p].index(max(fed[p])) != ids[p + 1] for p in chosen)
-        sampled = runs.sampled[index]   # as generate made it: seed index
         generation = Generation(tok, ids[:prompt_tokens], len(sampled["steps"]), 1.0,
                                 None, index)
-        sampled_changed += _strays(params, start.copy(), generation,
-                                   story_ids(tok, prompt, sampled))
+        sampled_changed += _strays(params, parting, generation, sampled_ids, fed[:shared])
     return {"largest_logit_gap": gap, "greedy_stories_changed": greedy_changed,
             "sampled_stories_changed": sampled_changed}, cache
 
 
-def _strays(params, cache, generation, story):
-    """Whether generation, continued through cache from story's prompt for as many tokens
-    as story has, chooses another token than story's somewhere. Up to the first other
-    token it makes generate_cached's choices through cache (the same random numbers); from
-    there on it is another story, so that is where it stops."""
+def _strays(params, cache, generation, story, rows):
+    """Whether generation, continued from story's prompt for as many tokens as story has,
+    chooses another token than story's somewhere. It chooses as generate_cached does (the
+    same random numbers) from rows[p], the row of position p, while rows has one (the
+    rows the stories share), then from the rows of what it feeds through cache; up to the
+    first other token: from there on it is another story, so that is where it stops."""
     while not generation.stopped:
-        generation.choose(feed(params, cache, generation.ids)[-1])
-        if generation.ids[-1] != story[len(generation.ids) - 1]:
+        fed = len(generation.ids)
+        generation.choose(rows[fed - 1] if fed <= len(rows) else
+                          feed(params, cache, generation.ids)[-1])
+        if generation.ids[-1] != story[fed]:
             return True
     return False
 

@@ -121,6 +121,13 @@ def story_ids(tok, prompt, result):
     return tok.encode(prompt) + [tok.ids[step["token"]] for step in result["steps"]]
 
 
+def common_start(ids, other_ids):
+    """How many positions two lists of token IDs share from the start (the last token
+    chosen is never fed, so at most one less than the shorter)."""
+    fed = min(len(ids), len(other_ids)) - 1
+    return next((i for i in range(fed) if ids[i] != other_ids[i]), fed)
+
+
 def story_quality(tok, corpus, prompts, results):
     """How well the greedy and the sampled stories keep the corpus's rules
     (story_agreement): pronouns that refer to the opening's name and agree with its

@@ -23,17 +23,10 @@ from documents import TRACE, indented, shown, table
 from instruments import (largest_gap, passes_by_input, recording, replaced, results, reusing,
                          sums_in_another_order)
 from kv_cache import KVCache, feed, generate_cached, work
-from stories import rounded_mean, story_ids, story_quality
+from stories import common_start, rounded_mean, story_ids, story_quality
 
 
 LENGTHS = (8, 16, 32, 64)   # the record's cost_by_length: positions from a one-token prompt
-
-
-def _common_start(ids, other_ids):
-    """How many positions two lists of token IDs share from the start (the last token
-    chosen is never fed, so at most one less than the shorter)."""
-    fed = min(len(ids), len(other_ids)) - 1
-    return next((i for i in range(fed) if ids[i] != other_ids[i]), fed)
 
 
 KINDS = ("greedy", "sampled")
@@ -62,7 +55,7 @@ def both_generators(lab, index):
         rows, saved = full_passes[-1].result
         # The last full pass ran on every token the cache was fed, unless the two
         # stories part: then only the rows before that point had the same input.
-        same = _common_start(story_ids(tok, prompt, cached), story_ids(tok, prompt, uncached))
+        same = common_start(story_ids(tok, prompt, cached), story_ids(tok, prompt, uncached))
         one.update({kind: uncached, f"{kind}_identical": cached == uncached,
                     f"{kind}_positions": same,
                     f"{kind}_gap": largest_gap(results(steps)[:same], rows[:same]),
