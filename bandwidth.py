@@ -1,4 +1,4 @@
-"""What a decode step reads (Part 4, section 27). Each generated token reads every weight
+"""What a decode step reads (Part 5, section 29). Each generated token reads every weight
 of the model once, the embedding rows of its token and position, and every cached key
 and value (or latent) of every layer; on a GPU that reading, not the arithmetic, sets
 the speed of decoding. So
@@ -138,7 +138,7 @@ HELD = (0, 16, CONTEXT - 1)
 
 def experiment(lab):
     """Numbers read by one decode step: the lesson's model at HELD cached positions, and
-    every deep_model and latent shape of Part 4 with a full context held, with the batch
+    every deep_model and latent shape of Part 5 with a full context held, with the batch
     size at which each one's cache outweighs its share of the weights."""
     def entry(shape, path):
         full = floats_read(shape, CONTEXT - 1, path)
@@ -158,7 +158,7 @@ def experiment(lab):
             "shapes": deep + latent}
 
 
-# ---- what Part 4 shows of it (documents.py fills its marks) --------------------------
+# ---- what Part 5 shows of it (documents.py fills its marks) --------------------------
 
 def bytes_read_table(record, timing):
     shapes, lesson = record["bytes_read"]["shapes"], record["bytes_read"]["lesson"][-1]
@@ -223,7 +223,7 @@ CONTEXT_WINDOWS = {"Llama-2-7B": 4096, "Llama-3-70B": 8192, "DeepSeek-V3": 13107
 
 def _models(record):
     """(name, bytes a position, positions the line runs to, real) for the lesson's model,
-    the 4-layer ones of Part 4 (8-byte floats, 64 positions) and the real models (2 bytes
+    the 4-layer ones of Part 5 (8-byte floats, 64 positions) and the real models (2 bytes
     a number, to their context windows), DeepSeek-V3 also as if it cached its heads' own
     keys and values."""
     svg.checked(record, {"cache_floats_per_position": (1, svg.LARGEST), "deep_models": {
@@ -250,7 +250,7 @@ def _models(record):
 
 
 def cache_bytes_picture(record, timing):
-    """Sections 9 and 24 to 26: a sequence's cache in bytes against the positions it holds,
+    """Sections 9 and 26 to 28: a sequence's cache in bytes against the positions it holds,
     for the lab's models (to their 64 positions) and real ones (to their context windows),
     on log scales: every line is straight, of slope one, and the design moves it up or down."""
     panel = svg.Panel((100, 50, 330, 290), (1, 2 ** 17), (100, 1e12), xlog=True, ylog=True)
@@ -264,7 +264,7 @@ def cache_bytes_picture(record, timing):
                            color, dashed=real)
         legend.append((f"{name}: {per:,.0f} B", color))
     notes = ["after each name, its bytes a position;", "solid: the lab's, 8 bytes a number, to",
-             "its 64 positions (sections 24 to 26);", "dashed: real models, 2 bytes a number,",
+             "its 64 positions (sections 26 to 28);", "dashed: real models, 2 bytes a number,",
              "to each one's context window;", "4 layers of multi-query: 256 B, hidden",
              "under the lesson's line; 1 kB = 1,000 B"]
     return svg.page("The cache grows with the sequence; the design sets by how much",

@@ -1,4 +1,4 @@
-"""Batched rows (Part 3, section 20): the rows of several requests computed together, as
+"""Batched rows (Part 4, section 22): the rows of several requests computed together, as
 a server's step computes them. Each weight matrix is applied once to every row of the
 batch (a matrix times a matrix); each row attends over its own cache.
 
@@ -182,11 +182,11 @@ def _check_items(params, items, kernel):
         owner.check_room(demands)
 
 
-# ---- what Part 3 shows of it (documents.py fills its marks; serving.kernel_run records it)
+# ---- what Part 4 shows of it (documents.py fills its marks; serving.kernel_run records it)
 
 def kernels_table(record, timing):
-    """Section 20: the 60 sampled openings served with each product kernel, batch by batch
-    (the split-KV attention's runs are section 21's split_kv_table)."""
+    """Section 22: the 60 sampled openings served with each product kernel, batch by batch
+    (the split-KV attention's runs are section 23's split_kv_table)."""
     k = record["batched_decode"]
     of = f" of {k['requests']}"
     return table(["kernel", "batches of up to", "pool", "steps", "preemptions",
@@ -206,7 +206,7 @@ def kernels_table(record, timing):
 
 
 def split_kv_table(record, timing):
-    """Section 21: the same 60 sampled openings, served with blockwise.heuristic's split
+    """Section 23: the same 60 sampled openings, served with blockwise.heuristic's split
     of the attention (the product exact), batch by batch."""
     of = f" of {record['batched_decode']['requests']}"
     return table(["batches of up to", "steps", "choosing rows unlike batches of 1 (same tokens)",
@@ -238,7 +238,7 @@ def split_kv_largest_gap(record, timing):
 
 
 def stories_picture(record, timing):
-    """Section 20: for the 60 sampled openings in the ample pool, the stories each kernel
+    """Section 22: for the 60 sampled openings in the ample pool, the stories each kernel
     makes other than generate's, and other than its own with batches of 1, by batch."""
     decode = svg.checked(record, {"batched_decode": {"requests": svg.COUNT, "runs": [{
         "pool": str, "kernel": str, "max_batch": svg.COUNT,

@@ -1,4 +1,4 @@
-"""Attention read block by block (Part 3, section 21), as engines' kernels read a cache.
+"""Attention read block by block (Part 4, section 23), as engines' kernels read a cache.
 
 forward_step takes a row's attention in one go: every score, one softmax, one correctly
 rounded sum for each number. A GPU kernel cannot hold a long row of scores, so
@@ -273,7 +273,7 @@ def kinds_table(lab, per_story):
     return {"stories": len(per_story), "longest_row": longest, "kinds": table}
 
 
-# ---- what Part 3 shows of it (documents.py fills its marks) --------------------------
+# ---- what Part 4 shows of it (documents.py fills its marks) --------------------------
 
 def reads_table(record, timing):
     b = record["blockwise"]

@@ -1,4 +1,4 @@
-"""A prompt cache in a file (Part 3, section 23): a cache's tokens, keys and values
+"""A prompt cache in a file (Part 4, section 25): a cache's tokens, keys and values
 written as JSON (floats exact, as Python writes them), with a signature of the weights
 they were computed with, so that a later process continues the prompt from the file,
 bit for bit, and a file of other weights is refused.

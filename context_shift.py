@@ -1,4 +1,4 @@
-"""Shifting a rotary cache (Part 4, section 25), as a deliberate loss. When a full context
+"""Shifting a rotary cache (Part 5, section 27), as a deliberate loss. When a full context
 drops its oldest positions, an engine can keep the rest of the cache and turn each kept
 key back by the positions dropped (llama.cpp's context shift), or compute the kept
 tokens again. Turning a turned key is not turning it once: the cos and sin are rounded.
@@ -185,7 +185,7 @@ def experiment(lab):
                 over("learned_old_keys_against_recompute", grouped)}
 
 
-# ---- what Part 4 shows of it (documents.py fills its marks) --------------------------
+# ---- what Part 5 shows of it (documents.py fills its marks) --------------------------
 
 def _deeper_grouped(record):
     """The recorded grouped-query shapes of two layers or more."""

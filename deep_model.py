@@ -352,7 +352,7 @@ def experiment(lab):
     return {"positions": len(ids), "shapes": shapes, "window_through_layers": window}
 
 
-# ---- what Part 4 shows of it (documents.py fills its marks) --------------------------
+# ---- what Part 5 shows of it (documents.py fills its marks) --------------------------
 
 def shapes_table(record, timing):
     objects = {(m["layers"], m["kv_heads"]): m["bytes_per_position"]

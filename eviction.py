@@ -1,4 +1,4 @@
-"""Keep fewer positions, chosen by what attention reads (Part 2, section 17): caches that
+"""Keep fewer positions, chosen by what attention reads (Part 3, section 18): caches that
 evict. Each holds at most budget positions for a row to read, its own included, like a
 WindowCache of budget positions, but chooses which by their content:
 
@@ -211,7 +211,7 @@ def rung(lab, index, runs):
             "rows_equal_to_the_masked_pass": equal}
 
 
-# ---- what Part 2 shows of it (documents.py fills its marks) --------------------------
+# ---- what Part 3 shows of it (documents.py fills its marks) --------------------------
 
 def rows_equal_to_the_masked_pass(record, timing):
     """The rows compared with the masked full pass and the equal ones, in words: for each

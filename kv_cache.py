@@ -10,7 +10,7 @@ new row, appends its key and value to the cache, and attends over the cache.
     (--help lists the flags)
 
 The lesson's experiment, the stages that trace_kv.py runs on the 60 test openings, is
-trace_lesson.py's. What Parts 2 to 4 ask of every cache comes last, after the lesson.
+trace_lesson.py's. What Parts 2 to 5 ask of every cache comes last, after the lesson.
 """
 import os
 import sys
@@ -33,7 +33,7 @@ from model import SCALE, add, dot, layernorm, linear, relu, softmax_row
 class KVCache:
     """The keys and values of one sequence so far, for the very params it was made for:
     forward_step appends a key and a value a position and reads them all back. That is
-    all the lesson asks of it; what Parts 2 to 4 ask of every cache, this one included,
+    all the lesson asks of it; what Parts 2 to 5 ask of every cache, this one included,
     is written once, in CacheProtocol's docstring at the end of this module."""
 
     def __init__(self, params):
@@ -307,7 +307,7 @@ def main(argv=None):
     print(f"identical: {'yes' if cached == uncached else 'NO'}")
 
 
-# ---- what Parts 2 to 4 ask of every cache ------------------------------------------
+# ---- what Parts 2 to 5 ask of every cache ------------------------------------------
 # The lesson asks of a cache only what KVCache offers above. From Part 2 on, keys and
 # values also live in caches of other kinds (a paged sequence, a QuantizedCache, a
 # WindowCache: each a KVCache that keeps them its own way), and code that uses a cache

@@ -1,4 +1,4 @@
-"""Latent attention read the way engines decode it (Part 4, section 26). A latent model
+"""Latent attention read the way engines decode it (Part 5, section 28). A latent model
 of deep_model.py caches one latent c_kv a position and layer (and a small rotary key
 k_r), and deep_model.forward_step rebuilds every head's key and value from it at every
 step: exact, and dear. Absorption reads the latents directly, with the same math in
@@ -292,7 +292,7 @@ def experiment(lab):
             "work_per_step": {"shape": shape, "steps": work}}
 
 
-# ---- what Part 4 shows of it (documents.py fills its marks) --------------------------
+# ---- what Part 5 shows of it (documents.py fills its marks) --------------------------
 
 def shapes_table(record, timing):
     rows = []

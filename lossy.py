@@ -1,4 +1,4 @@
-"""Where exactness is given up on purpose (Part 2, section 17): caches that keep less.
+"""Where exactness is given up on purpose (Part 3, section 17): caches that keep less.
 QuantizedCache stores each key and value in fewer bits; WindowCache keeps only the first
 sinks positions and the last window ones. Both change the logits, and the experiment
 measures by how much: the ladder, from exact to the fewest bytes.
@@ -267,7 +267,7 @@ def ladder(lab, rungs):
     return {"stories": len(lab.prompts), "rungs": rungs}
 
 
-# ---- what Part 2 shows of it (documents.py fills its marks) --------------------------
+# ---- what Part 3 shows of it (documents.py fills its marks) --------------------------
 
 def ladder_table(record, timing):
     rows = [["exact, in lists (the reference)",

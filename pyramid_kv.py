@@ -1,4 +1,4 @@
-"""Fewer positions in deeper layers (Part 4, section 24): PyramidKV (Cai et al., 2024)
+"""Fewer positions in deeper layers (Part 5, section 26): PyramidKV (Cai et al., 2024)
 in the deeper model. The prompt is read whole, every row attending to every earlier
 position; then, once, each layer keeps budgets[L] of the prompt's positions and drops
 the rest: the last window ones, and those SnapKV would choose from what the window's
@@ -136,7 +136,7 @@ def experiment(lab):
                      for budget in BUDGETS if budget <= prompt_tokens for kind in KINDS]}
 
 
-# ---- what Part 4 shows of it (documents.py fills its marks) --------------------------
+# ---- what Part 5 shows of it (documents.py fills its marks) --------------------------
 
 def budgets_table(record, timing):
     pyramid = record["pyramid"]

@@ -1,4 +1,4 @@
-"""Fewer bits, as engines store them (Part 2, section 17): keys by channel, values by token.
+"""Fewer bits, as engines store them (Part 3, section 19): keys by channel, values by token.
 
 KIVI (arXiv 2402.02750) found that a model's keys have outlier channels (a few numbers
 of every key much larger than the rest) and its values do not. So GroupedCache
@@ -353,7 +353,7 @@ def compounding(exact, settings):
             "largest_key_error_quantized_once": error(once)}
 
 
-# ---- what Part 2 shows of it (documents.py fills its marks) --------------------------
+# ---- what Part 3 shows of it (documents.py fills its marks) --------------------------
 
 def table(record, timing):
     """The ladder's int8 and int4 rungs (one scale per vector), then each GroupedCache's."""

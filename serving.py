@@ -1,4 +1,4 @@
-"""Serving many requests from one pool (Part 3, sections 18 to 21): continuous batching,
+"""Serving many requests from one pool (Part 4, sections 20 to 23): continuous batching,
 preemption by recompute, and a prefix cache that outlives requests. Each step computes the
 running requests' rows together (batched.forward_rows). With the lab's exact product each
 request's result is exactly generate.generate's: the pool and the batch change the work
@@ -343,7 +343,7 @@ def kernel_table(lab, runs_of_kernels):
     return {"requests": len(runs_of_kernels[0]["stories"]), "runs": table}
 
 
-# ---- what Part 3 shows of it (documents.py fills its marks) --------------------------
+# ---- what Part 4 shows of it (documents.py fills its marks) --------------------------
 
 def prefix_cache_table(record, timing):
     c = record["prefix_cache"]
@@ -376,7 +376,7 @@ def many_requests_table(record, timing):
 
 
 def timeline(record=None, timing=None, folder=LAB):
-    """Section 19's picture, from a real run of serve (not from the record) on folder's
+    """Section 21's picture, from a real run of serve (not from the record) on folder's
     model and corpus: four openings, batches of up to four, a pool of 16 blocks of 4. One
     line per request, one character per step: P admitted (its tokens prefilled), . a
     decode row, x preempted, - waiting, * finished."""

@@ -1,4 +1,4 @@
-"""Speculative decoding, rolled back exactly (Part 3, section 22). After each chosen
+"""Speculative decoding, rolled back exactly (Part 4, section 24). After each chosen
 token, a drafter proposes a few more; one call of prefill checks them all, and the model
 chooses each next token from those rows in order, with its own random numbers, exactly
 as it would one at a time. A drafted token counts only where it is the token chosen;
@@ -206,7 +206,7 @@ def experiment(lab, draft, runs):
     return counts
 
 
-# ---- what Part 3 shows of it (documents.py fills its marks) --------------------------
+# ---- what Part 4 shows of it (documents.py fills its marks) --------------------------
 
 def runs_table(record, timing):
     return table(["drafter", "lookahead", "model calls", "rows computed",

@@ -375,7 +375,7 @@ def random_model(rng, scale, embedding_scale):
 
 
 def random_tokens(count, seed=0):
-    """count token IDs drawn from random.Random(seed), for the random models of Part 4."""
+    """count token IDs drawn from random.Random(seed), for the random models of Part 5."""
     rng = random.Random(seed)
     return [rng.randrange(model.VOCAB_SIZE) for _ in range(count)]
 

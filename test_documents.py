@@ -58,7 +58,7 @@ def block(text, name):
 class Write(unittest.TestCase):
 
     def test_what_is_drawn_by_running_the_lab_comes_from_the_folder_written(self):
-        """Part 2's block tables and Part 3's serving timeline are drawn by running the
+        """Part 2's block tables and Part 4's serving timeline are drawn by running the
         lab's code, not from the record: for another folder (the last 400 stories, a
         tokenizer trained on them, a random model), the documents get that folder's, which
         differ from the shipped folder's (test_readme's Figures: drawn from the shipped
@@ -77,9 +77,9 @@ class Write(unittest.TestCase):
             first_block = ", ".join("space" if tok.vocab[t] == " " else tok.vocab[t]
                                     for t in tok.encode("mia was sad.")[:4])
             for name, document, shown in (
-                    ("paged.block_tables", "part2-what-servers-do.md",
+                    ("paged.block_tables", "part2-prefill-and-paging.md",
                      [f"block 0: {first_block} "]),
-                    ("serving.timeline", "part3-a-servers-life.md",
+                    ("serving.timeline", "part4-a-servers-life.md",
                      openings(split_stories(corpus)[2])[:4])):
                 with self.subTest(name):
                     text = lab_file(document)

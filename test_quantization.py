@@ -271,8 +271,8 @@ class Grouped(unittest.TestCase):
 
 
 class TheRecord(unittest.TestCase):
-    """What the recorded run (support.recorded) says of GroupedCache, and what Part 2's
-    section 17 says of it."""
+    """What the recorded run (support.recorded) says of GroupedCache, and what Part 3's
+    section 19 says of it."""
 
     @classmethod
     def setUpClass(cls):

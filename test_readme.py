@@ -653,7 +653,7 @@ class Figures(unittest.TestCase):
 
     def test_section_9_gives_llama_2_7b_s_weights_as_bandwidth_counts_them(self):
         """Section 9's weights, in GB and in GiB, are bandwidth.llama_parameters' at 2
-        bytes a number (section 27 quotes them from the same code)."""
+        bytes a number (section 29 quotes them from the same code)."""
         import bandwidth
         weights = 2 * bandwidth.llama_parameters(bandwidth.LLAMA_2_7B)
         self.assertIn(f"Llama-2-7B's weights ({weights / 1e9:.2f} GB, {weights / 2**30:.2f} GiB)",
@@ -706,7 +706,7 @@ class Figures(unittest.TestCase):
 
     def test_the_pictures_show_what_their_prose_says(self):
         """Section 5: one line differs in where the keys and values come from; section
-        16: the second prompt shares a block; section 19: a request is preempted."""
+        16: the second prompt shares a block; section 21: a request is preempted."""
         import paged
         import serving
         import trace_lesson

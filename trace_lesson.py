@@ -162,7 +162,7 @@ def reordered_sums(lab):
 
 def timings(lab, runs):
     """What --write also times, in this process alone: a row's share of fsum, each
-    length's seconds, and the bytes CPython uses for the cache and Part 4's caches."""
+    length's seconds, and the bytes CPython uses for the cache and Part 5's caches."""
     params, tok = lab.params, lab.tok
     fed = [story_ids(tok, prompt, r)[:-1]              # the last chosen token is never fed
            for prompt, r in zip(lab.prompts, runs.greedy)]
