@@ -10,7 +10,7 @@ new row, appends its key and value to the cache, and attends over the cache.
     (--help lists the flags)
 
 The lesson's experiment, the stages that trace_kv.py runs on the 60 test openings, is
-trace_lesson.py's. What Parts 2 to 5 ask of every cache comes last, after the lesson.
+trace_lesson.py's.
 """
 import os
 import sys
@@ -26,15 +26,16 @@ import time
 import checkpoint
 import generate
 import model
+from cache_protocol import CacheProtocol
 from instruments import recording
 from model import SCALE, add, dot, layernorm, linear, relu, softmax_row
 
 
-class KVCache:
+class KVCache(CacheProtocol):
     """The keys and values of one sequence so far, for the very params it was made for:
     forward_step appends a key and a value a position and reads them all back. That is
     all the lesson asks of it; what Parts 2 to 5 ask of every cache, this one included,
-    is written once, in CacheProtocol's docstring at the end of this module."""
+    is written once, in cache_protocol.py."""
 
     def __init__(self, params):
         self._belong_to(params)
@@ -305,89 +306,6 @@ def main(argv=None):
         print(f"{path:>8}: {counts[path + '_rows']:6,} rows, "
               f"{counts[path + '_scores']:8,} attention scores, {seconds:.3f} s")
     print(f"identical: {'yes' if cached == uncached else 'NO'}")
-
-
-# ---- what Parts 2 to 5 ask of every cache ------------------------------------------
-# The lesson asks of a cache only what KVCache offers above. From Part 2 on, keys and
-# values also live in caches of other kinds (a paged sequence, a QuantizedCache, a
-# WindowCache: each a KVCache that keeps them its own way), and code that uses a cache
-# works with every kind by asking it what CacheProtocol lists, never its type.
-
-class ListRoom:
-    """The room of caches that keep their positions in lists of their own: always there
-    (forward_step refuses positions past the model's 64)."""
-
-    def room_for(self, demands):
-        return True
-
-    def check_room(self, demands):
-        """Nothing to refuse."""
-
-
-class CacheProtocol:
-    """What every cache of the lesson's model offers (a KVCache, a paged sequence, a
-    QuantizedCache, a WindowCache), and all that code using a cache relies on:
-      params, columns       the model it was made for; its matrices, ready for linear()
-      tokens                the token ID of every position held, in order
-      keys, values          what attention reads: a key and a value per position kept
-      len()                 how many positions it holds
-      append, extend        keep one more position, or several (refused, keeping none)
-      copy, crop, free      fork it; forget the positions from a length on; end it
-      room_for(positions)   whether it can keep that many more positions
-      room_left()           what limits the positions it can keep, in words
-      room_owner            what holds its room (ListRoom, a paged sequence's pool): its
-                            room_for(demands) answers for several caches at once, its
-                            check_room(demands) refuses, naming what is short (demands:
-                            a list of (cache, more positions))
-      attended(weights)     told, by forward_step, what the newest row read: its
-                            attention weights over keys, in their order (a cache that
-                            evicts by attention keeps its scores; the others ignore it)
-      stored(vector)        a key or value as the cache gives it back once kept (itself,
-                            or rounded to the cache's format), refusing one it cannot keep
-      keeps_every_position  whether keys and values hold every position (a window's don't)
-      fixed_once_kept       whether each key and value, once kept, is given back the same
-                            for good, as rows computed together need (a GroupedCache's
-                            change when it quantizes their group)
-      stores_exactly        whether they are forward_step's, exactly and every one, so
-                            that a file of them loads as the same cache
-      check_computed_by(kernel)  refuse rows computed by kernel (None: forward_step's
-                            arithmetic; else batched.py's product) if it keeps only another's
-                            (a paged sequence: its pool shares its blocks with sequences
-                            computed alike); one of its own takes any
-
-    KVCache offers those down to free as the lesson needs them, above; the rest it answers
-    as written below (a kind of cache that keeps its positions another way overrides them)."""
-
-    keeps_every_position = True   # what prefill.prefill's mask needs (a window drops some)
-    fixed_once_kept = True
-    stores_exactly = True
-    room_owner = ListRoom()
-
-    def stored(self, vector):
-        """vector as the cache gives it back once kept: a list keeps it as it is."""
-        return vector
-
-    def attended(self, weights):
-        """Nothing to keep: a list evicts nothing, whatever the rows read."""
-
-    def check_computed_by(self, kernel):
-        """Nothing to refuse: no other sequence reads a list's keys and values."""
-
-    def room_for(self, positions):
-        """Whether the cache can keep that many more positions: its room's owner says."""
-        return self.room_owner.room_for([(self, positions)])
-
-    def room_left(self):
-        """What limits the positions the cache can keep, in words."""
-        return "nothing but the model's 64 positions"
-
-
-for _name, _answer in vars(CacheProtocol).items():   # KVCache's answers, as written above
-    if not _name.startswith("__"):
-        if _name in vars(KVCache):   # one answer to each question: here, not in both
-            raise TypeError(f"KVCache.{_name} is written twice: keep it in CacheProtocol")
-        setattr(KVCache, _name, _answer)
-del _name, _answer
 
 
 if __name__ == "__main__":

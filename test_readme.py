@@ -97,6 +97,7 @@ MAP_ROW = re.compile(r"^\| \[([^\]]+)\]\(([\w.-]*)(?:#([\w-]+))?\)[^|\n]* \| [^|
 README = documents.README
 EXERCISES = r"^#+ Exercises$"   # each Part ends with them
 SECTION = re.compile(r"^#+ \d+\. ", re.M)        # a numbered section: the course's
+WORDS_A_MINUTE = 130   # prose full of figures and cross-references, read with care
 
 
 def the_documents():
@@ -317,7 +318,7 @@ def opening(part):
 
 def length_problems(texts):
     """The lesson's sections within 2,500 words; the README's map giving each Part's words
-    of prose and the minutes they take at 200 words a minute; each Part's opening saying
+    of prose and the minutes they take at 130 words a minute; each Part's opening saying
     the minutes with its code, as the map does."""
     problems = []
     lesson = course(texts)[0].text
@@ -327,7 +328,7 @@ def length_problems(texts):
                         f"has {words:,} words, more than 2,500")
     for part in parts(texts):
         words = len(prose_words(part.text))
-        wanted = f"{words:,} words, about {round(words / 200)} minutes"
+        wanted = f"{words:,} words, about {round(words / WORDS_A_MINUTE)} minutes"
         minutes = re.match(r"\d+ to \d+ minutes", part.time)
         if part.words != wanted:
             problems.append(f"the README's map must give {part.name} {wanted!r}, not "
@@ -489,11 +490,13 @@ def shown_items(text):
 def minute_problems(texts):
     """Each Part's "N to M minutes" in the README's map by the rule under it: the prose's
     minutes, its lines at 10 and at 5 a minute, a minute for each table, diagram, picture
-    and diff the row counts, 5 for each exercise, each end rounded to 5 minutes."""
+    and diff the row counts, 5 for each exercise (10 for one that asks for an edit of the
+    code: the edit, the run and the undoing), each end rounded to 5 minutes."""
     problems = []
     asked = collections.Counter(exercise.part for exercise in exercises(texts))
+    edits = collections.Counter(exercise.part for exercise in exercises(texts) if exercise.edit)
     for part in course(texts):
-        prose = round(len(prose_words(part.text)) / 200)
+        prose = round(len(prose_words(part.text)) / WORDS_A_MINUTE)
         lines = int(re.search(r"about ([\d,]+) lines", part.time)[1].replace(",", ""))
         counted = {kind.rstrip("s"): 1 if n in ("a", "an") else int(n)
                    for n, kind in COUNTED.findall(part.time)}
@@ -504,7 +507,8 @@ def minute_problems(texts):
             if counted.get(kind, 0) != found:
                 problems.append(f"the README's map counts {counted.get(kind, 0)} {kind}s "
                                 f"for {part.name}, whose text shows {found}")
-        rest = prose + sum(counted.values()) + 4 * asked[part.name]   # 5 an exercise
+        rest = (prose + sum(counted.values()) + 4 * asked[part.name]   # 5 an exercise,
+                + 5 * edits[part.name])                                  # 10 with an edit
         wanted = "{} to {} minutes".format(*(5 * round((rest + lines / pace) / 5)
                                             for pace in (10, 5)))
         if not part.time.startswith(wanted):
