@@ -217,57 +217,82 @@ def llama_70b_bound(record, timing):
 
 
 # Where each real model's line ends: its context window in tokens (Llama 2: 4,096;
-# Llama 3: 8,192; DeepSeek-V3: 128K).
+# Llama 3: 8,192; DeepSeek-V3: 128K). Section 9's 7B-class model runs to 8,192 tokens:
+# 4 GiB of cache.
 CONTEXT_WINDOWS = {"Llama-2-7B": 4096, "Llama-3-70B": 8192, "DeepSeek-V3": 131072}
+SECTION_9_TOKENS = 8192
 
 
-def _models(record):
-    """(name, bytes a position, positions the line runs to, real) for the lesson's model,
-    the 4-layer ones of Part 5 (8-byte floats, 64 positions) and the real models (2 bytes
-    a number, to their context windows), DeepSeek-V3 also as if it cached its heads' own
-    keys and values."""
-    svg.checked(record, {"cache_floats_per_position": (1, svg.LARGEST), "deep_models": {
-        "positions": (1, svg.LARGEST), "shapes": [{
-            "layers": svg.COUNT, "heads": svg.COUNT, "kv_heads": svg.COUNT,
-            "bytes_per_position_as_8_byte_floats": (1, svg.LARGEST)}]}})
-    positions = record["deep_models"]["positions"]
-    models = [("the lesson's model (1 layer)", record["cache_floats_per_position"] * 8,
-               positions, False)]
+def _lesson_line(record):
+    """(name, bytes a position, positions the line runs to, dashed) for the lesson's model:
+    8-byte floats, to its 64 positions."""
+    svg.checked(record, {"cache_floats_per_position": (1, svg.LARGEST)})
+    return ("the lesson's model", record["cache_floats_per_position"] * 8, CONTEXT, False)
+
+
+def cache_bytes_picture(record, timing):
+    """Section 9: a sequence's cache in bytes against the positions it holds, for the
+    lesson's model (to its 64 positions) and section 9's 7B-class model in fp16 (to 8,192
+    tokens), on log scales: both lines are straight, of slope one, and the model sets how
+    high each lies. Nothing a later Part introduces."""
+    return _cache_lines(
+        "The cache grows with the sequence; the model sets by how much",
+        [_lesson_line(record), ("a 7B-class model in fp16", cache_bytes_per_token(LLAMA_2_7B),
+                                SECTION_9_TOKENS, True)],
+        (1, 2 * SECTION_9_TOKENS), (2 ** 7, 2 ** 34), [1, CONTEXT, SECTION_9_TOKENS],
+        ["after each name, its bytes a position;",
+         f"solid: 8 bytes a number, to its {CONTEXT} positions;",
+         f"dashed: 2 bytes a number, {LLAMA_2_7B['layers']} layers of",
+         f"width {LLAMA_2_7B['width']:,}, to {SECTION_9_TOKENS:,} positions;"])
+
+
+def cache_bytes_by_design_picture(record, timing):
+    """Section 28: the same for the lab's 4-layer models of section 26 (to their 64
+    positions) and real ones (to their context windows), DeepSeek-V3 also as if it cached
+    its heads' own keys and values: fewer key-value heads, or a latent, move a line down."""
+    svg.checked(record, {"deep_models": {"positions": (1, svg.LARGEST), "shapes": [{
+        "layers": svg.COUNT, "heads": svg.COUNT, "kv_heads": svg.COUNT,
+        "bytes_per_position_as_8_byte_floats": (1, svg.LARGEST)}]}})
+    lines = [_lesson_line(record)]
     for shape in record["deep_models"]["shapes"]:
         if shape["layers"] == 4 and shape["kv_heads"] > 1:
             kind = ("multi-head" if shape["kv_heads"] == shape["heads"]
                     else f"grouped-query {shape['kv_heads']}")
-            models.append((f"4 layers, {kind}", shape["bytes_per_position_as_8_byte_floats"],
-                           positions, False))
+            lines.append((f"4 layers, {kind}", shape["bytes_per_position_as_8_byte_floats"],
+                          record["deep_models"]["positions"], False))
     kept, plain = real_cache_bytes()["DeepSeek-V3"]
-    return models + [
-        ("Llama-2-7B, multi-head", cache_bytes_per_token(LLAMA_2_7B),
-         CONTEXT_WINDOWS["Llama-2-7B"], True),
-        ("Llama-3-70B, grouped-query 8", real_cache_bytes()["Llama-3-70B"][0],
-         CONTEXT_WINDOWS["Llama-3-70B"], True),
-        ("DeepSeek-V3, latent", kept, CONTEXT_WINDOWS["DeepSeek-V3"], True),
-        ("DeepSeek-V3 as multi-head", plain, CONTEXT_WINDOWS["DeepSeek-V3"], True)]
+    lines += [("Llama-2-7B, multi-head", cache_bytes_per_token(LLAMA_2_7B),
+               CONTEXT_WINDOWS["Llama-2-7B"], True),
+              ("Llama-3-70B, grouped-query 8", real_cache_bytes()["Llama-3-70B"][0],
+               CONTEXT_WINDOWS["Llama-3-70B"], True),
+              ("DeepSeek-V3, latent", kept, CONTEXT_WINDOWS["DeepSeek-V3"], True),
+              ("DeepSeek-V3 as multi-head", plain, CONTEXT_WINDOWS["DeepSeek-V3"], True)]
+    return _cache_lines(
+        "The cache grows with the sequence; the design sets by how much", lines,
+        (1, 2 ** 17), (2 ** 6, 2 ** 40), [1, 64, 4096, 2 ** 17],
+        ["after each name, its bytes a position;", "solid: the lab's, 8 bytes a number, to",
+         f"their {record['deep_models']['positions']:,} positions; dashed: real models,",
+         "2 bytes a number, to each one's", "context window; 4 layers of multi-query:",
+         "256 B, hidden under the lesson's line;"])
 
 
-def cache_bytes_picture(record, timing):
-    """Sections 9 and 26 to 28: a sequence's cache in bytes against the positions it holds,
-    for the lab's models (to their 64 positions) and real ones (to their context windows),
-    on log scales: every line is straight, of slope one, and the design moves it up or down."""
-    panel = svg.Panel((100, 50, 330, 290), (1, 2 ** 17), (100, 1e12), xlog=True, ylog=True)
-    body = panel.axes([1, 64, 4096, 2 ** 17], [1e3, 1e6, 1e9, 1e12],
+def _cache_lines(title, lines, xs, ys, xticks, notes):
+    """A sequence's cache in bytes against the positions it holds, on log scales: a line
+    for each (name, bytes a position, positions it runs to, dashed) of lines, each in a
+    colour and marker of its own; the legend and notes (and the binary unit) at the right."""
+    notes = [*notes, "1 KiB = 1,024 B"]
+    panel = svg.Panel((100, 50, 330, 290), xs, ys, xlog=True, ylog=True)
+    body = panel.axes(xticks, [1024 ** p for p in range(1, 5) if ys[0] <= 1024 ** p <= ys[1]],
                       "positions (tokens) held", "bytes of one sequence's cache",
                       ylabels=svg.bytes_label)
-    legend = []
-    for (name, per, last, real), color in zip(_models(record), svg.COLORS):
+    entries = []
+    for i, (name, per, last, dashed) in enumerate(lines):
+        color, marker = svg.style(i)
         body += panel.line([(n, per * n, f"{name}: {svg.bytes_label(per * n)} at {n:,} "
                                          f"position{'s' * (n > 1)}") for n in (1, last)],
-                           color, dashed=real)
-        legend.append((f"{name}: {per:,.0f} B", color))
-    notes = ["after each name, its bytes a position;", "solid: the lab's, 8 bytes a number, to",
-             "its 64 positions (sections 26 to 28);", "dashed: real models, 2 bytes a number,",
-             "to each one's context window;", "4 layers of multi-query: 256 B, hidden",
-             "under the lesson's line; 1 kB = 1,000 B"]
-    return svg.page("The cache grows with the sequence; the design sets by how much",
-                    body + svg.legend(450, 70, legend, 11)
-                    + [svg.text(450, 70 + 18 * (len(legend) + i) + 4, note, 11)
-                       for i, note in enumerate(notes)])
+                           color, dashed, marker)
+        entries.append((f"{name}: {svg.bytes_label(per)}", color, marker, dashed))
+    below = 70 + 18 * len(entries) + 4
+    return svg.page(title, body + svg.legend(450, 70, entries, 11)
+                    + [svg.text(450, below + 18 * i, note, 11) for i, note in enumerate(notes)],
+                    height=max(svg.HEIGHT, below + 18 * len(notes)))

@@ -248,11 +248,14 @@ def stories_picture(record, timing):
     if not runs:
         raise ValueError("the record's batched_decode.runs has no run of the ample pool to draw")
     kernels = list(dict.fromkeys(run["kernel"] for run in runs))
+    if len(kernels) > len(svg.COLORS):   # a bar has its colour alone to tell its kernel
+        raise ValueError(f"the record's batched_decode.runs has {len(kernels)} kernels, more "
+                         f"than the {len(svg.COLORS)} colours that tell the bars apart")
     requests = decode["requests"]
     batches = sorted({run["max_batch"] for run in runs})
     yticks = svg.ticks(max(4, *(requests - run["stories_identical_to_generate"] for run in runs)))
     top = yticks[-1]
-    body = []
+    body, not_run = [], False
     for left, key, label, kept in (
             (80, "stories_identical_to_generate", "not generate's", "are generate's"),
             (440, "stories_identical_to_batches_of_1", "not as with batches of 1",
@@ -267,14 +270,15 @@ def stories_picture(record, timing):
                             (kernel, batch)), None)
                 x = b + 0.1 + 0.8 * k / len(kernels)
                 if run is None:   # a cross at the axis, not an empty place
-                    body.append(svg.text(panel.x(x + 0.4 / len(kernels)), panel.y(0) - 3, "×",
-                                         12, "middle", fill="#888"))
+                    body.append(panel.dot(x + 0.4 / len(kernels), 0, f"{kernel}, batches of up "
+                                          f"to {batch}: not run", "#888", "cross"))
+                    not_run = True
                     continue
                 count = requests - run[key]
                 body.append(panel.bar(x, 0, x + 0.8 / len(kernels), max(count, 0.04),
                                       svg.COLORS[k], f"{kernel}, batches of up to {batch}: "
                                       f"{run[key]} of {requests} stories {kept}"))
+    entries = list(zip(kernels, svg.COLORS)) + [("not run", "#888", "cross", False)] * not_run
     return svg.page(f"Batched decode: the stories a kernel changes ({requests} sampled openings)",
-                    body + svg.legend(90, 370, list(zip(kernels, svg.COLORS))[:2])
-                    + svg.legend(440, 370, list(zip(kernels, svg.COLORS))[2:])
-                    + [svg.text(620, 388, "× not run", 12, fill="#888")])
+                    body + svg.legend(90, 370, entries, columns=2, width=350),
+                    height=max(svg.HEIGHT, 370 + 18 * svg.legend_rows(entries, 2)))

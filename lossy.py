@@ -300,10 +300,10 @@ def ladder_picture(record, timing):
     stories = record["ladder"]["stories"]
     rungs = [{"cache": "exact lists", "bytes_per_position": exact, "positions_kept": None,
               "largest_logit_gap": 0.0, "greedy_stories_changed": 0}] + record["ladder"]["rungs"]
-    memory = svg.Panel((215, 50, 160, 290), (0, exact * 64), (len(rungs), 0))
+    held = svg.byte_ticks(exact * 64)
+    memory = svg.Panel((215, 50, 160, 290), (0, held[-1]), (len(rungs), 0))
     gaps = svg.Panel((440, 50, 200, 290), (FLOOR, 1e3), (len(rungs), 0), xlog=True)
-    body = (memory.axes([0, exact * 32, exact * 64], [], "bytes held for 64 positions", "",
-                        xlabels=svg.bytes_label)
+    body = (memory.axes(held, [], "bytes held for 64 positions", "", xlabels=svg.bytes_label)
             + gaps.axes([FLOOR, 1e-12, 1e-8, 1e-4, 1], [], "largest logit gap (log scale)", ""))
     for i, rung in enumerate(rungs):
         size = (rung["bytes_per_position"] or exact) * (rung["positions_kept"] or 64)
@@ -322,11 +322,16 @@ def ladder_picture(record, timing):
                     + svg.legend(420, 393, [("some greedy stories changed", svg.COLORS[0])]))
 
 
+SHIFT = 3   # pixels between the series of a panel, side by side, so that none hides another
+
+
 def side_by_side_picture(record, timing):
-    """Section 17, every rung that keeps less side by side: the greedy stories changed
+    """Section 19, every rung that keeps less side by side: the greedy stories changed
     against the positions kept (the windows, without and with 4 sinks, and each evicting
-    kind of eviction.py), and against the bytes a position takes in a full context of 64
-    (the formats, and quantization.py's GroupedCaches by kind)."""
+    kind of eviction.py), and against the bytes a position takes in a full context of 64,
+    its exact positions included (the formats, and quantization.py's GroupedCaches by
+    kind). Each series has a colour and a marker of its own, and is drawn SHIFT pixels
+    right of the one before it."""
     kept_shape = {"stories": svg.COUNT, "rungs": [{
         "cache": str, "positions_kept": (*svg.COUNT, None), "greedy_stories_changed": svg.COUNT,
         "bytes_per_position": (*svg.COUNT, None)}]}
@@ -343,25 +348,30 @@ def side_by_side_picture(record, timing):
         by_kept.setdefault(rung["cache"].split(",")[0], []).append(rung)
     for rung in checked["quantization"]["rungs"]:   # "KIVI 2-bit, groups of 16": "KIVI"
         by_bytes.setdefault(rung["cache"].split(",")[0].rsplit(" ", 1)[0], []).append(rung)
-    body = []
-    for box, lines, key, label in (((80, 50, 250, 240), by_kept, "positions_kept", "positions kept"),
-                                   ((440, 50, 250, 240), by_bytes, "bytes_per_position",
-                                    "bytes a position, 64 held")):
+    body, drawn, rows = [], 0, 1
+    for box, lines, key, label, xticks, xlabels in (
+            ((80, 50, 250, 240), by_kept, "positions_kept", "positions kept", svg.ticks, None),
+            ((440, 50, 250, 240), by_bytes, "bytes_per_position",
+             "bytes a position, 64 held (exact ones too)", lambda most: svg.byte_ticks(most, 5),
+             svg.bytes_label)):
         xs = [rung[key] for rungs in lines.values() for rung in rungs]
         if not xs:
             raise ValueError(f"the record has no rung of {label} to draw")
         panel = svg.Panel(box, (0, max(xs) * 1.05 or 1), (0, stories or 1))
-        body += panel.axes(svg.ticks(max(xs)), svg.ticks(stories), label,
-                           f"greedy stories changed (of {stories})")
+        body += panel.axes(xticks(max(xs)), svg.ticks(stories), label,
+                           f"greedy stories changed (of {stories})", xlabels=xlabels)
         entries = []
-        for (name, rungs), color in zip(lines.items(), svg.COLORS):
+        for j, (name, rungs) in enumerate(lines.items()):   # a colour and marker of its own
+            color, marker = svg.COLORS[j % len(svg.COLORS)], svg.MARKERS[drawn % len(svg.MARKERS)]
+            drawn += 1
+            dashed = name.startswith(("a window", "one scale"))
             body += panel.line([(r[key], r["greedy_stories_changed"],
                                  f"{r['cache']}: {r['greedy_stories_changed']} of {stories} "
                                  f"greedy stories changed") for r in sorted(rungs, key=lambda
                                                                              r: r[key])],
-                               color, dashed=name.startswith(("a window", "one scale")))
-            entries.append((name, color))
-        body += (svg.legend(box[0], 347, entries[:3], 11)   # two columns under the panel
-                 + svg.legend(box[0] + 130, 347, entries[3:], 11))
+                               color, dashed, marker, shift=SHIFT * (j - (len(lines) - 1) / 2))
+            entries.append((name, color, marker, dashed))
+        body += svg.legend(box[0], 347, entries, 11, columns=2)   # under the panel
+        rows = max(rows, svg.legend_rows(entries, 2))
     return svg.page(f"Keeping less, every way: the greedy stories changed ({stories} openings)",
-                    body)
+                    body, height=max(svg.HEIGHT, 347 + 18 * rows))

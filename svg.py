@@ -1,5 +1,5 @@
 """The small kit the Parts draw their SVG pictures with: a page, a panel with linear or
-logarithmic axes, lines, bars, dots and a legend. SVG is text, so the standard library
+logarithmic axes, lines, bars, markers and a legend. SVG is text, so the standard library
 writes it. A document marks each picture with the function that draws it from the record
 (documents.py), and python3 trace_kv.py --write writes the file beside it.
 
@@ -17,6 +17,8 @@ from xml.sax.saxutils import escape as _escape_markup
 
 WIDTH, HEIGHT = 720, 400
 COLORS = ("#c0392b", "#2471a3", "#229954", "#b9770e", "#7d3c98", "#566573", "#d35400")
+MARKERS = ("circle", "square", "triangle", "diamond",
+           "open circle", "open square", "open triangle", "open diamond")
 LARGEST = 10 ** 12     # a number beyond any run of this lab: a record holding one is refused
 COUNT = (0, LARGEST)   # the shape (checked) of a count in the record
 MOST_ITEMS = 64        # the longest list of the record a picture draws an item of each of
@@ -78,19 +80,21 @@ def number(value):
 
 
 def text(x, y, words, size=12, anchor="start", **attributes):
-    extra = "".join(f' {name.replace("_", "-")}="{value}"' for name, value in attributes.items())
+    extra = "".join(f' {name.strip("_").replace("_", "-")}="{value}"'   # class_: class
+                    for name, value in attributes.items())
     return (f'<text x="{number(x)}" y="{number(y)}" font-size="{size}" '
             f'text-anchor="{anchor}"{extra}>{escape(words)}</text>')
 
 
-def page(title, body):
-    """A whole SVG document: a white page (it reads on a dark page too) with a title."""
+def page(title, body, height=HEIGHT):
+    """A whole SVG document: a white page (it reads on a dark page too) with a title;
+    taller than HEIGHT if a legend needs it."""
     return "\n".join([
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
-        f'viewBox="0 0 {WIDTH} {HEIGHT}" font-family="Helvetica, Arial, sans-serif" '
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
+        f'viewBox="0 0 {WIDTH} {height}" font-family="Helvetica, Arial, sans-serif" '
         f'role="img">',
         f"<title>{escape(title)}</title>",
-        f'<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>',
+        f'<rect width="{WIDTH}" height="{height}" fill="white"/>',
         text(WIDTH / 2, 24, title, 15, "middle", font_weight="bold"),
         *body, "</svg>", ""])
 
@@ -128,23 +132,25 @@ class Panel:
         for value in xticks:
             x = number(self.x(value))
             parts += [f'<line x1="{x}" y1="{self.top}" x2="{x}" y2="{bottom}" stroke="#ddd"/>',
-                      text(float(x), bottom + 16, (xlabels or _tick)(value), 11, "middle")]
+                      text(float(x), bottom + 16, (xlabels or _tick)(value), 11, "middle",
+                           class_="x tick")]
         for value in yticks:
             y = number(self.y(value))
             parts += [f'<line x1="{self.left}" y1="{y}" x2="{right}" y2="{y}" stroke="#ddd"/>',
-                      text(self.left - 6, float(y) + 4, (ylabels or _tick)(value), 11, "end")]
+                      text(self.left - 6, float(y) + 4, (ylabels or _tick)(value), 11, "end",
+                           class_="y tick")]
         parts += [text(self.left + self.width / 2, bottom + 34, xlabel, 12, "middle"),
                   text(self.left - away, self.top + self.height / 2, ylabel, 12, "middle",
                         transform=f"rotate(-90 {number(self.left - away)} "
                                   f"{number(self.top + self.height / 2)})")]
         return parts
 
-    def line(self, points, color, dashed=False):
-        """A line through (x, y, title) points, each drawn as a dot that names its figure."""
-        path = " ".join(f"{number(self.x(x))},{number(self.y(y))}" for x, y, _ in points)
-        parts = [f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"'
-                 + (' stroke-dasharray="6 4"' if dashed else "") + "/>"]
-        return parts + [self.dot(x, y, title, color) for x, y, title in points]
+    def line(self, points, color, dashed=False, marker="circle", shift=0):
+        """A line through (x, y, title) points, each drawn as a marker that names its figure;
+        shift pixels to the right of its place, if given, so as not to hide another line."""
+        places = [(self.x(x) + shift, self.y(y), title) for x, y, title in points]
+        return ([_polyline([(x, y) for x, y, _ in places], color, dashed)]
+                + [mark(x, y, marker, color, title) for x, y, title in places])
 
     def bar(self, x0, y0, x1, y1, color, title):
         """A filled rectangle between two corners in the axes' values, naming its figure."""
@@ -154,23 +160,81 @@ class Panel:
                 f'height="{number(bottom - top)}" fill="{color}"><title>{escape(title)}'
                 f'</title></rect>')
 
-    def dot(self, x, y, title, color):
-        return (f'<circle cx="{number(self.x(x))}" cy="{number(self.y(y))}" r="4" '
-                f'fill="{color}"><title>{escape(title)}</title></circle>')
+    def dot(self, x, y, title, color, marker="circle"):
+        return mark(self.x(x), self.y(y), marker, color, title)
 
 
-def legend(x, y, entries, size=12):
-    """Colored swatches and their names, one under another from (x, y)."""
-    parts = []
-    for i, (name, color) in enumerate(entries):
-        parts += [f'<rect x="{x}" y="{y + 18 * i - 9}" width="14" height="10" fill="{color}"/>',
-                  text(x + 20, y + 18 * i, name, size)]
-    return parts
+def _polyline(points, color, dashed):
+    path = " ".join(f"{number(x)},{number(y)}" for x, y in points)
+    return (f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"'
+            + (' stroke-dasharray="6 4"' if dashed else "") + "/>")
+
+
+def style(i):
+    """The colour and marker of a picture's series i: no two of the first 56 alike."""
+    return COLORS[i % len(COLORS)], MARKERS[i % len(MARKERS)]
+
+
+def mark(x, y, marker, color, title=None):
+    """A marker of MARKERS (filled, or open: its coloured edge alone, so that a marker under
+    it still shows), or "cross", centred on the page's (x, y): its class is its name, and
+    its title, if given, the figure it stands for."""
+    shape = marker.rpartition(" ")[2]
+    paint = (f'fill="{color}"' if shape == marker != "cross" else
+             f'fill="none" stroke="{color}" stroke-width="{2 if shape == "cross" else 1.5}"')
+    corners = {"triangle": ((0, -4.5), (4.5, 3.5), (-4.5, 3.5)),
+               "diamond": ((0, -5), (5, 0), (0, 5), (-5, 0))}
+    if shape == "circle":
+        tag, where = "circle", f'cx="{number(x)}" cy="{number(y)}" r="4"'
+    elif shape == "square":
+        tag, where = "rect", f'x="{number(x - 3.5)}" y="{number(y - 3.5)}" width="7" height="7"'
+    elif shape == "cross":
+        tag, where = "path", (f'd="M{number(x - 4)},{number(y - 4)} L{number(x + 4)},'
+                              f'{number(y + 4)} M{number(x - 4)},{number(y + 4)} '
+                              f'L{number(x + 4)},{number(y - 4)}"')
+    else:
+        tag, where = "polygon", 'points="{}"'.format(" ".join(
+            f"{number(x + dx)},{number(y + dy)}" for dx, dy in corners[shape]))
+    if title is None:
+        return f'<{tag} class="{marker}" {where} {paint}/>'
+    return f'<{tag} class="{marker}" {where} {paint}><title>{escape(title)}</title></{tag}>'
+
+
+def legend(x, y, entries, size=12, columns=1, width=130):
+    """The names of what a picture draws and how each is drawn, a group of class legend:
+    (name, color) a coloured swatch; (name, color, marker, dashed) a short line, dashed or
+    not, and its marker. Column by column from (x, y), width apart, rows 18 apart."""
+    rows = legend_rows(entries, columns)
+    parts = ['<g class="legend">']
+    for i, (name, color, *drawn) in enumerate(entries):
+        left, top = x + width * (i // rows), y + 18 * (i % rows)
+        if drawn:
+            parts += [_polyline([(left - 2, top - 4), (left + 16, top - 4)], color, drawn[1]),
+                      mark(left + 7, top - 4, drawn[0], color)]
+        else:
+            parts.append(f'<rect x="{left}" y="{top - 9}" width="14" height="10" '
+                         f'fill="{color}"/>')
+        parts.append(text(left + 22, top, name, size))
+    return parts + ["</g>"]
+
+
+def legend_rows(entries, columns=1):
+    return max(1, math.ceil(len(entries) / columns))
 
 
 def bytes_label(value):
-    """A count of bytes in the largest unit under it: 1 kB = 1,000 B."""
-    for size, unit in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
-        if value >= size:
-            return f"{value / size:,.3g} {unit}"
+    """A count of bytes in the largest binary unit under it: 1 KiB = 1,024 B, 1 MiB =
+    1,024 KiB, and so on; memory is counted so in every file of the course."""
+    for power, unit in ((5, "PiB"), (4, "TiB"), (3, "GiB"), (2, "MiB"), (1, "KiB")):
+        if value >= 1024 ** power:
+            value /= 1024 ** power
+            return (f"{value:,.0f}" if value >= 100 or value == round(value)
+                    else f"{value:.3g}") + f" {unit}"
     return f"{value:,.0f} B"
+
+
+def byte_ticks(most, count=3):
+    """Ticks from 0 bytes to most or just past it, a power of two bytes apart (as 8 KiB or
+    32 B): at most count of them, whatever most is."""
+    step = 2 ** max(0, math.ceil(math.log2(max(most, 1) / (count - 1))))
+    return list(range(0, math.ceil(most / step) * step + 1, step))
