@@ -2,6 +2,7 @@
 that function draws from the recorded kv-trace.json, valid SVG, shown once with a
 caption, and drawn to scale; and whatever a hand-edited record holds, each draws a small,
 valid SVG or refuses it naming the key."""
+import ast
 import contextlib
 import copy
 import json
@@ -11,21 +12,103 @@ import re
 import signal
 import unittest
 import xml.etree.ElementTree as ET
+from unittest import mock
 
+import bandwidth
+import batched
 import documents
+import lossy
 import support
 import svg
+from instruments import plant, replacing
 from support import lab_file
 
 SVG = "{http://www.w3.org/2000/svg}"
 
 
 def marks(svg):
-    """(element, its title) for every drawn figure of an SVG text: the dots and bars."""
+    """(element, its title) for every drawn figure of an SVG text: the markers and bars."""
     root = ET.fromstring(svg)
     return [(element, element.find(f"{SVG}title").text) for element in root.iter()
-            if element.tag in (f"{SVG}circle", f"{SVG}rect")
+            if element.tag in (f"{SVG}circle", f"{SVG}rect", f"{SVG}polygon", f"{SVG}path")
             and element.find(f"{SVG}title") is not None]
+
+
+def look(element):
+    """How a mark or a legend's sample is drawn: (its marker's name or None, its colour)."""
+    fill = element.get("fill")
+    return element.get("class"), element.get("stroke") if fill == "none" else fill
+
+
+def legends(drawn):
+    """The looks of each legend of an SVG text: a list of them for each legend group."""
+    return [[look(element) for element in group if element.tag in (
+                f"{SVG}circle", f"{SVG}rect", f"{SVG}polygon", f"{SVG}path")]
+            for group in ET.fromstring(drawn).iter(f"{SVG}g") if group.get("class") == "legend"]
+
+
+def legend_problems(drawn):
+    """Each legend entry of an SVG text that no mark of the picture looks like: a swatch
+    (no marker) stands for the marks of its colour, a marker for those of its colour and
+    marker."""
+    drawn_looks = {look(element) for element, _ in marks(drawn)}
+    return [f"the legend shows {marker or 'a swatch'} in {color}, and nothing is drawn so"
+            for entries in legends(drawn) for marker, color in entries
+            if not any(color == c and marker in (None, m) for m, c in drawn_looks)]
+
+
+def twins(items):
+    """The items of a list that it holds more than once."""
+    return sorted({item for item in items if items.count(item) > 1})
+
+
+def series_problems(drawn):
+    """The looks (marker and colour) of an SVG text's legends that more than one entry
+    has: lines that could be taken for one another."""
+    return [f"two series drawn as {look}" for look in twins(
+        [entry for group in legends(drawn) for entry in group])]
+
+
+BYTES = re.compile(r"^([\d,.]+) (B|KiB|MiB|GiB|TiB|PiB)$")
+DECIMAL = re.compile(r"\d ?(kB|MB|GB|TB|PB)\b")
+
+
+def unit_problems(pictures):
+    """What in pictures ({file: SVG text}) counts memory otherwise than in binary units: a
+    decimal unit (kB, MB, GB) in any text or title; an axis of bytes whose ticks are
+    neither powers of 1,024 (a log axis) nor from 0 bytes a power of two apart."""
+    problems = []
+    for name, drawn in pictures.items():
+        root = ET.fromstring(drawn)
+        problems += [f"{name}: {element.text!r} counts in a decimal unit" for element in
+                     root.iter() if element.text and DECIMAL.search(element.text)]
+        axes = {}
+        for tick in root.iter(f"{SVG}text"):
+            found = BYTES.match(tick.text or "")
+            if found and tick.get("class") in ("x tick", "y tick"):
+                where = tick.get("y" if tick.get("class") == "x tick" else "x")
+                size = float(found[1].replace(",", "")) * 1024 ** [
+                    "B", "KiB", "MiB", "GiB", "TiB", "PiB"].index(found[2])
+                axes.setdefault((tick.get("class"), where), []).append(size)
+        for (axis, _), sizes in axes.items():
+            steps = {b - a for a, b in zip(sizes, sizes[1:])}
+            powers = all(1024 ** round(math.log(size, 1024)) == size for size in sizes if size)
+            linear = sizes[0] == 0 and len(steps) == 1 and math.log2(min(steps)).is_integer()
+            if not (powers and 0 not in sizes or linear):
+                problems.append(f"{name}: an {axis} axis of bytes ticked at {sizes}")
+    return problems
+
+
+LATER_NAMES = re.compile(r"\d layers,|grouped|multi-query|multi-head|latent|DeepSeek|Llama-3|"
+                         r"rotary|heads")
+
+
+def later_names(pictures):
+    """Each text or title of pictures ({file: SVG text}) that names what a later Part
+    introduces: the deeper models, their heads and their designs."""
+    return [f"{name}: {element.text!r}" for name, drawn in pictures.items()
+            for element in ET.fromstring(drawn).iter()
+            if element.text and LATER_NAMES.search(element.text)]
 
 
 class Pictures(unittest.TestCase):
@@ -38,6 +121,8 @@ class Pictures(unittest.TestCase):
         cls.drawn = {}
         for text in cls.texts.values():
             cls.drawn.update(documents.pictures(text, cls.record, cls.timing))
+        cls.marked = {name: mark for text in cls.texts.values()
+                      for mark, name in documents.PICTURE.findall(text)}
 
     def test_every_picture_is_what_the_record_draws(self):
         self.assertGreaterEqual(len(self.drawn), 4)
@@ -95,6 +180,116 @@ class Pictures(unittest.TestCase):
                                  sorted(e[f"{which}_{kind}"] for e in lengths
                                         for which in ("uncached", "cached")))
                 self.assert_to_scale(counts, f"kv-rows.svg, {kind}")
+
+    def test_the_readme_s_picture_names_only_the_lesson_s_and_the_7b_model_s_lines(self):
+        """Section 9's picture stands with the lesson: its lines are the lesson's model and
+        the 7B-class model of its text, that line ending where the text does (4 GiB at
+        8,192 tokens), and nothing in it names a later Part's models; Part 4's picture of
+        the designs, checked the same way, does."""
+        readme = self.texts[documents.README]
+        lesson = documents.pictures(readme, self.record, self.timing)
+        self.assertEqual(later_names(lesson), [])
+        titles = [title for _, title in marks(lesson["kv-cache-bytes.svg"])]
+        self.assertEqual({title.split(":")[0] for title in titles},
+                         {"the lesson's model", "a 7B-class model in fp16"})
+        self.assertIn("a 7B-class model in fp16: 4 GiB at 8,192 positions", titles)
+        self.assertRegex(readme, r"x 8,192 tokens +=\s+4 GiB for one sequence")
+        self.assertTrue(later_names({"by design": self.drawn["kv-cache-bytes-by-design.svg"]}))
+
+    def test_every_memory_axis_counts_in_binary_units(self):
+        """Memory in KiB, MiB and GiB, as section 9 says every file counts it: no decimal
+        unit in any picture, each axis of bytes ticked at powers of 1,024 or a power of two
+        apart. Counted in thousands, ticked at powers of 1,000 or 2,000 bytes apart (each
+        planted in the real code), they are found."""
+        self.assertEqual(unit_problems(self.drawn), [])
+        thousands = replacing(lambda node: isinstance(node, ast.Constant) and node.value == 1024,
+                              lambda node: ast.Constant(1000))
+        for what, owner, function, planting in (
+                ("bytes counted in thousands", svg, "bytes_label", thousands),
+                ("a log axis ticked at powers of 1,000", bandwidth, "_cache_lines", thousands),
+                ("a linear axis ticked as a count", lossy, "ladder_picture", replacing(
+                    lambda node: isinstance(node, ast.Attribute) and node.attr == "byte_ticks",
+                    lambda node: ast.Attribute(node.value, "ticks", node.ctx)))):
+            with self.subTest(mistake=what), mock.patch.object(
+                    owner, function, plant(owner, function, planting)):
+                redrawn = {name: documents.drawn(mark, self.record, self.timing)
+                           for name, mark in self.marked.items()}
+                self.assertTrue(unit_problems(redrawn))
+
+    def test_each_series_of_the_side_by_side_picture_has_its_own_marker(self):
+        """Lines that lie on each other are told apart: each series its own marker, and in
+        its panel its own colour. Every series a circle, or one colour a panel, planted in
+        lossy.side_by_side_picture, is found."""
+        def alike(drawn):   # markers used twice, or a colour twice in a panel's legend
+            panels = legends(drawn)
+            return (twins([marker for entries in panels for marker, _ in entries])
+                    + [color for entries in panels for color in twins([c for _, c in entries])])
+        self.assertEqual(len(legends(self.drawn["kv-ladder-side-by-side.svg"])), 2)
+        self.assertEqual(alike(self.drawn["kv-ladder-side-by-side.svg"]), [])
+        for what, replaced in (("every series a circle", "MARKERS"), ("one colour", "COLORS")):
+            planting = replacing(lambda node: isinstance(node, ast.Subscript) and isinstance(
+                node.value, ast.Attribute) and node.value.attr == replaced,
+                lambda node: ast.Subscript(node.value, ast.Constant(0), node.ctx))
+            with self.subTest(mistake=what), mock.patch.object(
+                    lossy, "side_by_side_picture", plant(lossy, "side_by_side_picture", planting)):
+                self.assertTrue(alike(lossy.side_by_side_picture(self.record, None)))
+
+    def test_a_legend_shows_only_what_is_drawn(self):
+        """No legend entry without a mark: kv-batches.svg names "not run" only when a run is
+        missing, and then marks it; the entry shown always (planted) is found."""
+        for name, drawn in self.drawn.items():
+            with self.subTest(name):
+                self.assertEqual(legend_problems(drawn), [])
+        runs = self.record["batched_decode"]["runs"]
+        missing = copy.deepcopy(self.record)
+        del missing["batched_decode"]["runs"][next(
+            i for i, run in enumerate(runs) if run["pool"] == "ample")]
+        drawn = batched.stories_picture(missing, None)
+        self.assertEqual(legend_problems(drawn), [])
+        self.assertEqual([title for element, title in marks(drawn)
+                          if element.get("class") == "cross"], [
+            f"{runs[0]['kernel']}, batches of up to {runs[0]['max_batch']}: not run"] * 2)
+        self.assertNotIn("not run", self.drawn["kv-batches.svg"])
+        always = replacing(lambda node: isinstance(node, ast.Name) and node.id == "not_run"
+                           and isinstance(node.ctx, ast.Load), lambda node: ast.Constant(True))
+        with mock.patch.object(batched, "stories_picture",
+                               plant(batched, "stories_picture", always)):
+            self.assertTrue(legend_problems(batched.stories_picture(self.record, None)))
+
+    def test_more_kinds_than_colours_are_each_drawn_or_refused(self):
+        """A kind a picture has no colour left for is drawn all the same, in a colour and
+        marker no other has, and named in its legend (the evicting kinds, the 4-layer
+        shapes); bars, which have their colour alone, refuse it, naming the record's key.
+        Seven colours for the lines, planted in place of the cycle, are found."""
+        record = copy.deepcopy(self.record)
+        for i, rung in enumerate(record["eviction"]["rungs"]):
+            rung["cache"] = f"kind {i}, {rung['positions_kept']} kept"
+        shape = next(s for s in record["deep_models"]["shapes"] if s["layers"] == 4)
+        record["deep_models"]["shapes"] += [{**shape, "kv_heads": n} for n in range(5, 12)]
+        cut = replacing(lambda node: isinstance(node, ast.Call) and isinstance(
+            node.func, ast.Name) and node.func.id == "enumerate", lambda node: ast.Call(
+                ast.Name("zip", ast.Load()), [ast.Call(ast.Name("range", ast.Load()), [
+                    ast.Constant(len(svg.COLORS))], []), node.args[0]], []))
+        kinds_by_bytes = {r["cache"].split(",")[0].rsplit(" ", 1)[0]
+                          for r in record["quantization"]["rungs"]}
+        for owner, function, picture, kinds in (
+                (lossy, "side_by_side_picture", "side_by_side_picture",
+                 2 + len(record["eviction"]["rungs"]) + 1 + len(kinds_by_bytes)),
+                (bandwidth, "_cache_lines", "cache_bytes_by_design_picture", 1 + 2 + 7 + 4)):
+            with self.subTest(function):
+                drawn = getattr(owner, picture)(record, None)
+                self.assertGreater(kinds, len(svg.COLORS))
+                self.assertEqual(sum(map(len, legends(drawn))), kinds)
+                self.assertEqual(series_problems(drawn), [])
+                self.assertEqual(legend_problems(drawn), [])
+                with mock.patch.object(owner, function, plant(owner, function, cut)):
+                    self.assertLess(sum(map(len, legends(getattr(owner, picture)(record, None)))),
+                                    kinds)
+        for run in record["batched_decode"]["runs"]:
+            run["kernel"] += f" {run['max_batch']}"
+        with self.assertRaisesRegex(ValueError, r"^the record's batched_decode\.runs has "
+                                                r"\d+ kernels, more than the 7 colours"):
+            batched.stories_picture(record, None)
 
     def test_the_batch_bars_are_as_high_as_their_counts(self):
         requests = self.record["batched_decode"]["requests"]
@@ -183,7 +378,7 @@ class HostileRecords(unittest.TestCase):
     def test_a_shape_the_lab_did_not_ship_is_drawn_and_named(self):
         shape = next(i for i, shape in enumerate(self.record["deep_models"]["shapes"])
                      if shape["layers"] == 4 and shape["kv_heads"] == 2)
-        drawn = documents.drawing("bandwidth.cache_bytes_picture")(
+        drawn = documents.drawing("bandwidth.cache_bytes_by_design_picture")(
             self.edited(**{f"deep_models.shapes.{shape}.kv_heads": 3}), None)
         self.assertIn("4 layers, grouped-query 3: 512 B", drawn)
 
