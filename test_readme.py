@@ -224,6 +224,55 @@ def glossary_problems(texts):
     return problems
 
 
+LIBRARIES = "The same ideas in the libraries"   # the Reference's table of the libraries' names
+LAB_NAME = re.compile(r"([A-Za-z_][\w.]*)(?:\(([\w, ]*)\))?")
+
+
+def lab_names(texts):
+    """(the row's idea, the text in backticks) for each name in the "here" column of the
+    Reference's table of the libraries' names."""
+    section = re.search(rf"^## {LIBRARIES}\n(.*?)(?=^## )", texts[GLOSSARY], re.M | re.S)[1]
+    rows = [row.split("|")[1:3] for row in re.findall(r"^\|(?!---).*", section, re.M)][1:]
+    return [(idea.strip(), name) for idea, here in rows for name in re.findall(r"`([^`]*)`", here)]
+
+
+def lab_definitions():
+    """{name: [each function and class of that name defined in a module of the lab]}."""
+    found = collections.defaultdict(list)
+    for module in sorted(file[:-3] for file in os.listdir(HERE) if file.endswith(".py")):
+        if _is_lab_module(module):
+            for name, value in vars(importlib.import_module(module)).items():
+                if (inspect.isfunction(value) or inspect.isclass(value)) \
+                        and value.__module__ == module:
+                    found[name].append(value)
+    return found
+
+
+def lab_name_problems(names, definitions):
+    """Each name that is not `function`, `Class`, `module.name` or `Class.method` of the
+    lab, or that shows an argument, `name(a, b)`, that it does not take."""
+    problems = []
+    for idea, text in names:
+        written = LAB_NAME.fullmatch(text)
+        if not written:
+            problems.append(f"{idea!r}: `{text}` is not written as a name of the lab")
+            continue
+        first, *rest = written[1].split(".")
+        found = [importlib.import_module(first)] if rest and _is_lab_module(first) \
+            else definitions.get(first, [])
+        for part in rest:
+            found = [getattr(owner, part) for owner in found if hasattr(owner, part)]
+        found = [named for named in found if callable(named)]
+        arguments = [a.strip() for a in (written[2] or "").split(",") if a.strip()]
+        if not found:
+            problems.append(f"{idea!r}: `{text}` is no function, class or method of the lab")
+        elif not any(set(arguments) <= set(inspect.signature(named).parameters)
+                     for named in found):
+            problems.append(f"{idea!r}: `{text}`: {written[1]} takes no argument of one of "
+                            f"these names")
+    return problems
+
+
 def sentences(text):
     """The sentences of text's prose (not code, tables, formulas), marks kept."""
     text = re.sub(r"^```.*?^```$", "", text, flags=re.M | re.S)
@@ -665,6 +714,19 @@ class Figures(unittest.TestCase):
 
     def test_each_glossary_term_is_linked_at_its_first_use(self):
         self.assert_none(glossary_problems(self.texts), "terms are not linked to the glossary")
+
+    def test_the_libraries_table_names_the_lab_as_it_is(self):
+        """Each name in backticks in the "here" column of the Reference's table of the
+        libraries' names is a function, class or method of the lab, with the arguments it
+        shows; a table with a wrong name and a wrong argument gives two problems."""
+        definitions = lab_definitions()
+        names = lab_names(self.texts)
+        self.assertGreaterEqual(len(names), 20)
+        self.assert_none(lab_name_problems(names, definitions),
+                         f"names in reference.md's table \"{LIBRARIES}\" are not the lab's")
+        table = (f"## {LIBRARIES}\n\n| the idea | here |\n|---|---|\n| a | `KVCache.crop(lenght)` |"
+                 f"\n| b | `kv_cache.forward_stp`, `WindowCache(window, sinks)` |\n\n## Glossary\n")
+        self.assertEqual(len(lab_name_problems(lab_names({GLOSSARY: table}), definitions)), 2)
 
     def test_a_link_check_finds_a_missing_file_and_a_missing_heading(self):
         texts = {"README.md": "# The lab\n\n## Quick start, again\n\n[a](part9.md) "
