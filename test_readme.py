@@ -233,7 +233,8 @@ def lab_names(texts):
     Reference's table of the libraries' names."""
     section = re.search(rf"^## {LIBRARIES}\n(.*?)(?=^## )", texts[GLOSSARY], re.M | re.S)[1]
     rows = [row.split("|")[1:3] for row in re.findall(r"^\|(?!---).*", section, re.M)][1:]
-    return [(idea.strip(), name) for idea, here in rows for name in re.findall(r"`([^`]*)`", here)]
+    return [(idea.strip(), name) for idea, here in rows
+            for name in re.findall(r"`([^`]*)`", here)]
 
 
 def lab_definitions():
@@ -266,10 +267,12 @@ def lab_name_problems(names, definitions):
         arguments = [a.strip() for a in (written[2] or "").split(",") if a.strip()]
         if not found:
             problems.append(f"{idea!r}: `{text}` is no function, class or method of the lab")
-        elif not any(set(arguments) <= set(inspect.signature(named).parameters)
-                     for named in found):
-            problems.append(f"{idea!r}: `{text}`: {written[1]} takes no argument of one of "
-                            f"these names")
+        else:
+            missing = min((set(arguments) - set(inspect.signature(named).parameters)
+                           for named in found), key=len)
+            if missing:
+                problems.append(f"{idea!r}: `{text}`: {written[1]} takes no argument "
+                                f"{', '.join(sorted(missing))}")
     return problems
 
 
@@ -724,8 +727,9 @@ class Figures(unittest.TestCase):
         self.assertGreaterEqual(len(names), 20)
         self.assert_none(lab_name_problems(names, definitions),
                          f"names in reference.md's table \"{LIBRARIES}\" are not the lab's")
-        table = (f"## {LIBRARIES}\n\n| the idea | here |\n|---|---|\n| a | `KVCache.crop(lenght)` |"
-                 f"\n| b | `kv_cache.forward_stp`, `WindowCache(window, sinks)` |\n\n## Glossary\n")
+        table = (f"## {LIBRARIES}\n\n| the idea | here |\n|---|---|\n"
+                 f"| a | `KVCache.crop(lenght)` |\n"
+                 f"| b | `kv_cache.forward_stp`, `WindowCache(window, sinks)` |\n\n## Glossary\n")
         self.assertEqual(len(lab_name_problems(lab_names({GLOSSARY: table}), definitions)), 2)
 
     def test_a_link_check_finds_a_missing_file_and_a_missing_heading(self):
