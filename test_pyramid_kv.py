@@ -314,6 +314,15 @@ class TheRecord(unittest.TestCase):
                 self.assertEqual(kinds["pyramid"]["floats_per_position"],
                                  kinds["uniform"]["floats_per_position"])
 
+    def test_the_prompt_is_too_long_for_pyramid_kv_s_code_to_fall_back(self):
+        """PyramidKV's code (PyramidKVCluster.update_kv) keeps a prompt shorter than the
+        budget whole, and gives every layer the same budget to a prompt shorter than twice
+        the budget less the window: Part 5 says that never happens here."""
+        record = support.recorded("pyramid")
+        for run in record["runs"]:
+            self.assertGreaterEqual(record["prompt_tokens"], max(
+                run["budget"], 2 * (run["budget"] - record["window"])), run)
+
 
 if __name__ == "__main__":
     unittest.main()
