@@ -330,13 +330,13 @@ def side_by_side_picture(record, timing):
     against the positions kept (the windows, without and with 4 sinks, and each evicting
     kind of eviction.py), and against the bytes a position takes in a full context of 64,
     its exact positions included (the formats, and quantization.py's GroupedCaches by
-    kind). Each series has a colour and a marker of its own, and is drawn SHIFT pixels
-    right of the one before it."""
+    kind and its RotatedCaches). Each series has a colour and a marker of its own, and is
+    drawn SHIFT pixels right of the one before it."""
     kept_shape = {"stories": svg.COUNT, "rungs": [{
         "cache": str, "positions_kept": (*svg.COUNT, None), "greedy_stories_changed": svg.COUNT,
         "bytes_per_position": (*svg.COUNT, None)}]}
-    checked = svg.checked(record, {"ladder": kept_shape, "eviction": kept_shape,
-                                   "quantization": kept_shape})
+    checked = svg.checked(record, {"ladder": kept_shape, "eviction": kept_shape, "quantization": {
+        **kept_shape, "one_scale_rungs": kept_shape["rungs"]}})
     stories = checked["ladder"]["stories"]
 
     by_kept, by_bytes = {}, {"one scale a vector": [r for r in checked["ladder"]["rungs"]
@@ -348,6 +348,7 @@ def side_by_side_picture(record, timing):
         by_kept.setdefault(rung["cache"].split(",")[0], []).append(rung)
     for rung in checked["quantization"]["rungs"]:   # "KIVI 2-bit, groups of 16": "KIVI"
         by_bytes.setdefault(rung["cache"].split(",")[0].rsplit(" ", 1)[0], []).append(rung)
+    by_bytes["rotated, one scale"] = checked["quantization"]["one_scale_rungs"]
     body, drawn, rows = [], 0, 1
     for box, lines, key, label, xticks, xlabels in (
             ((80, 50, 250, 240), by_kept, "positions_kept", "positions kept", svg.ticks, None),

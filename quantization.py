@@ -8,7 +8,8 @@ keeps the most recent positions exact: they wait, as floats, until the residual 
 and are then quantized together. With rotate, every key and value is first turned by a
 Hadamard matrix, as llama.cpp does, spreading an outlier over all 16 numbers; attention
 reads them turned back. lossy.py's int8 and int4, one scale per vector, are the rungs to
-beat, at the same bytes.
+beat, at the same bytes; RotatedCache is lossy.py's QuantizedCache turned the same way, as
+llama.cpp turns before its one-scale formats.
 """
 import math
 import struct
@@ -20,7 +21,7 @@ import documents
 from documents import shown
 from instruments import largest_gap
 from kv_cache import KVCache, feed
-from lossy import measure
+from lossy import QuantizedCache, measure
 
 BITS = (2, 4, 8, 64)   # 64: no levels, every number kept as a float64 (the rotation alone)
 FLUSHES = ("groups", "requantize")
@@ -115,6 +116,20 @@ def _stored_bytes(stored):
     return sum(len(part) * getattr(part, "itemsize", 1) for part in stored)
 
 
+def _refuse_unless_storable(vector, kind, largest, how):
+    """Refuse, naming it, a key or value that a kind of cache cannot store (how): not 16
+    numbers, one not finite, or one beyond largest."""
+    if len(vector) != model.WIDTH:
+        raise ValueError(f"a key or value of {len(vector)} numbers cannot be stored: a "
+                         f"{kind} keeps {model.WIDTH} numbers each (the head width)")
+    bad = next((x for x in vector if not math.isfinite(x)), None)
+    if bad is not None:
+        raise ValueError(f"a {kind} cannot store a vector holding {bad!r}")
+    if max(map(abs, vector)) > largest:
+        raise ValueError(f"a number of {model.excerpt(vector)} is beyond {largest:.3g}, the "
+                         f"largest this {kind} can store {how}")
+
+
 class GroupedCache(KVCache):
     """A cache that quantizes as KIVI does: keys per channel over each group of group
     positions (keys_by_channel), values per token (value_by_token), at 2, 4 or 8 bits
@@ -166,19 +181,10 @@ class GroupedCache(KVCache):
 
     def _check(self, vector):
         """Refuse a key or value this cache cannot store, naming it."""
-        if len(vector) != model.WIDTH:
-            raise ValueError(f"a key or value of {len(vector)} numbers cannot be stored: a "
-                             f"GroupedCache keeps {model.WIDTH} numbers each (the head width)")
-        bad = next((x for x in vector if not math.isfinite(x)), None)
-        if bad is not None:
-            raise ValueError(f"a GroupedCache cannot store a vector holding {bad!r}")
         largest = (sys.float_info.max if self.bits == 64 else FLOAT32_MAX / 2) / (
             SPREAD if self.rotate else 1)
-        if max(map(abs, vector)) > largest:
-            raise ValueError(f"a number of {model.excerpt(vector)} is beyond {largest:.3g}, "
-                             f"the largest this GroupedCache can store "
-                             + ("turned" if self.bits == 64 else
-                                "with a 32-bit zero point and scale"))
+        _refuse_unless_storable(vector, "GroupedCache", largest, "turned" if self.bits == 64
+                                else "with a 32-bit zero point and scale")
 
     def extend(self, token_ids, keys, values):
         for vector in [*keys, *values]:   # all checked before any is kept
@@ -251,6 +257,36 @@ class GroupedCache(KVCache):
         return sum(self.stored_bytes()) / len(self)
 
 
+class RotatedCache(QuantizedCache):
+    """A QuantizedCache (lossy.py: one scale a key or value) that turns each key and value
+    (turned) before it stores it in its format, and turns it back when it gives it back,
+    as llama.cpp turns before its block formats (q8_0, q4_0: one scale a block of 32
+    numbers): attention reads
+    turned(the turned vector as fmt keeps it). It takes the format's bytes; at float64 it
+    gives back each vector within rounding, not exactly."""
+
+    def __init__(self, params, fmt):
+        super().__init__(params, fmt)
+        self.stores_exactly = False
+
+    def stored(self, vector):
+        """vector as the cache gives it back once kept: turned, in its format, turned back."""
+        return turned(QuantizedCache.stored(self, self._turned(vector)))
+
+    def extend(self, token_ids, keys, values):
+        keys, values = [self._turned(k) for k in keys], [self._turned(v) for v in values]
+        held = len(self)
+        QuantizedCache.extend(self, token_ids, keys, values)   # all packed before any is kept
+        self.keys[held:] = map(turned, self.keys[held:])
+        self.values[held:] = map(turned, self.values[held:])
+
+    def _turned(self, vector):
+        """vector turned, refused first if it is not 16 finite numbers that turn within
+        float64 (a turned number is at most SPREAD times the largest)."""
+        _refuse_unless_storable(vector, "RotatedCache", sys.float_info.max / SPREAD, "turned")
+        return turned(vector)
+
+
 def bytes_by_formula(bits, group, residual, positions):
     """What a GroupedCache holding positions positions (at least 1) stores per position:
     16 numbers a key and 16 a value, at bits / 8 bytes each once quantized, 8 while exact;
@@ -269,10 +305,14 @@ def bytes_by_formula(bits, group, residual, positions):
 # 128 and 32, Hugging Face's 128 and 64, would leave most stories exact): a story of 30
 # quantizes 16 positions. 4 bits in groups of 8 take int8's 40 bytes a quantized position,
 # 2 bits in groups of 16 int4's 24.
-RUNGS = (("KIVI 4-bit, groups of 8", dict(bits=4, group=8, residual=16)),
-         ("KIVI 2-bit, groups of 16", dict(bits=2, group=16, residual=16)),
-         ("rotated 4-bit, groups of 8", dict(bits=4, group=8, residual=16, rotate=True)),
-         ("rotated 2-bit, groups of 16", dict(bits=2, group=16, residual=16, rotate=True)))
+RESIDUAL = 16
+RUNGS = (("KIVI 4-bit, groups of 8", dict(bits=4, group=8, residual=RESIDUAL)),
+         ("KIVI 2-bit, groups of 16", dict(bits=2, group=16, residual=RESIDUAL)),
+         ("rotated 4-bit, groups of 8", dict(bits=4, group=8, residual=RESIDUAL, rotate=True)),
+         ("rotated 2-bit, groups of 16", dict(bits=2, group=16, residual=RESIDUAL, rotate=True)))
+# and RotatedCaches, beside the ladder's one-scale formats (its int4: the same bytes)
+ONE_SCALE_RUNGS = (("rotated int4, one scale a vector", "int4"),)
+CASES = range(len(RUNGS) + len(ONE_SCALE_RUNGS))   # the stage's: RUNGS, then ONE_SCALE_RUNGS
 
 
 def full_context(lab):
@@ -284,7 +324,9 @@ def rung(lab, case, runs):
     """One GroupedCache (RUNGS[case]) measured on every opening (lossy.measure), with its
     bytes per position holding a full context (counted), the bytes a quantized position
     takes there, and the numbers re-quantized and those that came back changed (summed
-    over the greedy stories)."""
+    over the greedy stories); past RUNGS, a RotatedCache (one_scale_rung)."""
+    if case >= len(RUNGS):
+        return one_scale_rung(lab, *ONE_SCALE_RUNGS[case - len(RUNGS)], runs)
     name, settings = RUNGS[case]
     counts = {"numbers_requantized": 0, "numbers_moved": 0}
 
@@ -301,6 +343,27 @@ def rung(lab, case, runs):
             "positions_kept": None, **measured, **counts}
 
 
+def one_scale_rung(lab, name, fmt, runs):
+    """A RotatedCache of format fmt measured on every opening, as the ladder's formats are,
+    with its bytes per position (measured)."""
+    measured, cache = measure(lab, runs, lambda prompt_tokens: RotatedCache(lab.params, fmt))
+    return {"cache": name, "format": fmt, "rotate": True,
+            "bytes_per_position": cache.bytes_per_position(), "positions_kept": None,
+            **measured}
+
+
+def prompt_rows_reading_quantized_keys(prompt_lengths, residual=RESIDUAL):
+    """For prompts of these lengths fed one token at a time through a GroupedCache of that
+    residual: the prompt rows; those that read quantized keys (position residual, kept,
+    quantizes the residual before it, so the rows from there on read them); and the
+    stories whose last prompt row, which picks the first token, is among them. KIVI and
+    Hugging Face compute every prompt row from exact keys and quantize afterwards."""
+    return {"residual": residual, "prompt_rows": sum(prompt_lengths),
+            "rows_reading_quantized_keys": sum(max(0, n - residual) for n in prompt_lengths),
+            "stories_choosing_the_first_token_from_them": sum(n > residual
+                                                              for n in prompt_lengths)}
+
+
 # Re-quantizing gives a group its own levels back (its smallest number is level 0, its
 # largest the top), so errors compound only where a group grows: a residual of 12 leaves
 # the last group of 16 short at each flush.
@@ -312,18 +375,22 @@ TURNED_ONLY = dict(bits=64, group=16, residual=16, rotate=True)   # no levels: t
 
 
 def rungs(lab, results):
-    """The stage's record: every rung and on how many openings; and, on a full context,
+    """The stage's record: every rung (the GroupedCaches', then the RotatedCaches') and on
+    how many openings; which prompt rows read quantized keys; and, on a full context,
     the largest logit gap of a GroupedCache(TURNED_ONLY), how far the channels' peaks of
     the keys and the values differ (outliers) and what re-quantizing does to a group that
     grows (compounding) and to groups that do not (whole_groups)."""
     exact, turned_only = KVCache(lab.params), GroupedCache(lab.params, **TURNED_ONLY)
     exact_rows = feed(lab.params, exact, full_context(lab))
     rows = feed(lab.params, turned_only, full_context(lab))
-    return {"stories": len(lab.prompts), "rungs": results,
+    return {"stories": len(lab.prompts), "rungs": results[:len(RUNGS)],
+            "one_scale_rungs": results[len(RUNGS):],
             "turned_only": {"positions": len(rows), "rows_equal": rows == exact_rows,
                             "largest_logit_gap": largest_gap(rows, exact_rows)},
             **outliers(exact), "compounding": compounding(exact, COMPOUNDING),
-            "whole_groups": compounding(exact, WHOLE_GROUPS)}
+            "whole_groups": compounding(exact, WHOLE_GROUPS),
+            "prompt_rows": prompt_rows_reading_quantized_keys(
+                [len(lab.tok.encode(prompt)) for prompt in lab.prompts])}
 
 
 def outliers(exact):
@@ -356,13 +423,14 @@ def compounding(exact, settings):
 # ---- what Part 3 shows of it (documents.py fills its marks) --------------------------
 
 def table(record, timing):
-    """The ladder's int8 and int4 rungs (one scale per vector), then each GroupedCache's."""
+    """The ladder's int8 and int4 rungs (one scale per vector) and the RotatedCaches', then
+    each GroupedCache's."""
     ladder = {rung["cache"]: rung for rung in record["ladder"]["rungs"]}
-    rows = [[f"{fmt}, one scale a vector", "none", "—", shown(ladder[fmt]["bytes_per_position"],
-                                                           "g"),
-             shown(ladder[fmt]["bytes_per_position"], "g"),
-             shown(ladder[fmt]["largest_logit_gap"]), ladder[fmt]["greedy_stories_changed"],
-             ladder[fmt]["sampled_stories_changed"]] for fmt in ("int8", "int4")]
+    one_scale = [dict(ladder[fmt], cache=f"{fmt}, one scale a vector") for fmt in ("int8", "int4")]
+    one_scale += record["quantization"]["one_scale_rungs"]
+    rows = [[r["cache"], "none", "—", shown(r["bytes_per_position"], "g"),
+             shown(r["bytes_per_position"], "g"), shown(r["largest_logit_gap"]),
+             r["greedy_stories_changed"], r["sampled_stories_changed"]] for r in one_scale]
     rows += [[r["cache"], f"1 to {r['residual']}", r["flush"],
               shown(r["bytes_per_quantized_position"], "g"), shown(r["bytes_per_position"], "g"),
               shown(r["largest_logit_gap"]), r["greedy_stories_changed"],

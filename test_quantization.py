@@ -1,6 +1,7 @@
-"""Fewer bits as engines store them (quantization.py): a GroupedCache gives back what its
-docstring says, worked out plainly; it counts its bytes as the formula does; re-quantizing
-compounds only where a group grows; what it cannot store is refused."""
+"""Fewer bits as engines store them (quantization.py): a GroupedCache and a RotatedCache give
+back what their docstrings say, worked out plainly; a GroupedCache counts its bytes as the
+formula does; re-quantizing compounds only where a group grows; what they cannot store is
+refused."""
 import ast
 import math
 import struct
@@ -11,7 +12,7 @@ import support
 import verdicts
 from instruments import replacing
 from kv_cache import KVCache, feed
-from quantization import GroupedCache, bytes_by_formula
+from quantization import GroupedCache, RotatedCache, bytes_by_formula
 from quick_checks import Wrong, differ, step, strayed
 from support import PARAMS, STORIES, TOK, assert_equal
 
@@ -68,6 +69,19 @@ def as_given_back(settings, keys, values):
     return keys, values
 
 
+def on_one_scale(vector, top):
+    """vector on one scale of its own, plainly: a 32-bit scale, its largest magnitude / top;
+    each number the nearest level from -top to top (ties to even), times the scale."""
+    scale = f32(max(abs(x) for x in vector) / top)
+    return [max(-top, min(top, round(x / scale))) * scale if scale else 0.0 for x in vector]
+
+
+def turned_on_one_scale(vector, top):
+    """vector as a RotatedCache of int8 (top 127) or int4 (top 7) gives it back, by its
+    docstring: turned, on one scale, turned back."""
+    return turn(on_one_scale(turn(vector), top))
+
+
 def described(settings):
     words = ", ".join(f"{name}={value!r}" for name, value in settings.items())
     return f"GroupedCache(params, {words})"
@@ -107,7 +121,30 @@ def quick_check():
                       "the cache", fed=f"token IDs {ids}")
         if why:
             return why
-    return None
+    for fmt, top in (("int8", 127), ("int4", 7)):
+        label = f"the first test story's keys and values through RotatedCache(params, {fmt!r})"
+        cache = RotatedCache(PARAMS, fmt)
+        wanted = {part: [turned_on_one_scale(vector, top) for vector in getattr(exact, part)]
+                  for part in ("keys", "values")}
+        for n, kept in enumerate(zip(exact.tokens, exact.keys, exact.values), 1):
+            step(f"{label}: appending position {n - 1}")
+            cache.append(*kept)
+            for part in ("keys", "values"):
+                why = differ(f"{label}, {n} positions held: the {part} it gives back",
+                             getattr(cache, part), wanted[part][:n], "the cache",
+                             names=("position", "number"), fed=f"token IDs {ids[:n]}")
+                if why:
+                    return why
+        step(f"{label}: stored() of each key")
+        why = differ(f"{label}: the keys as stored() gives them back",
+                     list(map(cache.stored, exact.keys)), wanted["keys"], "the cache",
+                     names=("position", "number"), fed=f"token IDs {ids}")
+        if why:
+            return why
+    step("the first test story through RotatedCache(params, 'float64')")
+    return strayed("the first test story through RotatedCache(params, 'float64')",
+                   feed(PARAMS, RotatedCache(PARAMS, "float64"), ids), exact_rows, "the cache",
+                   fed=f"token IDs {ids}")
 
 
 QuickCheck = verdicts.quick_check_case("quantization", __name__)
@@ -136,6 +173,12 @@ def values_not_turned_back(tree):
                      lambda node: node.args[1])(tree)
 
 
+VALUES_KEPT_TURNED = replacing(   # map(turned, self.values[held:]): self.values[held:]
+    lambda node: is_call(node, "map") and isinstance(node.args[1], ast.Subscript)
+    and getattr(node.args[1].value, "attr", None) == "values", lambda node: node.args[1])
+STORED_NOT_TURNED_BACK = replacing(   # turned(QuantizedCache.stored(...)): without turned
+    lambda node: is_call(node, "turned") and isinstance(node.args[0], ast.Call)
+    and getattr(node.args[0].func, "attr", None) == "stored", lambda node: node.args[0])
 ONLY_THE_NEW_POSITIONS = replacing(   # start = len(...) if groups else 0: len(...) always
     lambda node: isinstance(node, ast.IfExp) and getattr(node.orelse, "value", None) == 0,
     lambda node: node.body)
@@ -155,6 +198,12 @@ MISTAKES = [
      given_back_wrong("values", "bits=2, group=4, residual=8, rotate=True")),
     ("a re-quantizing flush that quantizes only the positions waiting", GroupedCache,
      "_flush", ONLY_THE_NEW_POSITIONS, given_back_wrong("keys", ".*requantize'")),
+    ("a RotatedCache's values not turned back", RotatedCache, "extend", VALUES_KEPT_TURNED,
+     r"through RotatedCache\(params, 'int8'\), 1 positions held: the values it gives back, "
+     r"at position 0, number \d+: \S+ from the cache, \S+ expected"),
+    ("a RotatedCache's stored() not turning back", RotatedCache, "stored",
+     STORED_NOT_TURNED_BACK, r"RotatedCache\(params, 'int8'\): the keys as stored\(\) gives "
+                             r"them back, at position 0"),
 ]
 
 
@@ -270,6 +319,39 @@ class Grouped(unittest.TestCase):
             GroupedCache(PARAMS, 4, 8, 8).bytes_per_position()
 
 
+class Rotated(unittest.TestCase):
+    """What a RotatedCache keeps and refuses."""
+
+    def test_it_takes_its_format_s_bytes_and_copies_and_crops(self):
+        ids = TOK.encode(STORIES[0])
+        alone = feed(PARAMS, RotatedCache(PARAMS, "int4"), ids)
+        cache = RotatedCache(PARAMS, "int4")
+        feed(PARAMS, cache, ids[:10])
+        self.assertEqual((cache.bytes_per_position(), cache.stores_exactly), (24, False))
+        support.assert_same_rows(self, feed(PARAMS, cache.copy(), ids), alone[10:])
+        cache.crop(6)
+        support.assert_same_rows(self, feed(PARAMS, cache, ids), alone[6:])
+
+    def test_bad_formats_and_what_it_cannot_store_are_refused(self):
+        with self.assertRaisesRegex(ValueError, "unknown cache format 'int2'; the formats are "
+                                                "float64, float32, float16, int8, int4"):
+            RotatedCache(PARAMS, "int2")
+        cache = RotatedCache(PARAMS, "int4")
+        feed(PARAMS, cache, LONGEST[:4])
+        key = cache.keys[0]
+        support.assert_each_refused(self, [
+            (lambda: cache.append(5, key[:3], key), "a key or value of 3 numbers cannot be "
+                                                    "stored: a RotatedCache keeps 16"),
+            (lambda: cache.extend([5, 6], [key, key], [key, [math.nan] * 16]),
+             "a RotatedCache cannot store a vector holding nan"),
+            (lambda: cache.append(5, [math.inf] + key[1:], key), "holding inf"),
+            (lambda: cache.stored([1e308] + key[1:]), r"is beyond 4.49e\+307, the largest this "
+                                                      r"RotatedCache can store turned"),
+            (lambda: RotatedCache(PARAMS, "float16").append(5, [3e5] + key[1:], key),
+             "is beyond float16's largest")],
+            lambda: support.snapshot(cache))
+
+
 class TheRecord(unittest.TestCase):
     """What the recorded run (support.recorded) says of GroupedCache, and what Part 3's
     section 19 says of it."""
@@ -309,9 +391,39 @@ class TheRecord(unittest.TestCase):
         self.assertGreater(grown["numbers_moved"], 0)
         self.assertGreater(grown["largest_key_error"], grown["largest_key_error_quantized_once"])
 
+    def test_the_rotated_one_scale_rung_is_the_cache_it_names(self):
+        self.assertEqual([(r["cache"], r["format"], r["rotate"], r["bytes_per_position"])
+                          for r in self.record["one_scale_rungs"]],
+                         [(name, fmt, True, self.ladder[fmt]["bytes_per_position"])
+                          for name, fmt in quantization.ONE_SCALE_RUNGS])
+
+    def test_the_prompt_rows_reading_quantized_keys_are_a_grouped_cache_s(self):
+        """Fed each opening's prompt, a GroupedCache of a rung's settings holds quantized
+        positions when these rows read: counted as the record says."""
+        settings = quantization.RUNGS[0][1]
+        reads = []   # for each opening, each prompt row: whether it read a quantized key
+        for opening in support.OPENINGS:
+            cache, read = GroupedCache(PARAMS, **settings), []
+            for token_id in TOK.encode(opening):
+                cache.append(token_id, [0.0] * 16, [0.0] * 16)   # as forward_step does
+                read.append(len(cache.stored_values) > 0)        # before the row reads
+            reads.append(read)
+        self.assertEqual(self.record["prompt_rows"], {
+            "residual": settings["residual"], "prompt_rows": sum(map(len, reads)),
+            "rows_reading_quantized_keys": sum(map(sum, reads)),
+            "stories_choosing_the_first_token_from_them": sum(read[-1] for read in reads)})
+        self.assertEqual(sum(map(any, reads)), sum(read[-1] for read in reads),
+                         "the stories with a prompt row that read quantized keys, and those "
+                         "whose last prompt row (it picks the first token) did")
+
     def test_what_section_17_says_of_the_rungs(self):
         """At equal bytes a quantized position, int8 and int4 gap less and change fewer
-        greedy stories; the rotation helps neither 2-bit figure; no channel stands out."""
+        greedy stories; the rotation helps neither 2-bit figure, and gives one-scale int4 a
+        smaller gap but more greedy stories changed; no channel stands out."""
+        rotated = self.record["one_scale_rungs"][0]
+        self.assertLess(rotated["largest_logit_gap"], self.ladder["int4"]["largest_logit_gap"])
+        self.assertGreater(rotated["greedy_stories_changed"],
+                           self.ladder["int4"]["greedy_stories_changed"])
         for kivi, fmt in (("KIVI 4-bit, groups of 8", "int8"), ("KIVI 2-bit, groups of 16",
                                                                 "int4")):
             for figure in ("largest_logit_gap", "greedy_stories_changed"):

@@ -93,7 +93,7 @@ STAGES = (
           gather=lossy.ladder),
     Stage(3, "eviction", eviction.rung, ("runs",), cases=range(len(eviction.RUNGS)),
           gather=lossy.ladder),
-    Stage(3, "quantization", quantization.rung, ("runs",), cases=range(len(quantization.RUNGS)),
+    Stage(3, "quantization", quantization.rung, ("runs",), cases=quantization.CASES,
           gather=quantization.rungs),
     Stage(4, "prefix_cache", serving.prefix_cache, ("runs",)),
     Stage(4, "many_requests", serving.many_requests, ("runs",)),
