@@ -340,7 +340,8 @@ def side_by_side_picture(record, timing):
     stories = checked["ladder"]["stories"]
 
     by_kept, by_bytes = {}, {"one scale a vector": [r for r in checked["ladder"]["rungs"]
-                                                    if r["bytes_per_position"] is not None]}
+                                                    if r["bytes_per_position"] is not None],
+                             "rotated, one scale": checked["quantization"]["one_scale_rungs"]}
     for rung in checked["ladder"]["rungs"]:
         if rung["positions_kept"]:
             by_kept.setdefault(f"a window, {rung['cache'].rpartition(', ')[2]}", []).append(rung)
@@ -348,7 +349,6 @@ def side_by_side_picture(record, timing):
         by_kept.setdefault(rung["cache"].split(",")[0], []).append(rung)
     for rung in checked["quantization"]["rungs"]:   # "KIVI 2-bit, groups of 16": "KIVI"
         by_bytes.setdefault(rung["cache"].split(",")[0].rsplit(" ", 1)[0], []).append(rung)
-    by_bytes["rotated, one scale"] = checked["quantization"]["one_scale_rungs"]
     body, drawn, rows = [], 0, 1
     for box, lines, key, label, xticks, xlabels in (
             ((80, 50, 250, 240), by_kept, "positions_kept", "positions kept", svg.ticks, None),
@@ -362,8 +362,8 @@ def side_by_side_picture(record, timing):
         body += panel.axes(xticks(max(xs)), svg.ticks(stories), label,
                            f"greedy stories changed (of {stories})", xlabels=xlabels)
         entries = []
-        for j, (name, rungs) in enumerate(lines.items()):   # a colour and marker of its own
-            color, marker = svg.COLORS[j % len(svg.COLORS)], svg.MARKERS[drawn % len(svg.MARKERS)]
+        for j, (name, rungs) in enumerate(lines.items()):   # no two of 63 series alike
+            color, marker = svg.COLORS[drawn % len(svg.COLORS)], svg.MARKERS[drawn % len(svg.MARKERS)]
             drawn += 1
             dashed = name.startswith(("a window", "one scale"))
             body += panel.line([(r[key], r["greedy_stories_changed"],

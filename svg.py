@@ -18,7 +18,7 @@ from xml.sax.saxutils import escape as _escape_markup
 WIDTH, HEIGHT = 720, 400
 COLORS = ("#c0392b", "#2471a3", "#229954", "#b9770e", "#7d3c98", "#566573", "#d35400")
 MARKERS = ("circle", "square", "triangle", "diamond",
-           "open circle", "open square", "open triangle", "open diamond")
+           "open circle", "open square", "open triangle", "open diamond", "plus")
 LARGEST = 10 ** 12     # a number beyond any run of this lab: a record holding one is refused
 COUNT = (0, LARGEST)   # the shape (checked) of a count in the record
 MOST_ITEMS = 64        # the longest list of the record a picture draws an item of each of
@@ -171,17 +171,18 @@ def _polyline(points, color, dashed):
 
 
 def style(i):
-    """The colour and marker of a picture's series i: no two of the first 56 alike."""
+    """The colour and marker of a picture's series i: no two of the first 63 alike."""
     return COLORS[i % len(COLORS)], MARKERS[i % len(MARKERS)]
 
 
 def mark(x, y, marker, color, title=None):
     """A marker of MARKERS (filled, or open: its coloured edge alone, so that a marker under
-    it still shows), or "cross", centred on the page's (x, y): its class is its name, and
-    its title, if given, the figure it stands for."""
+    it still shows; a plus, two strokes), or "cross", centred on the page's (x, y): its
+    class is its name, and its title, if given, the figure it stands for."""
     shape = marker.rpartition(" ")[2]
-    paint = (f'fill="{color}"' if shape == marker != "cross" else
-             f'fill="none" stroke="{color}" stroke-width="{2 if shape == "cross" else 1.5}"')
+    stroked = shape in ("cross", "plus")
+    paint = (f'fill="{color}"' if shape == marker and not stroked else
+             f'fill="none" stroke="{color}" stroke-width="{2 if stroked else 1.5}"')
     corners = {"triangle": ((0, -4.5), (4.5, 3.5), (-4.5, 3.5)),
                "diamond": ((0, -5), (5, 0), (0, 5), (-5, 0))}
     if shape == "circle":
@@ -192,6 +193,9 @@ def mark(x, y, marker, color, title=None):
         tag, where = "path", (f'd="M{number(x - 4)},{number(y - 4)} L{number(x + 4)},'
                               f'{number(y + 4)} M{number(x - 4)},{number(y + 4)} '
                               f'L{number(x + 4)},{number(y - 4)}"')
+    elif shape == "plus":
+        tag, where = "path", (f'd="M{number(x - 5)},{number(y)} L{number(x + 5)},{number(y)} '
+                              f'M{number(x)},{number(y - 5)} L{number(x)},{number(y + 5)}"')
     else:
         tag, where = "polygon", 'points="{}"'.format(" ".join(
             f"{number(x + dx)},{number(y + dy)}" for dx, dy in corners[shape]))
