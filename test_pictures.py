@@ -273,8 +273,8 @@ class Pictures(unittest.TestCase):
         kinds_by_bytes = {r["cache"].split(",")[0].rsplit(" ", 1)[0]
                           for r in record["quantization"]["rungs"]}
         for owner, function, picture, kinds in (
-                (lossy, "side_by_side_picture", "side_by_side_picture",   # the one-scale
-                 2 + len(record["eviction"]["rungs"]) + 1 + len(kinds_by_bytes) + 1),   # and rotated
+                (lossy, "side_by_side_picture", "side_by_side_picture",   # one scale, rotated too
+                 2 + len(record["eviction"]["rungs"]) + 2 + len(kinds_by_bytes)),
                 (bandwidth, "_cache_lines", "cache_bytes_by_design_picture", 1 + 2 + 7 + 4)):
             with self.subTest(function):
                 drawn = getattr(owner, picture)(record, None)

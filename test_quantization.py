@@ -336,7 +336,7 @@ class Rotated(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "unknown cache format 'int2'; the formats are "
                                                 "float64, float32, float16, int8, int4"):
             RotatedCache(PARAMS, "int2")
-        cache = RotatedCache(PARAMS, "int4")
+        cache, half = RotatedCache(PARAMS, "int4"), RotatedCache(PARAMS, "float16")
         feed(PARAMS, cache, LONGEST[:4])
         key = cache.keys[0]
         support.assert_each_refused(self, [
@@ -347,14 +347,13 @@ class Rotated(unittest.TestCase):
             (lambda: cache.append(5, [math.inf] + key[1:], key), "holding inf"),
             (lambda: cache.stored([1e308] + key[1:]), r"is beyond 4.49e\+307, the largest this "
                                                       r"RotatedCache can store turned"),
-            (lambda: RotatedCache(PARAMS, "float16").append(5, [3e5] + key[1:], key),
-             "is beyond float16's largest")],
-            lambda: support.snapshot(cache))
+            (lambda: half.append(5, [3e5] + key[1:], key), "is beyond float16's largest")],
+            lambda: (support.snapshot(cache), support.snapshot(half)))
 
 
 class TheRecord(unittest.TestCase):
-    """What the recorded run (support.recorded) says of GroupedCache, and what Part 3's
-    section 19 says of it."""
+    """What the recorded run (support.recorded) says of GroupedCache and RotatedCache, and
+    what Part 3's section 19 says of them."""
 
     @classmethod
     def setUpClass(cls):
