@@ -12,7 +12,7 @@ import verdicts
 from bandwidth import LESSON, cache_bytes_per_token, llama_parameters
 from instruments import count_reads, recording, replacing
 from kv_cache import KVCache
-from latent_attention import multiply_adds, products
+from latent_attention import products
 from one_gpu import A100, LLAMA_3_1_8B, MODELS
 from quick_checks import Wrong, step
 from support import PARAMS, STORIES, TOK, recorded, tear_down
