@@ -209,6 +209,8 @@ LAYERS["quantization"] = Layer("keys by channel, values by token (quantization.p
                                "python3 -m unittest test_quantization")
 LAYERS["pyramid_kv"] = Layer("PyramidKV's budgets by layer (pyramid_kv.py)", ("deep_model",),
                              "python3 -m unittest test_pyramid_kv")
+LAYERS["one_gpu"] = Layer("what one GPU does with a model (one_gpu.py)",
+                          ("lesson", "prefill", "bandwidth"), "python3 -m unittest test_one_gpu")
 LAYERS["every Part"] = Layer("every Part", tuple(LAYERS), "python3 -m unittest", lambda: None)
 
 

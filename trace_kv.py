@@ -45,6 +45,7 @@ import latent_attention
 import trace_lesson
 import lossy
 import model
+import one_gpu
 import paged
 import prefill
 import pyramid_kv
@@ -109,6 +110,7 @@ STAGES = (
     Stage(5, "rotary", context_shift.experiment),
     Stage(5, "latent_attention", latent_attention.experiment),
     Stage(5, "bytes_read", bandwidth.experiment),
+    Stage(5, "one_gpu", one_gpu.experiment),
 )
 PARTS = max(stage.part for stage in STAGES)
 
