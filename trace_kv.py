@@ -9,7 +9,9 @@ that the machine's cores share.
     python3 trace_kv.py --part 1     runs only the lesson's stages (Part 1)
     python3 trace_kv.py --json       prints the whole record instead, as JSON
     python3 trace_kv.py --check      also fails if the record differs from kv-trace.json
-    python3 trace_kv.py --write      rewrites kv-trace.json and kv-time.json (timing more)
+    python3 trace_kv.py --write      for changing the lab, on an idle machine: rewrites
+                                     kv-trace.json, kv-time.json (timing more) and the
+                                     documents' figures
     python3 trace_kv.py --workers N  shares the stages among N processes (the same record)
 
 kv-trace.json holds only what any machine reproduces exactly (results and counts);
@@ -360,7 +362,9 @@ def main(argv=None):
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--check", action="store_true",
                       help=f"exit non-zero if the record differs from {TRACE}")
-    mode.add_argument("--write", action="store_true", help=f"rewrite {TRACE} and {TIMES}")
+    mode.add_argument("--write", action="store_true",
+                      help=f"for changing the lab: rewrite {TRACE}, {TIMES} (this machine's "
+                           "times: run it on an idle machine) and every document's figures")
     parser.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1,
                         help="processes to share the experiments (default: one per core, "
                              f"{os.cpu_count() or 1} here; at most {MAX_WORKERS}, since each "
@@ -404,7 +408,8 @@ def main(argv=None):
         except (OSError, ValueError) as e:
             sys.exit(f"trace_kv.py: error: {e}")
         where = "" if args.folder == LAB else f" in {_shown(args.folder)}"
-        print(f"wrote {', '.join(written[:-1])} and {written[-1]}{where}")
+        print(f"wrote {', '.join(written[:-1])} and {written[-1]}{where}; the times are "
+              f"this machine's now: keep them only from an idle machine (CONTRIBUTING.md)")
     elif args.check:
         differ = differing_keys(record, {key: recorded.get(key) for key in record}
                                 if args.part != PARTS else recorded)
