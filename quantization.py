@@ -258,11 +258,11 @@ class GroupedCache(KVCache):
 
 
 class RotatedCache(QuantizedCache):
-    """A QuantizedCache (lossy.py: one scale a key or value) that turns each key and value
-    (turned) before it stores it in its format, and turns it back when it gives it back,
-    as llama.cpp turns before its block formats (q8_0, q4_0: one scale a block of 32
-    numbers): attention reads
-    turned(the turned vector as fmt keeps it). It takes the format's bytes; at float64 it
+    """A QuantizedCache that turns each key and value before storing it, and back after.
+
+    As llama.cpp turns before its block formats (q8_0, q4_0: one scale a block of 32
+    numbers), each vector is turned (turned), kept in fmt with one scale a vector
+    (lossy.py), and given back turned again. It takes the format's bytes; at float64 it
     gives back each vector within rounding, not exactly."""
 
     def __init__(self, params, fmt):
