@@ -4,6 +4,7 @@ and that what is drawn by running the lab's code comes from the folder written. 
 every document's marks are what the record gives is test_readme's.)"""
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -16,6 +17,8 @@ import model
 import verdicts
 from stories import openings, split_stories
 from support import HERE, lab_file
+
+CONFLICT = re.compile(r"^(<{7} |={7}$|>{7} )", re.M)   # what a merge leaves when it stops
 
 RECORDED = {"work": {"cached_rows": 5}, "paged": {"slots": 3}}
 RECORD, TIMING = (json.loads(lab_file(name)) for name in (documents.TRACE, documents.TIMES))
@@ -104,6 +107,37 @@ class Write(unittest.TestCase):
             self.assertIn("README.md line 1, <!--fig pagd.slots-->3<!--/-->: no entry 'pagd'", done.stderr)
             self.assertNotIn("Running", done.stderr)   # no run started
             self.assertEqual(sorted(os.listdir(folder)), ["README.md", "kv-trace.json"])
+
+
+
+def conflict_markers(folder):
+    """Each line of folder's text files (its .py, .md, .json, .txt and .svg files, .ci/run
+    and .gitattributes) that a merge left as a conflict marker: "FILE line N: MARKER"."""
+    names = [name for name in sorted(os.listdir(folder))
+             if name.endswith((".py", ".md", ".json", ".txt", ".svg")) or name == ".gitattributes"]
+    names += [os.path.join(".ci", "run")] if os.path.isfile(os.path.join(folder, ".ci", "run")) else []
+    found = []
+    for name in names:
+        with open(os.path.join(folder, name), encoding="utf-8") as f:
+            text = f.read()
+        found += [f"{name} line {documents.line_of(text, marker.start())}: {marker[1].strip()}"
+                  for marker in CONFLICT.finditer(text)]
+    return found
+
+
+class ConflictMarkers(unittest.TestCase):
+
+    def test_no_file_of_the_lab_holds_a_merge_s_conflict_markers(self):
+        self.assertEqual(conflict_markers(HERE), [], "a merge left its conflict markers: "
+                         "keep the lines each side meant, and remove the markers")
+
+    def test_a_conflict_marker_is_found_by_file_and_line(self):
+        with tempfile.TemporaryDirectory() as folder:
+            with open(os.path.join(folder, "x.md"), "w", encoding="utf-8") as f:
+                f.write("a\n<<<<<<< HEAD\nb\n=======\nc\n>>>>>>> other\n== not one\n")
+            self.assertEqual(conflict_markers(folder), ["x.md line 2: <<<<<<<",
+                                                        "x.md line 4: =======",
+                                                        "x.md line 6: >>>>>>>"])
 
 
 if __name__ == "__main__":
