@@ -21,7 +21,7 @@ import kv_cache
 import model
 import support
 from generate import never_ending
-from instruments import plant, recording, replacing, sums_in_another_order
+from instruments import is_call_of, plant, recording, replacing, sums_in_another_order
 from kv_cache import KVCache, feed, forward_step, generate_cached
 from verdicts import skip_unless_sound
 from stories import story_ids
@@ -161,11 +161,6 @@ class RandomModels(BuiltOnTheLesson):
             self.assertEqual(support.case_numbers(40), range(40))
 
 
-def call_to(node, name):
-    """node is a call of the function name: name(...)."""
-    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
-
-
 def parameter(node, key):
     """node is params[key]."""
     return (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name)
@@ -191,7 +186,7 @@ def append_after_attention(tree):
 
 def is_scaled_score(node):
     """dot(...) * SCALE, or anything else done to a dot product: dot(...) / 4.0."""
-    return isinstance(node, ast.BinOp) and call_to(node.left, "dot")
+    return isinstance(node, ast.BinOp) and is_call_of(node.left, "dot")
 
 
 NO_SCALE = replacing(is_scaled_score, lambda node: node.left)
@@ -199,13 +194,13 @@ PREVIOUS_POSITION = replacing(
     lambda node: isinstance(node, ast.Subscript) and parameter(node.value, "pos_emb"),
     lambda node: ast.Subscript(node.value, ast.BinOp(node.slice, ast.Sub(), ast.Constant(1)),
                                ast.Load()))
-NO_RELU = replacing(lambda node: call_to(node, "relu"), lambda node: node.args[0])
+NO_RELU = replacing(lambda node: is_call_of(node, "relu"), lambda node: node.args[0])
 SKIP_BEFORE_BIAS = replacing(   # add(x1, add(mlp, b2)) becomes add(add(x1, mlp), b2)
-    lambda node: call_to(node, "add") and call_to(node.args[1], "add"),
+    lambda node: is_call_of(node, "add") and is_call_of(node.args[1], "add"),
     lambda node: call("add", call("add", node.args[0], node.args[1].args[0]),
                       node.args[1].args[1]))
 POSITION_0_DROPPED = replacing(   # mask(i) becomes mask(i)[min(1, i):]
-    lambda node: call_to(node, "mask"),
+    lambda node: is_call_of(node, "mask"),
     lambda node: ast.Subscript(node, ast.Slice(call("min", ast.Constant(1), node.args[0])),
                                ast.Load()))
 DIVIDE_BY_4 = replacing(
@@ -213,7 +208,7 @@ DIVIDE_BY_4 = replacing(
                   and isinstance(node.right, ast.Name) and node.right.id == "SCALE"),
     lambda node: ast.BinOp(node.left, ast.Div(), ast.Constant(4.0)))
 EMBEDDINGS_SWAPPED = replacing(
-    lambda node: (call_to(node, "add") and isinstance(node.args[0], ast.Subscript)
+    lambda node: (is_call_of(node, "add") and isinstance(node.args[0], ast.Subscript)
                   and parameter(node.args[0].value, "tok_emb")),
     lambda node: call("add", node.args[1], node.args[0]))
 
@@ -224,8 +219,8 @@ def mix_added_left_to_right(tree):
     whose result depends on the order in which the cache holds its positions."""
     body = tree.body[0].body
     mixes = [at for at, node in enumerate(body) if isinstance(node, ast.Assign)
-             and isinstance(node.value, ast.ListComp) and call_to(node.value.elt, "dot")
-             and call_to(node.value.generators[0].iter, "zip")]
+             and isinstance(node.value, ast.ListComp) and is_call_of(node.value.elt, "dot")
+             and is_call_of(node.value.generators[0].iter, "zip")]
     if len(mixes) != 1:
         return 0
     mix = body[mixes[0]]
@@ -365,7 +360,7 @@ class Teeth(BuiltOnTheLesson):
     def test_show_says_in_one_line_what_it_cannot_find(self):
         """forward_step calling model.softmax_row instead of the softmax_row --show
         watches: the rows are the same, and --show says once that it has no weights."""
-        elsewhere = replacing(lambda node: call_to(node, "softmax_row"),
+        elsewhere = replacing(lambda node: is_call_of(node, "softmax_row"),
                               lambda node: ast.Call(ast.Attribute(ast.Name("model", ast.Load()),
                                                                   "softmax_row", ast.Load()),
                                                     node.args, []))
@@ -402,7 +397,7 @@ class Teeth(BuiltOnTheLesson):
                                  places)
 
     def test_a_mistake_whose_spot_is_gone_is_skipped_not_passed(self):
-        nowhere = replacing(lambda node: call_to(node, "no_such_function"), lambda node: node)
+        nowhere = replacing(lambda node: is_call_of(node, "no_such_function"), lambda node: node)
         self.assertIsNone(plant(kv_cache, "forward_step", nowhere))
         with self.assertRaises(unittest.SkipTest) as skipped:
             self.verdict("a call that is not there", kv_cache, "forward_step", nowhere)

@@ -14,7 +14,7 @@ import paged
 import prefill
 import support
 import verdicts
-from instruments import replacing
+from instruments import is_call_of, replacing
 from kv_cache import feed, forward_step, generate_cached
 from quick_checks import STEPS, Wrong, excerpt, step
 from stories import story_ids
@@ -154,8 +154,7 @@ NO_COPY_ON_WRITE = replacing(   # the shared last block is written as if it were
                   and node.test.func.attr == "_last_block_is_shared"),
     lambda node: ast.If(ast.Constant(False), node.body, node.orelse))
 WRONG_BLOCK_FOUND = replacing(   # the holder found, plus 1: the next block's id
-    lambda node: (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                  and node.func.id == "min" and isinstance(node.args[0], ast.Name)
+    lambda node: (is_call_of(node, "min") and isinstance(node.args[0], ast.Name)
                   and node.args[0].id == "holders"),
     lambda node: ast.BinOp(node, ast.Add(), ast.Constant(1)))
 
