@@ -56,9 +56,9 @@ import speculative
 from documents import TIMES, TRACE
 from generate import load_trained
 from instruments import where_raised
+from kv_cache import work   # trace_kv.work: the contract
 from lab_files import (LAB, add_folder_flag, finish_saving, positive_int, read_json,
                        run_command, write_together)
-from kv_cache import work   # trace_kv.work: the contract
 from stories import openings, split_stories
 from workers import Here, Shipped, stop
 from trace_lesson import FULL_RECORD, summary
