@@ -10,16 +10,15 @@ merges in the order they were learned (by rank), so it reproduces training exact
 """
 import os
 import sys
+import lab_files
 if __name__ == "__main__":   # first: Ctrl-C while the modules below load ends in one line
-    sys.excepthook = lambda kind, *rest: (
-        print(f"{os.path.basename(sys.argv[0])}: interrupted", file=sys.stderr)
-        if issubclass(kind, KeyboardInterrupt) else sys.__excepthook__(kind, *rest))
+    lab_files.ctrl_c_in_one_line()
 
 import argparse
 import itertools
 import json
 
-from checkpoint import add_folder_flag, lab_file, read_json, run_command, write_atomically
+from lab_files import add_folder_flag, lab_file, read_json, run_command, write_atomically
 from model import VOCAB_SIZE, is_int
 
 FORMAT = "kv-lab-bpe-1"

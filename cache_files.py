@@ -8,10 +8,9 @@ bit for bit, and a file of other weights is refused.
 """
 import os
 import sys
+import lab_files
 if __name__ == "__main__":   # first: Ctrl-C while the modules below load ends in one line
-    sys.excepthook = lambda kind, *rest: (
-        print(f"{os.path.basename(sys.argv[0])}: interrupted", file=sys.stderr)
-        if issubclass(kind, KeyboardInterrupt) else sys.__excepthook__(kind, *rest))
+    lab_files.ctrl_c_in_one_line()
 
 import argparse
 import hashlib
@@ -19,10 +18,9 @@ import json
 import math
 import tempfile
 
-import checkpoint
 import generate
 import model
-from checkpoint import read_json, write_atomically
+from lab_files import read_json, write_atomically
 from kv_cache import KVCache, feed, generate_cached
 from stories import story_ids
 
@@ -179,4 +177,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    checkpoint.run_command(main)
+    lab_files.run_command(main)

@@ -27,6 +27,7 @@ pass's order; latent_attention.py reads the latents directly instead.
 What a shape may be, and the parameters of one, are deep_params.py's.
 """
 import math
+import sys
 
 from deep_params import check_params, init_params
 from documents import bold, shown, table
@@ -350,6 +351,23 @@ def experiment(lab):
                        "last_position_token_0_reaches": reached[-1],
                        "largest_logit_change_at_position_14": largest_gap([full[14]], [other[14]])})
     return {"positions": len(ids), "shapes": shapes, "window_through_layers": window}
+
+
+def deep_cache_bytes(lab):
+    """Bytes CPython uses per position for each shape of the experiment, its cache fed
+    deep_ids(): the lists and every float object (they depend on the Python, so they are
+    kv-time.json's, measured by trace_lesson.timings)."""
+    ids = deep_ids(lab)
+    measured = []
+    for layers, kv_heads in DEEP_SHAPES:
+        _, _, cache = fed_deep_model(layers, kv_heads, ids)
+        objects = sum(sys.getsizeof(vectors) + sum(sys.getsizeof(vector)
+                                                    + sum(map(sys.getsizeof, vector))
+                                                    for vector in vectors)
+                      for layer in cache.layers for vectors in layer.values())
+        measured.append({"layers": layers, "kv_heads": kv_heads,
+                         "bytes_per_position": round(objects / len(ids), 2)})
+    return measured
 
 
 # ---- what Part 5 shows of it (documents.py fills its marks) --------------------------

@@ -7,12 +7,10 @@ opening at every step. kv_cache.py keeps that work instead.
 
 A prompt is lowercase letters, spaces, commas and periods: the stories' alphabet.
 """
-import os
 import sys
+import lab_files
 if __name__ == "__main__":   # first: Ctrl-C while the modules below load ends in one line
-    sys.excepthook = lambda kind, *rest: (
-        print(f"{os.path.basename(sys.argv[0])}: interrupted", file=sys.stderr)
-        if issubclass(kind, KeyboardInterrupt) else sys.__excepthook__(kind, *rest))
+    lab_files.ctrl_c_in_one_line()
 
 import argparse
 import math
@@ -27,10 +25,10 @@ PROMPT_HELP = ("the opening to continue, in lowercase letters, spaces, commas an
                '(the stories\' alphabet), e.g. "zoe went to the park."')
 
 
-def load_trained(folder=checkpoint.LAB):
+def load_trained(folder=lab_files.LAB):
     """The shipped model from folder's tokenizer.json, corpus.txt and best.json:
     (params, tokenizer), refusing a checkpoint of other data."""
-    tokenizer, corpus, best = (checkpoint.lab_file(folder, name)
+    tokenizer, corpus, best = (lab_files.lab_file(folder, name)
                                for name in ("tokenizer.json", "corpus.txt", "best.json"))
     tok = Tokenizer.load(tokenizer)
     with open(corpus, encoding="utf-8") as f:
@@ -184,7 +182,7 @@ def add_generation_flags(parser):
     parser.add_argument("--seed", type=int, default=0, help="seed for sampling (default 0)")
     parser.add_argument("--max-new-tokens", type=int, default=60,
                         help="stop after this many new tokens (default 60)")
-    checkpoint.add_folder_flag(parser)
+    lab_files.add_folder_flag(parser)
 
 
 def main(argv=None):
@@ -210,4 +208,4 @@ def print_result(result):
 
 
 if __name__ == "__main__":
-    checkpoint.run_command(main)
+    lab_files.run_command(main)

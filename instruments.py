@@ -168,6 +168,13 @@ def replacing(matches, replacement):
     return mistake
 
 
+def is_call_of(node, name, arguments=None):
+    """Whether node (of a syntax tree) is a call of the function name, name(...), with
+    that many positional arguments if arguments is given: what plantings look for."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id == name and (arguments is None or len(node.args) == arguments))
+
+
 class _Watched(list):
     """A vector of floats that notes which of its entries are read: all of them when it
     is iterated, joined to another list or repeated; some when it is indexed or sliced."""

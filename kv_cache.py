@@ -12,18 +12,15 @@ new row, appends its key and value to the cache, and attends over the cache.
 The lesson's experiment, the stages that trace_kv.py runs on the 60 test openings, is
 trace_lesson.py's.
 """
-import os
 import sys
+import lab_files
 if __name__ == "__main__":   # first: Ctrl-C while the modules below load ends in one line
-    sys.excepthook = lambda kind, *rest: (
-        print(f"{os.path.basename(sys.argv[0])}: interrupted", file=sys.stderr)
-        if issubclass(kind, KeyboardInterrupt) else sys.__excepthook__(kind, *rest))
+    lab_files.ctrl_c_in_one_line()
 
 import argparse
 import copy
 import time
 
-import checkpoint
 import generate
 import model
 from cache_protocol import CacheProtocol
@@ -309,4 +306,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    checkpoint.run_command(main)
+    lab_files.run_command(main)

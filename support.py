@@ -430,6 +430,21 @@ def assert_each_mistake_is_caught(test, module, name, mistakes, difference):
 
 # ---- another folder -------------------------------------------------------------
 
+class InAFolder(unittest.TestCase):
+    """Each test in a new empty folder of its own (self.folder, removed after it), with
+    the path of a best.json there (self.path) and fresh params (self.params)."""
+
+    def setUp(self):
+        folder = tempfile.TemporaryDirectory()
+        self.addCleanup(folder.cleanup)
+        self.folder = folder.name
+        self.path = os.path.join(self.folder, "best.json")
+        self.params = model.init_params(0)
+
+    def assert_only_files(self, *names):
+        self.assertEqual(sorted(os.listdir(self.folder)), sorted(names))
+
+
 _elsewhere = []
 
 

@@ -13,7 +13,7 @@ import paged
 import quick_checks
 import support
 import verdicts
-from instruments import replacing
+from instruments import is_call_of, replacing
 from kv_cache import KVCache, feed
 from lossy import QuantizedCache, WindowCache
 from quick_checks import Wrong, differ, step, story_name
@@ -255,16 +255,13 @@ class WhatTheKernelsRound(unittest.TestCase):
     (Verdicts plants another, the pieces' total not rounded, and asks for its name)."""
 
     def test_each_mistake_in_the_kernels_rounding_is_caught(self):
-        def rounded_call(node):
-            return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                    and node.func.id == "_rounded")
         assert_each_mistake_is_caught(self, batched, "in_pieces", {
             "every sum rounded to 16 bits, whatever bits says":
-                replacing(lambda node: rounded_call(node) and isinstance(node.args[1], ast.Name),
+                replacing(lambda node: is_call_of(node, "_rounded")
+                          and isinstance(node.args[1], ast.Name),
                           lambda node: ast.Call(node.func, [node.args[0], ast.Constant(16)], [])),
             "the output left in 32 bits":
-                replacing(lambda node: isinstance(node, ast.Call)
-                          and isinstance(node.func, ast.Name) and node.func.id == "_output",
+                replacing(lambda node: is_call_of(node, "_output"),
                           lambda node: node.args[0]),
         }, where_kernels_round_otherwise)
 
@@ -282,8 +279,7 @@ class Teeth(unittest.TestCase):
                       and ast.unparse(node).endswith(".append(cache.stored(k))"),
                       lambda node: ast.Pass()),
         "each row mixes with the next item's query (the batch misaligned)":
-            replacing(lambda node: isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                      and node.func.id == "zip" and len(node.args) == 2
+            replacing(lambda node: is_call_of(node, "zip", 2)
                       and isinstance(node.args[1], ast.Name) and node.args[1].id == "qs",
                       lambda node: ast.Call(node.func, [node.args[0], ast.parse(
                           "qs[1:] + qs[:1]", mode="eval").body], [])),
@@ -295,13 +291,9 @@ class Teeth(unittest.TestCase):
                                       lambda: where_batches_differ(PARAMS, [KVCache(PARAMS) for _ in IDS], IDS))
 
 
-def _call_of(node, name):
-    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
-
-
 def _weight(node):
     """The name of the weight matrix a call product(rows, cols["W..."]) applies, or None."""
-    if _call_of(node, "product") and len(node.args) == 2 \
+    if is_call_of(node, "product", 2) \
             and isinstance(node.args[1], ast.Subscript) \
             and isinstance(node.args[1].slice, ast.Constant):
         return node.args[1].slice.value
@@ -314,7 +306,7 @@ def residual_from_h1(tree):
     normalised = next(node.args[0] for node in ast.walk(tree) if _weight(node) == "Wq")
     changed = 0
     for node in ast.walk(tree):
-        if _call_of(node, "zip") and len(node.args) == 2 and _weight(node.args[1]) == "Wo":
+        if is_call_of(node, "zip", 2) and _weight(node.args[1]) == "Wo":
             node.args[0], changed = normalised, changed + 1
     return changed
 
@@ -349,9 +341,9 @@ class Verdicts(unittest.TestCase):
         ("the attention's output added to the normalised row h1, not to x0", batched,
          "forward_rows", residual_from_h1, ROW_NAMED),
         ("the pieces' total not rounded to bits (only the output)", batched, "in_pieces",
-         replacing(lambda node: _call_of(node, "_rounded")
+         replacing(lambda node: is_call_of(node, "_rounded")
                    and isinstance(node.args[0], ast.ListComp)
-                   and _call_of(node.args[0].generators[0].iter, "zip"),
+                   and is_call_of(node.args[0].generators[0].iter, "zip"),
                    lambda node: node.args[0]),
          r"batched\.by_batch_float32 on a batch of 1 row of 16 terms, at row 0, output 1: "
          r"1\.0009765625 from by_batch_float32, 1\.0 expected"),

@@ -11,7 +11,7 @@ import unittest.mock
 import batched
 import blockwise
 import support
-from instruments import replacing
+from instruments import is_call_of, replacing
 from kv_cache import KVCache
 from quick_checks import ROUNDING, Wrong, excerpt, step, story_name
 from support import OPENINGS, PARAMS, STORIES, TOK, assert_each_mistake_is_caught, tear_down
@@ -342,17 +342,13 @@ def few_sums(most=1000):
     return unittest.mock.patch.object(blockwise, "fsum", counted)
 
 
-def _call_of(node, name):
-    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
-
-
 def not_rescaled_beside(name):
     """A planting: running * rescale + name(...) becomes running + name(...), the running
     value (the sum beside fsum, the output beside dot) kept as it is when a block raises
     the maximum."""
     return replacing(lambda node: isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add)
                      and isinstance(node.left, ast.BinOp) and isinstance(node.left.op, ast.Mult)
-                     and _call_of(node.right, name),
+                     and is_call_of(node.right, name),
                      lambda node: ast.BinOp(node.left.left, ast.Add(), node.right))
 
 
@@ -369,7 +365,7 @@ class Teeth(unittest.TestCase):
     def test_a_merge_that_forgets_a_parts_maximum_is_caught(self):
         assert_each_mistake_is_caught(self, blockwise, "split", {
             "each part's sums merged as they are, not brought to the common maximum":
-                replacing(lambda node: _call_of(node, "exp")
+                replacing(lambda node: is_call_of(node, "exp")
                           and isinstance(node.args[0], ast.BinOp),
                           lambda node: ast.Constant(1.0)),
         }, lambda: where_kind_strays("the split kind in 4 parts", blockwise.split(4), 4,
@@ -406,7 +402,7 @@ class Verdicts(unittest.TestCase):
          r"the mixed values of the online kind, " + ROW_OF_THE_STORY + MIXED_VALUE
          + r" \(\S+ apart, more than rounding\)"),
         ("the last part stops one short of the row's end (min(..., length - 1))", blockwise,
-         "parts_of", replacing(lambda node: _call_of(node, "min") and len(node.args) == 2
+         "parts_of", replacing(lambda node: is_call_of(node, "min", 2)
                                and isinstance(node.args[1], ast.Name),
                                lambda node: ast.Call(node.func, [node.args[0], ast.BinOp(
                                    node.args[1], ast.Sub(), ast.Constant(1))], [])),
@@ -434,7 +430,7 @@ class Verdicts(unittest.TestCase):
         ("each part's column sums rounded to one float before the merge (fsum, not "
          "exact_partials)", blockwise, "exact",
          replacing(lambda node: isinstance(node, ast.AugAssign)
-                   and _call_of(node.value, "exact_partials"),
+                   and is_call_of(node.value, "exact_partials"),
                    lambda node: ast.AugAssign(node.target, ast.Add(), ast.List(
                        [ast.Call(ast.Name("fsum", ast.Load()), node.value.args, [])],
                        ast.Load()))),

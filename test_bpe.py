@@ -148,7 +148,7 @@ class TestSaveLoad(unittest.TestCase):
             path = os.path.join(folder, "tokenizer.json")
             with open(path, "w", encoding="utf-8") as f:
                 f.write("the previous tokenizer\n")
-            for target in ("checkpoint.os.replace", "checkpoint.os.fsync"):
+            for target in ("lab_files.os.replace", "lab_files.os.fsync"):
                 with self.subTest(failing=target):
                     with mock.patch(target, side_effect=OSError("disk full")):
                         with self.assertRaises(OSError):

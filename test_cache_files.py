@@ -411,9 +411,9 @@ class CacheFiles(unittest.TestCase):
         cache_files.save_cache(filled_cache(TOK.encode(OPENINGS[0])), self.path)
         with open(self.path, encoding="utf-8") as f:
             previous = f.read()
-        with mock.patch("checkpoint.os.replace", side_effect=OSError("disk full")), \
+        with mock.patch("lab_files.os.replace", side_effect=OSError("disk full")), \
                 self.assertRaises(OSError, msg="save_cache with os.replace failing: it writes "
-                                               "through checkpoint.write_atomically"):
+                                               "through lab_files.write_atomically"):
             cache_files.save_cache(filled_cache(TOK.encode(OPENINGS[1])), self.path)
         with open(self.path, encoding="utf-8") as f:
             if f.read() != previous:   # not assertEqual: it would print both files

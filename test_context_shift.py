@@ -13,7 +13,7 @@ import deep_model
 import model
 import support
 import verdicts
-from instruments import replacing
+from instruments import is_call_of, replacing
 from quick_checks import ROUNDING, Wrong, deep_label, differ, excerpt, step, strayed
 from support import STORIES, TOK, tear_down
 from verdicts import quick_check_case, set_up
@@ -136,11 +136,6 @@ class HeldCaches(unittest.TestCase):
         key = [rng.gauss(0.0, 1.0) for _ in range(16)]
         thetas = [deep_model.BASE ** (-c / 4) for c in (0, 2)] * 4
         self.assertEqual(deep_model.rotate(key, 0, thetas), key, "a key turned by position 0")
-
-
-def is_call_of(node, name):
-    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-            and node.func.id == name)
 
 
 def is_minus(node):

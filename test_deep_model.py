@@ -14,7 +14,7 @@ import model
 import support
 import verdicts
 from generate import load_trained
-from instruments import replacing
+from instruments import is_call_of, replacing
 from quick_checks import deep_label, deep_rows, differ, step, where_deep_rows_differ
 from support import (PARAMS, STORIES, TOK, assert_each_mistake_is_caught,
                      assert_each_refused, check_random_cases, deep_snapshot, random_tokens,
@@ -290,11 +290,6 @@ class Teeth(unittest.TestCase):
                                       lambda: where_deep_rows_differ(params, ids))
 
 
-def is_call_of(node, name):
-    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-            and node.func.id == name)
-
-
 def expression(source):
     return ast.parse(source, mode="eval").body
 
@@ -333,7 +328,7 @@ SCALED_BY_WIDTH = replacing(   # 1 / sqrt(d_key) becomes 1 / sqrt(width), the le
                   and node.func.attr == "sqrt"),
     lambda node: ast.Call(node.func, [expression('shape["width"]')], []))
 NOT_BY_COLUMNS = replacing(   # [list(column) for column in zip(*matrix)]: zip(*matrix) becomes matrix
-    lambda node: (is_call_of(node, "zip") and len(node.args) == 1
+    lambda node: (is_call_of(node, "zip", 1)
                   and isinstance(node.args[0], ast.Starred)),
     lambda node: node.args[0].value)
 

@@ -13,7 +13,7 @@ import latent_attention
 import quick_checks
 import support
 import verdicts
-from instruments import recording, replacing
+from instruments import is_call_of, recording, replacing
 from quick_checks import (ROUNDING, by_layer, deep_label, step, stepped_rows, strayed,
                           where_deep_rows_differ)
 from support import (STORIES, TOK, assert_each_mistake_is_caught, assert_each_refused,
@@ -144,8 +144,7 @@ def in_call_of(name, argument, replacement):
     def replaced(node):
         node.args[argument] = ast.parse(replacement, mode="eval").body
         return node
-    return replacing(lambda node: isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                     and node.func.id == name, replaced)
+    return replacing(lambda node: is_call_of(node, name), replaced)
 
 
 class Teeth(unittest.TestCase):
@@ -181,11 +180,6 @@ class Teeth(unittest.TestCase):
         }, lambda: where_absorbed_strays(params, ids))
 
 
-def is_call_of(node, name):
-    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-            and node.func.id == name)
-
-
 def a_position_on(call):
     """A call of compressed(h1, block, cols, position, ...) with position + 1."""
     call.args[3] = ast.BinOp(call.args[3], ast.Add(), ast.Constant(1))
@@ -202,7 +196,7 @@ ROTARY_QUERY_DROPPED = replacing(   # linear(q_h[:d], ...) + q_h[d:] becomes lin
     lambda node: node.left)
 ROTARY_KEY_A_POSITION_ON = replacing(lambda node: is_call_of(node, "compressed"), a_position_on)
 POSITION_FORGOTTEN = replacing(   # add(tok_emb[token_id], pos_emb[position]) becomes its first
-    lambda node: (is_call_of(node, "add") and len(node.args) == 2
+    lambda node: (is_call_of(node, "add", 2)
                   and isinstance(node.args[1], ast.Subscript)
                   and isinstance(node.args[1].value, ast.Subscript)
                   and isinstance(node.args[1].value.slice, ast.Constant)

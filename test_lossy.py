@@ -10,7 +10,7 @@ import model
 import prefill
 import support
 import verdicts
-from instruments import replacing
+from instruments import is_call_of, replacing
 from kv_cache import KVCache, feed, forward_step, generate_cached
 from quick_checks import Wrong, differ, step
 from support import (OPENINGS, PARAMS, STORIES, TOK, assert_changed, assert_equal,
@@ -111,12 +111,6 @@ def quick_check():
 QuickCheck = verdicts.quick_check_case("lossy", __name__)
 
 
-def calls(name):
-    """A matcher of calls of the global function name."""
-    return lambda node: (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                         and node.func.id == name)
-
-
 def values_packed_from_keys(tree):
     """A planting for QuantizedCache.extend(token_ids, keys, values): what it packs from its
     values it packs from its keys (a line copied and not edited)."""
@@ -132,9 +126,10 @@ NIBBLES_SWAPPED = replacing(   # for shift in (0, 4) becomes (4, 0): the high ni
                                                   for e in node.elts] == [0, 4],
     lambda node: ast.Tuple([ast.Constant(4), ast.Constant(0)], ast.Load()))
 LEVELS_TRUNCATED = replacing(   # round(x / scale) becomes int(x / scale): toward zero
-    calls("round"), lambda node: ast.Call(ast.Name("int", ast.Load()), node.args, []))
+    lambda node: is_call_of(node, "round"),
+    lambda node: ast.Call(ast.Name("int", ast.Load()), node.args, []))
 SCALE_FROM_THE_LARGEST_NUMBER = replacing(   # max(map(abs, vector)) becomes max(vector)
-    lambda node: calls("max")(node) and len(node.args) == 1 and calls("map")(node.args[0]),
+    lambda node: is_call_of(node, "max", 1) and is_call_of(node.args[0], "map"),
     lambda node: ast.Call(node.func, [node.args[0].args[1]], []))
 RING_OF_WINDOW_LESS_SINKS = replacing(   # (position - sinks) % window: % (window - sinks)
     lambda node: (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod)
@@ -143,7 +138,7 @@ RING_OF_WINDOW_LESS_SINKS = replacing(   # (position - sinks) % window: % (windo
         node.right, ast.Sub(), ast.Attribute(node.right.value, "sinks", ast.Load()))))
 KEPT_FOR_THE_NEXT_POSITION = replacing(   # band(...)(len(self) - 1) becomes (len(self))
     lambda node: (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub)
-                  and calls("len")(node.left) and getattr(node.right, "value", None) == 1),
+                  and is_call_of(node.left, "len") and getattr(node.right, "value", None) == 1),
     lambda node: node.left)
 
 def given_back(fmt, parts="keys", position=r"\d+"):

@@ -10,7 +10,7 @@ import one_gpu
 import prefill
 import verdicts
 from bandwidth import LESSON, cache_bytes_per_token, llama_parameters
-from instruments import count_reads, recording, replacing
+from instruments import count_reads, is_call_of, recording, replacing
 from kv_cache import KVCache
 from latent_attention import products
 from one_gpu import A100, LLAMA_3_1_8B, MODELS
@@ -89,11 +89,6 @@ def quick_check():
 QuickCheck = quick_check_case("one_gpu", __name__)
 
 
-def _call_named(name):
-    return lambda node: (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                         and node.func.id == name)
-
-
 SCORES_OF_EVERY_PAIR = replacing(   # fed["cached_scores"]: the rows squared, no causal mask
     lambda node: isinstance(node, ast.Subscript) and getattr(node.slice, "value", "") ==
     "cached_scores",
@@ -106,7 +101,7 @@ ATTENTION_IN_ONE_LAYER = replacing(   # layers * width * n * (n + 1): the layers
     lambda node: node.right)
 UTILIZATION_OF_WHAT_THE_WEIGHTS_LEAVE = replacing(   # floor(u x memory) - weights
     lambda node: (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub)
-                  and _call_named("weight_bytes")(node.right)),
+                  and is_call_of(node.right, "weight_bytes")),
     lambda node: ast.parse("math.floor(utilization * (gpu['memory_bytes'] - "
                            "weight_bytes(model)))", mode="eval").body)
 NO_CONTEXT_WINDOW = replacing(   # None if beyond the context window else ...: never None

@@ -1,20 +1,18 @@
 """The paged cache (paged.py): a sequence in a pool of blocks gives a KVCache's rows bit for
-bit, shares full blocks and copies on write; the pool's counts stay consistent; every
-refusal leaves the pool as it was."""
+bit, shares full blocks and copies on write; the pool's counts stay consistent. What it
+refuses, and its answers about room, are test_paged_refusals'."""
 import ast
 import math
 import os
 import random
 import unittest
 
-import batched
 import kv_cache
 import model
 import paged
-import prefill
 import support
 import verdicts
-from instruments import replacing
+from instruments import is_call_of, replacing
 from kv_cache import feed, forward_step, generate_cached
 from quick_checks import STEPS, Wrong, excerpt, step
 from stories import story_ids
@@ -154,8 +152,7 @@ NO_COPY_ON_WRITE = replacing(   # the shared last block is written as if it were
                   and node.test.func.attr == "_last_block_is_shared"),
     lambda node: ast.If(ast.Constant(False), node.body, node.orelse))
 WRONG_BLOCK_FOUND = replacing(   # the holder found, plus 1: the next block's id
-    lambda node: (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                  and node.func.id == "min" and isinstance(node.args[0], ast.Name)
+    lambda node: (is_call_of(node, "min") and isinstance(node.args[0], ast.Name)
                   and node.args[0].id == "holders"),
     lambda node: ast.BinOp(node, ast.Add(), ast.Constant(1)))
 
@@ -345,66 +342,6 @@ class Paged(unittest.TestCase):
             pool.take()
         self.assertEqual(pool.sequence(self.ids[:8]).table, second.table)
 
-    def test_sequence_checks_its_ids_like_forward_step(self):
-        pool = paged.BlockPool(PARAMS, 10, 4)
-        feed(PARAMS, pool.sequence(), [1, 0, 5, 6])
-        for ids, fragment in (([1.0, False, 5, 6, 7], "ids[0] = 1.0 is outside the vocabulary"),
-                              ([5, 96], "ids[1] = 96 is outside the vocabulary"),
-                              ([500], "ids[0] = 500"), ("mia", "ids must be a list"),
-                              ([5] * 65, "beyond the 64 positions")):
-            with self.subTest(ids=ids):
-                self.assert_refused(pool, lambda: pool.sequence(ids), fragment)
-
-    def test_a_refused_continuation_names_the_pool_and_leaks_nothing(self):
-        """A pool of one block of 3, held by a sequence of 3 tokens: continuing its prompt
-        needs a copy of that block, and there is no room."""
-        pool = paged.BlockPool(PARAMS, 1, 3)
-        seq = pool.sequence()
-        feed(PARAMS, seq, TOK.encode("tom ran"))
-        before, held = support.pool_snapshot(pool), snapshot(seq)
-        with self.assertRaisesRegex(ValueError, "the cache has no room for the 60 more "
-                                                "positions this generation may need .* its pool "
-                                                "has 0 of its 1 blocks of 3 positions free"):
-            generate_cached(PARAMS, TOK, "tom ran", cache=seq)
-        assert_equal(self, support.pool_snapshot(pool), before, "the pool")
-        assert_equal(self, snapshot(seq), held, "the sequence")
-        seq.free()
-        self.assertEqual(pool.free_blocks(), 1)
-
-    def test_a_generation_the_pool_may_not_hold_is_refused_before_anything_changes(self):
-        """A pool of 4 blocks of 4 with "zoe went" cached: a generation of up to 30 new
-        tokens from a sequence of "mia was sad." may need more blocks than the pool has
-        free, so it is refused at once, the prefix cache included (it used to run until the
-        pool was out, evicting the cached block on the way)."""
-        pool = paged.BlockPool(PARAMS, 4, 4)
-        cached = pool.sequence()
-        feed(PARAMS, cached, TOK.encode("zoe went to"))
-        cached.free()                                     # its full blocks stay cached
-        seq = pool.sequence()
-        feed(PARAMS, seq, TOK.encode("mia was sad."))
-        before, held = support.pool_snapshot(pool), snapshot(seq)
-        with self.assertRaisesRegex(ValueError, "no room for the 30 more positions"):
-            generate_cached(PARAMS, TOK, "mia was sad.", max_new_tokens=30, cache=seq)
-        assert_equal(self, support.pool_snapshot(pool), before, "the pool")
-        assert_equal(self, snapshot(seq), held, "the sequence")
-        self.assertEqual(pool.evictions, 0)
-        short = generate_cached(PARAMS, TOK, "mia was sad.", max_new_tokens=3, cache=seq)
-        self.assertEqual(short, generate_cached(PARAMS, TOK, "mia was sad.", max_new_tokens=3))
-
-    def test_feed_and_chunked_prefill_keep_what_was_fed_before_a_refusal(self):
-        """Each position joins whole or not at all: a refusal in the middle of an input
-        leaves the positions fed before it, as its docstring says, and feeding the rest
-        later gives the rows of one run."""
-        for fill in (lambda seq, ids: feed(PARAMS, seq, ids),
-                     lambda seq, ids: prefill.prefill_in_chunks(PARAMS, seq, ids, 4)):
-            pool = paged.BlockPool(PARAMS, 2, 4)
-            seq = pool.sequence()
-            with self.assertRaisesRegex(ValueError, "out of blocks"):
-                fill(seq, self.ids[:12])
-            self.assertEqual(seq.tokens, self.ids[:8])
-            assert_equal(self, snapshot(seq), snapshot(filled_cache(self.ids[:8])),
-                         "the sequence")
-
     def test_random_operations_keep_every_sequence_and_the_pool_consistent(self):
         """Random runs of new sequences (with prefix reuse), feeds, forks, crops and frees
         on small pools (a feed appends what forward_step would, the keys and values of a
@@ -463,14 +400,6 @@ class Paged(unittest.TestCase):
                                      f"{label}: an indexed block")
         support.check_random_cases(self, 100, trial)
 
-    def assert_refused(self, pool, attempt, fragment):
-        """attempt raises a ValueError naming fragment, and the pool is as it was."""
-        before = support.pool_snapshot(pool)
-        with self.assertRaises(ValueError) as caught:
-            attempt()
-        self.assertIn(fragment, str(caught.exception))
-        assert_equal(self, support.pool_snapshot(pool), before, "the pool")
-
     def test_a_prefix_hit_shares_a_held_block_before_a_cached_one(self):
         """Two full blocks hold the same tokens, one cached (nobody holds it), one held:
         a new sequence of those tokens shares the held one, and the cached one stays on
@@ -487,58 +416,6 @@ class Paged(unittest.TestCase):
         third = pool.sequence(ids)
         self.assertEqual(third.table, second.table)
         self.assertIn(cached, pool.free_list)
-
-    def test_the_pool_refuses_misuse_of_its_own_methods(self):
-        pool = paged.BlockPool(PARAMS, 4, 4)
-        seq = pool.sequence()
-        feed(PARAMS, seq, TOK.encode(OPENINGS[0])[:4])   # block 0, full
-        k = seq.keys[0]
-        for attempt, fragment in (
-                (lambda: pool.release(1), "block 1 is held by no table"),
-                (lambda: pool.share(9), "block id must be an int from 0 to 3, got 9"),
-                (lambda: pool.share(True), "block id must be an int"),
-                (lambda: pool.share(2), "block 2 is free and holds nothing to share"),
-                (lambda: pool.take([1] * 5, [k] * 5, [k] * 5), "a block holds up to 4"),
-                (lambda: pool.take([1], [k], []), "got 1 tokens, 1 keys and 0 values"),
-                (lambda: pool.append(0, 1, k, k, [1] * 5), "this one is full"),
-                (lambda: pool.truncate(0, 5), "length must be an int from 0 to 4")):
-            with self.subTest(fragment=fragment):
-                self.assert_refused(pool, attempt, fragment)
-        part = pool.sequence()
-        feed(PARAMS, part, [5, 6])                        # block 1: two of its four slots
-        fork = part.copy()
-        self.assert_refused(pool, lambda: pool.append(part.table[0], 1, k, k, [5, 6, 1]),
-                            f"block {part.table[0]}, slot 2: a position is written only into "
-                            f"a block one table holds that is not full, and this one is held "
-                            f"by 2 tables")
-        fork.free()
-
-    def test_refusals_leave_the_pool_unchanged(self):
-        pool = paged.BlockPool(PARAMS, 3, 4)
-        seq = pool.sequence()
-        feed(PARAMS, seq, self.ids[:10])   # blocks of 4, 4 and 2: two free slots, no free block
-        self.assert_refused(pool, lambda: prefill.prefill(PARAMS, seq, self.ids[10:13], 10),
-                            "the pool is out of blocks: it has 3 blocks of 4 positions, 0 free, "
-                            "and 1 more are needed")
-        fork = seq.copy()                  # takes no block...
-        self.assert_refused(pool, lambda: forward_step(PARAMS, fork, self.ids[10], 10),
-                            "out of blocks")   # ...until it writes to the shared last one
-        fork.free()
-        feed(PARAMS, seq, self.ids[:12])   # now every block is full
-        self.assert_refused(pool, lambda: forward_step(PARAMS, seq, self.ids[12], 12),
-                            "out of blocks")
-        self.assertEqual(seq.tokens, self.ids[:12])
-        seq.free()
-        for attempt in (lambda: forward_step(PARAMS, seq, 5, 0), lambda: feed(PARAMS, seq, [5]),
-                        seq.copy, lambda: seq.crop(0), lambda: seq.extend([5], [[0.0]], [[0.0]])):
-            self.assert_refused(pool, attempt, "this sequence was freed")
-        for blocks, size in ((0, 4), (3, 0), (3, 2.0), (True, 4), (3, None), (10 ** 9, 4),
-                             (3, model.CONTEXT + 1)):
-            with self.subTest(blocks=blocks, block_size=size):
-                with self.assertRaisesRegex(ValueError, r"must be an int from 1 to \d+ \((each "
-                                                        r"is made with the pool|the model's "
-                                                        r"positions)\), got"):
-                    paged.BlockPool(PARAMS, blocks, size)
 
 
 class RecordedSlots(unittest.TestCase):
@@ -557,91 +434,6 @@ class RecordedSlots(unittest.TestCase):
             with self.subTest(block_size=size):
                 self.assertEqual((5 * model.CONTEXT - pool.free_blocks()) * size,
                                  sum(math.ceil(len(ids) / size) * size for ids in stories))
-
-
-class RoomHasOneOwner(unittest.TestCase):
-
-    @classmethod
-    def setUpClass(cls):
-        verdicts.skip_unless_sound("batched")   # it feeds batches through forward_rows
-
-    def test_the_pool_s_room_answers_are_what_it_then_does(self):
-        """On random pairs of small pools holding sequences of one story (new ones,
-        found by their prefix, forked, cropped, freed): room_for of one sequence is whether
-        extending it succeeds; room_for of each pool, whether forward_rows takes a batch of
-        sequences of both pools and a KVCache; a refusal changes nothing; and
-        room_for_sequence and could_hold are whether a new sequence then holds so many."""
-        story = TOK.encode(STORIES[0])
-        whole = filled_cache(story)
-
-        def trial(number):
-            rng = random.Random(number)
-            pools = [paged.BlockPool(PARAMS, rng.randint(1, 8), rng.choice((1, 2, 3, 4)))
-                     for _ in range(2)]
-            live = []
-            for _ in range(6):
-                try:
-                    if live and rng.random() < 0.3:
-                        live.append(rng.choice(live).copy())
-                    else:
-                        live.append(rng.choice(pools).sequence(story[:rng.randint(0, 12)]))
-                        for p in range(len(live[-1]), rng.randint(len(live[-1]), 16)):
-                            live[-1].append(story[p], whole.keys[p], whole.values[p])   # as fed
-                    if rng.random() < 0.3:
-                        live[-1].crop(rng.randint(0, len(live[-1])))
-                    if rng.random() < 0.2:
-                        live.pop().free()
-                except ValueError as refused:
-                    self.assertIn("out of blocks", str(refused))
-            label = f"trial {number}"
-            for seq in live:
-                held = len(seq)
-                more = rng.randint(0, min(6, len(story) - held))
-                answer = seq.pool.room_for([(seq, more)])
-                self.assertEqual(seq.room_for(more), answer, label)
-                before = support.pool_snapshot(seq.pool), snapshot(seq)
-                try:
-                    seq.extend(story[held:held + more], whole.keys[held:held + more],
-                               whole.values[held:held + more])
-                    self.assertTrue(answer, f"{label}: room_for said no, extend took them")
-                except ValueError as refused:
-                    self.assertFalse(answer, f"{label}: room_for said yes, extend: {refused}")
-                    assert_equal(self, (support.pool_snapshot(seq.pool), snapshot(seq)), before, label)
-            batch = [seq for seq in live if rng.random() < 0.7 and len(seq) < len(story)]
-            items = [(seq, story[p], p) for seq in batch
-                     for p in range(len(seq), min(len(seq) + rng.randint(1, 3), len(story)))]
-            items.append((filled_cache(story[:3]), story[3], 3))
-            answer = all(pool.room_for([(seq, sum(s is seq for s, _, _ in items))
-                                        for seq in batch if seq.pool is pool])
-                         for pool in pools)
-            before = [support.pool_snapshot(pool) for pool in pools], [snapshot(s) for s in batch]
-            try:
-                batched.forward_rows(PARAMS, items)
-                self.assertTrue(answer, f"{label}: room_for said no, forward_rows took them")
-            except ValueError as refused:
-                self.assertFalse(answer, f"{label}: room_for said yes, forward_rows: {refused}")
-                assert_equal(self, ([support.pool_snapshot(pool) for pool in pools],
-                                    [snapshot(s) for s in batch]), before, label)
-            for seq in live:
-                seq.free()
-            pool, ids = pools[0], story[:rng.randint(0, 12)]
-            positions = rng.randint(len(ids), len(story))
-
-            def holds(new):
-                """Whether the new sequence takes the story's first positions (then freed)."""
-                try:
-                    feed(PARAMS, new, story[:positions])
-                    return True
-                except ValueError as refused:
-                    self.assertIn("out of blocks", str(refused))
-                    return False
-                finally:
-                    new.free()
-            self.assertEqual(pool.room_for_sequence(ids, positions), holds(pool.sequence(ids)),
-                             f"{label}: room_for_sequence({len(ids)} ids, {positions})")
-            self.assertEqual(pool.could_hold(positions), holds(pool.sequence()),
-                             f"{label}: could_hold({positions})")
-        support.check_random_cases(self, 60, trial)
 
 
 class TheRecord(unittest.TestCase):

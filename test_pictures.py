@@ -20,7 +20,7 @@ import documents
 import lossy
 import support
 import svg
-from instruments import plant, replacing
+from instruments import is_call_of, plant, replacing
 from support import lab_file
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -266,8 +266,7 @@ class Pictures(unittest.TestCase):
             rung["cache"] = f"kind {i}, {rung['positions_kept']} kept"
         shape = next(s for s in record["deep_models"]["shapes"] if s["layers"] == 4)
         record["deep_models"]["shapes"] += [{**shape, "kv_heads": n} for n in range(5, 12)]
-        cut = replacing(lambda node: isinstance(node, ast.Call) and isinstance(
-            node.func, ast.Name) and node.func.id == "enumerate", lambda node: ast.Call(
+        cut = replacing(lambda node: is_call_of(node, "enumerate"), lambda node: ast.Call(
                 ast.Name("zip", ast.Load()), [ast.Call(ast.Name("range", ast.Load()), [
                     ast.Constant(len(svg.COLORS))], []), node.args[0]], []))
         kinds_by_bytes = {r["cache"].split(",")[0].rsplit(" ", 1)[0]

@@ -9,7 +9,7 @@ import model
 import prefill
 import support
 import verdicts
-from instruments import recording, replaced, replacing, where_raised
+from instruments import is_call_of, recording, replaced, replacing, where_raised
 from kv_cache import KVCache, feed, forward_step, generate_cached
 from quick_checks import Wrong, differ, step, where_cache_differs
 from support import (OPENINGS, PARAMS, STORIES, TOK, assert_equal, assert_same_generation,
@@ -77,14 +77,9 @@ def is_causal_slice(node):
             and isinstance(node.upper, ast.BinOp) and isinstance(node.upper.op, ast.Add))
 
 
-def calls(name, arguments):
-    """A matcher of calls of the global function name with that many arguments."""
-    return lambda node: (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                         and node.func.id == name and len(node.args) == arguments)
-
-
 POSITIONS_FROM_ZERO = replacing(   # enumerate(..., start) becomes enumerate(...): 0, 1, ...
-    calls("enumerate", 2), lambda node: ast.Call(node.func, node.args[:1], []))
+    lambda node: is_call_of(node, "enumerate", 2),
+    lambda node: ast.Call(node.func, node.args[:1], []))
 SQUARE_MASK = replacing(is_causal_slice, lambda node: ast.Slice(upper=ast.BinOp(
     ast.BinOp(node.upper.left, ast.Sub(), ast.Name("start", ast.Load())), ast.Add(),
     node.upper.right)))   # [:i + 1] becomes [:i - start + 1]
@@ -93,11 +88,13 @@ NO_MASK = replacing(lambda node: isinstance(node, ast.Subscript) and is_causal_s
 OWN_POSITION_LEFT_OUT = replacing(is_causal_slice,   # [:i + 1] becomes [:i]
                                   lambda node: ast.Slice(upper=node.upper.left))
 SHORT_LAST_CHUNK_DROPPED = replacing(   # range(held, len(ids), size): to len(ids) - size + 1
-    calls("range", 3), lambda node: ast.Call(node.func, [node.args[0], ast.BinOp(
+    lambda node: is_call_of(node, "range", 3),
+    lambda node: ast.Call(node.func, [node.args[0], ast.BinOp(
         ast.BinOp(node.args[1], ast.Sub(), node.args[2]), ast.Add(), ast.Constant(1)),
         node.args[2]], []))
 HELD_PREFIX_FORGOTTEN = replacing(   # range(held_prefix(cache, ids), ...): from position 0
-    calls("range", 3), lambda node: ast.Call(node.func, [ast.Constant(0), *node.args[1:]], []))
+    lambda node: is_call_of(node, "range", 3),
+    lambda node: ast.Call(node.func, [ast.Constant(0), *node.args[1:]], []))
 UNSCALED_SCORES = replacing(   # dot(q, k_j) * SCALE becomes dot(q, k_j)
     lambda node: (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)
                   and isinstance(node.right, ast.Name) and node.right.id == "SCALE"),

@@ -13,7 +13,7 @@ import pyramid_kv
 import support
 import verdicts
 from eviction import snapkv_choice
-from instruments import replacing
+from instruments import is_call_of, replacing
 from pyramid_kv import KINDS, PyramidKVCache
 from quick_checks import deep_label, differ, step, stepped_rows
 from support import assert_each_refused, random_tokens
@@ -139,11 +139,6 @@ def quick_check():
 
 
 QuickCheck = verdicts.quick_check_case("pyramid_kv", __name__)
-
-
-def is_call_of(node, name):
-    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-            and node.func.id == name)
 
 
 def expression(source):

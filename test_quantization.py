@@ -10,7 +10,7 @@ import unittest
 import quantization
 import support
 import verdicts
-from instruments import replacing
+from instruments import is_call_of, replacing
 from kv_cache import KVCache, feed
 from quantization import GroupedCache, RotatedCache, bytes_by_formula
 from quick_checks import Wrong, differ, step, strayed
@@ -150,13 +150,8 @@ def quick_check():
 QuickCheck = verdicts.quick_check_case("quantization", __name__)
 
 
-def is_call(node, name):
-    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-            and node.func.id == name)
-
-
 ONE_GRID_A_GROUP = replacing(   # _grid(channel, top): _grid(every number of the group, top)
-    lambda node: is_call(node, "_grid") and getattr(node.args[0], "id", None) == "channel",
+    lambda node: is_call_of(node, "_grid") and getattr(node.args[0], "id", None) == "channel",
     lambda node: ast.Call(node.func, [ast.parse("[x for key in keys for x in key]",
                                                 mode="eval").body, node.args[1]], []))
 RESIDUAL_OF_ONE_MORE = replacing(   # len(self.exact_keys) == self.residual: ... + 1
@@ -167,17 +162,17 @@ RESIDUAL_OF_ONE_MORE = replacing(   # len(self.exact_keys) == self.residual: ...
 
 def values_not_turned_back(tree):
     """A planting for GroupedCache._flush: the values given back are not turned back."""
-    return replacing(lambda node: is_call(node, "map") and len(node.args) == 2
+    return replacing(lambda node: is_call_of(node, "map", 2)
                      and isinstance(node.args[1], ast.Name)
                      and node.args[1].id == "values_back",
                      lambda node: node.args[1])(tree)
 
 
 VALUES_KEPT_TURNED = replacing(   # map(turned, self.values[held:]): self.values[held:]
-    lambda node: is_call(node, "map") and isinstance(node.args[1], ast.Subscript)
+    lambda node: is_call_of(node, "map") and isinstance(node.args[1], ast.Subscript)
     and getattr(node.args[1].value, "attr", None) == "values", lambda node: node.args[1])
 STORED_NOT_TURNED_BACK = replacing(   # turned(QuantizedCache.stored(...)): without turned
-    lambda node: is_call(node, "turned") and isinstance(node.args[0], ast.Call)
+    lambda node: is_call_of(node, "turned") and isinstance(node.args[0], ast.Call)
     and getattr(node.args[0].func, "attr", None) == "stored", lambda node: node.args[0])
 ONLY_THE_NEW_POSITIONS = replacing(   # start = len(...) if groups else 0: len(...) always
     lambda node: isinstance(node, ast.IfExp) and getattr(node.orelse, "value", None) == 0,

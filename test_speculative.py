@@ -11,7 +11,7 @@ import prefill
 import speculative
 import support
 import verdicts
-from instruments import recording, replacing
+from instruments import is_call_of, recording, replacing
 from kv_cache import generate_cached
 from quick_checks import Wrong, differ, step, strayed
 from stories import split_stories, story_ids
@@ -310,8 +310,8 @@ class Verdicts(unittest.TestCase):
     MISTAKES = [
         ("the room for a draft one token more than the lookahead", speculative,
          "generate_speculative",
-         replacing(lambda node: isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                   and node.func.id == "min" and ast.unparse(node.args[0]) == "lookahead",
+         replacing(lambda node: is_call_of(node, "min")
+                   and ast.unparse(node.args[0]) == "lookahead",
                    lambda node: ast.Call(node.func, [ast.BinOp(node.args[0], ast.Add(),
                                                                ast.Constant(1))]
                                          + node.args[1:], [])),

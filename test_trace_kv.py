@@ -17,8 +17,8 @@ import unittest
 from contextlib import redirect_stderr, redirect_stdout
 from unittest import mock
 
-import checkpoint
 import kv_cache
+import lab_files
 import model
 import support
 import trace_kv
@@ -205,7 +205,7 @@ class RecordFiles(unittest.TestCase):
             for name, text in previous.items():
                 with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
                     f.write(text)
-            for target in ("checkpoint.os.replace", "checkpoint.os.fsync"):
+            for target in ("lab_files.os.replace", "lab_files.os.fsync"):
                 with self.subTest(failing=target):
                     with mock.patch(target, side_effect=OSError("disk full")):
                         with self.assertRaises(OSError):
@@ -343,7 +343,7 @@ class Summary(unittest.TestCase):
             self.assert_save_fails_in_one_line(folder, "kv-time.json: it is a folder")
             self.assertEqual(os.listdir(folder), [trace_kv.TIMES])
         with tempfile.TemporaryDirectory() as folder, mock.patch(
-                "checkpoint.os.fsync", side_effect=OSError(28, "No space left on device")):
+                "lab_files.os.fsync", side_effect=OSError(28, "No space left on device")):
             self.assert_save_fails_in_one_line(folder, "No space left on device")
             self.assertEqual(os.listdir(folder), [])
 
@@ -352,8 +352,8 @@ class Summary(unittest.TestCase):
             tmp = f".{trace_kv.TRACE}.tmp-99999999-0a1b2c3d.part"   # a killed process's
             with open(os.path.join(folder, tmp), "w", encoding="utf-8") as f:
                 f.write(trace_kv._dumps(self.record))
-            with open(os.path.join(folder, checkpoint.JOURNAL), "w", encoding="utf-8") as f:
-                json.dump({"format": checkpoint.JOURNAL_FORMAT,
+            with open(os.path.join(folder, lab_files.JOURNAL), "w", encoding="utf-8") as f:
+                json.dump({"format": lab_files.JOURNAL_FORMAT,
                            "renames": [[tmp, trace_kv.TRACE]]}, f)
             out, _ = self.run_main("--check", "--folder", folder)
             self.assertIn("matches this run", out)

@@ -20,10 +20,9 @@ stderr, so the output stays clean when redirected.
 """
 import os
 import sys
+import lab_files
 if __name__ == "__main__":   # first: Ctrl-C while the modules below load ends in one line
-    sys.excepthook = lambda kind, *rest: (
-        print(f"{os.path.basename(sys.argv[0])}: interrupted", file=sys.stderr)
-        if issubclass(kind, KeyboardInterrupt) else sys.__excepthook__(kind, *rest))
+    lab_files.ctrl_c_in_one_line()
 
 import argparse
 import json
@@ -54,12 +53,12 @@ import pyramid_kv
 import quantization
 import serving
 import speculative
-from checkpoint import (LAB, add_folder_flag, finish_saving, positive_int, read_json,
-                        run_command, write_together)
 from documents import TIMES, TRACE
 from generate import load_trained
 from instruments import where_raised
 from kv_cache import work   # trace_kv.work: the contract
+from lab_files import (LAB, add_folder_flag, finish_saving, positive_int, read_json,
+                       run_command, write_together)
 from stories import openings, split_stories
 from workers import Here, Shipped, stop
 from trace_lesson import FULL_RECORD, summary
@@ -267,7 +266,7 @@ def _dumps(data):
 def save_records(record, timing, folder=LAB):
     """Write kv-trace.json and kv-time.json in folder, and every document there (its
     marked figures and blocks, and the pictures it marks), all drawn before any is written,
-    and written as one set (checkpoint.write_together): the names of what it wrote."""
+    and written as one set (lab_files.write_together): the names of what it wrote."""
     texts, drawn = {}, {}
     for name in documents.documents(folder):
         with open(os.path.join(folder, name), encoding="utf-8") as f:

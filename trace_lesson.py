@@ -175,7 +175,7 @@ def timings(lab, runs):
         "cache_bytes_full_context": memory,
         "cache_bytes_per_position": round(memory / model.CONTEXT, 2),
         "cache_bytes_as_8_byte_floats": 8 * 2 * model.WIDTH * model.CONTEXT,
-        "deep_model_cache_bytes_as_cpython_objects": deep_cache_bytes(lab),
+        "deep_model_cache_bytes_as_cpython_objects": deep_model.deep_cache_bytes(lab),
     }
 
 
@@ -233,23 +233,6 @@ def cache_bytes(params, ids):
     rows = cache.keys + cache.values
     return (sys.getsizeof(cache.keys) + sys.getsizeof(cache.values)
             + sum(sys.getsizeof(r) + sum(sys.getsizeof(x) for x in r) for r in rows))
-
-
-def deep_cache_bytes(lab):
-    """Bytes CPython uses per position for each shape of deep_model's experiment, its cache
-    fed deep_model.deep_ids(): the lists and every float object (they depend on the
-    Python, so they are kv-time.json's)."""
-    ids = deep_model.deep_ids(lab)
-    measured = []
-    for layers, kv_heads in deep_model.DEEP_SHAPES:
-        _, _, cache = deep_model.fed_deep_model(layers, kv_heads, ids)
-        objects = sum(sys.getsizeof(vectors) + sum(sys.getsizeof(vector)
-                                                    + sum(map(sys.getsizeof, vector))
-                                                    for vector in vectors)
-                      for layer in cache.layers for vectors in layer.values())
-        measured.append({"layers": layers, "kv_heads": kv_heads,
-                         "bytes_per_position": round(objects / len(ids), 2)})
-    return measured
 
 
 # ---- what the lesson's documents show of it (documents.py fills their marks) ---------

@@ -11,10 +11,9 @@ interrupted run (Ctrl-C) leaves best.json as it was.
 """
 import os
 import sys
+import lab_files
 if __name__ == "__main__":   # first: Ctrl-C while the modules below load ends in one line
-    sys.excepthook = lambda kind, *rest: (
-        print(f"{os.path.basename(sys.argv[0])}: interrupted", file=sys.stderr)
-        if issubclass(kind, KeyboardInterrupt) else sys.__excepthook__(kind, *rest))
+    lab_files.ctrl_c_in_one_line()
 
 import argparse
 import copy
@@ -25,7 +24,8 @@ import time
 import checkpoint
 import model
 from bpe import Tokenizer
-from checkpoint import CONFIG, positive_int
+from checkpoint import CONFIG
+from lab_files import positive_int
 from stories import split_stories   # train.CONFIG and train.split_stories: the contract
 
 
@@ -159,15 +159,15 @@ def main(argv=None):
     parser.add_argument("--out", help="where to write the checkpoint (default: best.json in "
                                       "the lab's folder); a run with other --epochs needs "
                                       "a file of its own")
-    checkpoint.add_folder_flag(parser)
+    lab_files.add_folder_flag(parser)
     args = parser.parse_args(argv)
     if args.epochs != CONFIG["epochs"] and args.out is None:
         parser.error(f"--epochs {args.epochs} needs --out: a run of other epochs must not "
                      f"replace best.json, the model the lab runs on")
     out = args.out or os.path.join(args.folder, "best.json")
     try:
-        tok = Tokenizer.load(checkpoint.lab_file(args.folder, "tokenizer.json"))
-        with open(checkpoint.lab_file(args.folder, "corpus.txt"), encoding="utf-8") as f:
+        tok = Tokenizer.load(lab_files.lab_file(args.folder, "tokenizer.json"))
+        with open(lab_files.lab_file(args.folder, "corpus.txt"), encoding="utf-8") as f:
             text = f.read()
         train(tok, text, out, epochs=args.epochs)
     except (OSError, ValueError) as e:
@@ -179,4 +179,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    checkpoint.run_command(main)
+    lab_files.run_command(main)
