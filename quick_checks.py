@@ -182,6 +182,8 @@ LAYERS = {
                     "python3 -m unittest test_kv_cache.Exactness"),
     "prefill": Layer("one-pass prefill (prefill.py)", ("lesson",), "python3 -m unittest test_prefill"),
     "paged": Layer("the paged cache (paged.py)", ("lesson", "prefill"), "python3 -m unittest test_paged"),
+    "forks": Layer("parallel sampling from forks (forks.py)", ("lesson", "paged"),
+                   "python3 -m unittest test_forks"),
     "lossy": Layer("the lossy caches (lossy.py)", ("lesson", "prefill"), "python3 -m unittest test_lossy"),
     "eviction": Layer("the evicting caches (eviction.py)", ("lesson", "lossy"),
                       "python3 -m unittest test_eviction"),

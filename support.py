@@ -6,6 +6,7 @@ layers of the lab are quick_checks.py's, and the skips they decide verdicts.py's
 module imports another; they import these three (verdicts.py alone imports a test
 module, for its layer's quick_check).
 """
+import ast
 import contextlib
 import functools
 import json
@@ -22,7 +23,7 @@ import generate
 import kv_cache
 import model
 from generate import load_trained, never_ending
-from instruments import plant, recording, where_raised
+from instruments import plant, recording, replacing, where_raised
 from kv_cache import KVCache, feed
 from stories import openings, split_stories, story_ids
 
@@ -409,6 +410,17 @@ def random_case(index):
     label = {"case": index, "scale": scale, "embedding_scale": embedding_scale,
              "never_ends": long, "prompt_tokens": len(TOK.encode(prompt)), **settings}
     return params, prompt, settings, label
+
+
+def swapping(source, new_source):
+    """A mistake for instruments.plant: each node whose source is source (ast.unparse's
+    spelling) becomes new_source's node, a statement for a statement ("pass" drops it),
+    else an expression."""
+    new = ast.parse(new_source).body[0]
+    statement = not isinstance(new, ast.Expr) or ast.unparse(new) != new_source.strip()
+    return replacing(lambda node: (isinstance(node, ast.stmt) == statement
+                                   and ast.unparse(node) == source),
+                     lambda node: new if statement else new.value)
 
 
 UNCHANGED = lambda tree: 1   # a planting for instruments.plant: the real function, compiled again
