@@ -3,6 +3,7 @@ bytes; a window equals the band-masked full pass; what a format cannot store is 
 import ast
 import struct
 import unittest
+from types import SimpleNamespace
 
 import kv_cache
 import lossy
@@ -10,11 +11,12 @@ import model
 import prefill
 import support
 import verdicts
-from instruments import replacing
+from instruments import largest_gap, replacing
 from kv_cache import KVCache, feed, forward_step, generate_cached
-from quick_checks import Wrong, differ, step
+from quick_checks import Wrong, differ, excerpt, step
+from stories import story_ids
 from support import (OPENINGS, PARAMS, STORIES, TOK, assert_changed, assert_equal,
-                     assert_same_generation, assert_same_rows, cached_rows)
+                     assert_same_generation, assert_same_rows, cached_rows, swapping)
 
 
 def setUpModule():
@@ -105,6 +107,63 @@ def quick_check():
                                       f"({window}, {sinks})")
         if why:
             return why
+    return where_measure_differs()
+
+
+MEASURED_OPENINGS, MEASURED_WINDOW = 3, 28  # lossy.measure's check: openings, window
+
+
+def where_measure_differs():
+    """None if lossy.measure of a WindowCache of MEASURED_WINDOW positions on the first
+    MEASURED_OPENINGS test openings, last first, gives the figures worked out plainly here
+    (each greedy story fed through a new cache; each sampled one generated again through
+    one by generate_cached), tells each_story what it fed, and returns the last story's
+    cache; else a Wrong naming the figure or the opening, with both values."""
+    prompts = OPENINGS[:MEASURED_OPENINGS][::-1]   # the largest gap before the last story
+    where = (f"lossy.measure of a window of {MEASURED_WINDOW} positions on the first "
+             f"{MEASURED_OPENINGS} test openings, last first")
+    step(f"{where}: the exact greedy and sampled stories (generate_cached) and their rows")
+    greedy = [generate_cached(PARAMS, TOK, prompt) for prompt in prompts]
+    sampled = [generate_cached(PARAMS, TOK, prompt, temperature=1.0, seed=index)
+               for index, prompt in enumerate(prompts)]
+    stories = [story_ids(TOK, prompt, result) for prompt, result in zip(prompts, greedy)]
+    runs = SimpleNamespace(greedy=greedy, sampled=sampled,
+                           greedy_rows=[cached_rows(PARAMS, ids[:-1]) for ids in stories])
+
+    def make(prompt_tokens):
+        return lossy.WindowCache(PARAMS, MEASURED_WINDOW)
+    told = []
+    step(f"{where}: measuring")
+    measured, last = lossy.measure(SimpleNamespace(params=PARAMS, tok=TOK, prompts=prompts),
+                                   runs, make, lambda cache, ids, rows, prompt_tokens:
+                                   told.append((list(cache.tokens), ids, rows, prompt_tokens)))
+    step(f"{where}: working the figures out plainly")
+    expected = {"largest_logit_gap": 0.0, "greedy_stories_changed": 0,
+                "sampled_stories_changed": 0}
+    for index, (prompt, ids, rows) in enumerate(zip(prompts, stories, runs.greedy_rows)):
+        prompt_tokens = len(TOK.encode(prompt))
+        fed = feed(PARAMS, make(prompt_tokens), ids[:-1])
+        if index < len(told) and told[index] != (ids[:-1], ids[:-1], fed, prompt_tokens):
+            return Wrong(f"{where}: what it tells each_story of opening {index} is not the "
+                         f"cache holding its greedy story, the IDs fed, their rows and "
+                         f"{prompt_tokens} prompt tokens",
+                         f"  told: cache tokens, IDs: {excerpt(told[index][:2])}, prompt "
+                         f"tokens {told[index][3]}\n  expected IDs: {excerpt(ids[:-1])}")
+        expected["largest_logit_gap"] = max(expected["largest_logit_gap"], largest_gap(fed, rows))
+        expected["greedy_stories_changed"] += any(
+            fed[p].index(max(fed[p])) != ids[p + 1] for p in range(prompt_tokens - 1, len(fed)))
+        again = generate_cached(PARAMS, TOK, prompt, len(sampled[index]["steps"]), 1.0,
+                                seed=index, cache=make(prompt_tokens))
+        expected["sampled_stories_changed"] += ([s["token"] for s in again["steps"]]
+                                                != [s["token"] for s in sampled[index]["steps"]])
+    for name, wanted in expected.items():
+        if measured.get(name) != wanted:
+            return Wrong(f"{where}: its {name} is {measured.get(name)!r}, {wanted!r} worked "
+                         f"out plainly", f"  measure gave: {measured}\n  expected: {expected}")
+    if len(told) != len(prompts) or list(last.tokens) != stories[-1][:-1]:
+        return Wrong(f"{where}: it told each_story of {len(told)} stories and returned a cache "
+                     f"of {len(last.tokens)} tokens, where {len(prompts)} stories and the last "
+                     f"one's cache ({len(stories[-1]) - 1} tokens) are expected")
     return None
 
 
@@ -166,6 +225,23 @@ MISTAKES = [
      r"cache, \S+ expected"),
     ("the positions kept for the next position, not this one", lossy.WindowCache, "_kept",
      KEPT_FOR_THE_NEXT_POSITION, r"window of 8 positions and 0 sinks.*feeding position 0"),
+    ("the largest gap of the last story only", lossy, "measure",
+     swapping("max(gap, largest_gap(fed, rows))", "largest_gap(fed, rows)"),
+     r"^lossy\.measure of a window .*: its largest_logit_gap is \S+, \S+ worked out plainly"),
+    ("each row's best token met with the token fed there, not the next", lossy, "measure",
+     swapping("ids[p + 1]", "ids[p]"),
+     r"^lossy\.measure .*: its greedy_stories_changed is \d+, \d+ worked out plainly"),
+    ("the sampled story goes on from the greedy story's cache, not a copy", lossy, "measure",
+     swapping("cache.copy()", "cache"),
+     r"^lossy\.measure .*: (its sampled_stories_changed is \d+, \d+ worked out|measuring: "
+     r"raised)"),
+    ("each sampled story met with the first opening's", lossy, "measure",
+     swapping("runs.sampled[index]", "runs.sampled[0]"),
+     r"^lossy\.measure .*: its sampled_stories_changed is \d+, \d+ worked out plainly"),
+    ("each_story told the last token too", lossy, "measure",
+     swapping("each_story(cache, ids[:-1], fed, prompt_tokens)",
+              "each_story(cache, ids, fed, prompt_tokens)"),
+     r"^lossy\.measure .*: what it tells each_story of opening 0 is not"),
 ]
 
 
