@@ -1,8 +1,9 @@
 """Shifting a rotary cache (context_shift.py). Its quick check meets the shift itself:
 the caches the experiment builds from kept keys and values go on exactly as caches fed
 the same tokens, the kept keys turned back by the dropped positions are, within rounding,
-those computed at the new positions, and _shift records what one layer gives; five
-mistakes planted in the real module make it name the quantity and the place. The figures
+those computed at the new positions, _shift records what one layer gives (a block moved
+and a learned table too), and experiment gathers its cases; ten mistakes planted in the
+real module make it name the quantity and the place. The figures
 themselves are the record's (TheRecord here, and test_whole_trace)."""
 import ast
 import random
