@@ -2,9 +2,9 @@
 test stories; comparisons that name the first number that differs instead of printing
 thousands; loops over many cases that fail once, naming the case (a random one by its
 seed, with the command that reruns it alone); and running from another folder. The
-layers of the lab are quick_checks.py's, and the skips they decide verdicts.py's. No test
-module imports another; they import these three (verdicts.py alone imports a test
-module, for its layer's quick_check).
+layers of the lab, their quick checks' vocabulary and the skips they decide are
+verdicts.py's. No test module imports another; they import these two (verdicts.py alone
+imports a test module, for its layer's quick_check).
 """
 import ast
 import contextlib
@@ -452,7 +452,7 @@ def enter_another_folder():
 
 
 def tear_down():
-    """A module's tear-down after enter_another_folder (or quick_checks.set_up): back to the
+    """A module's tear-down after enter_another_folder (or verdicts.set_up): back to the
     lab's folder."""
     os.chdir(HERE)
     _elsewhere.pop().cleanup()

@@ -15,9 +15,12 @@ import model
 import support
 import verdicts
 from instruments import replacing
-from quick_checks import ROUNDING, Wrong, deep_label, differ, excerpt, step, strayed
 from support import STORIES, TOK, swapping, tear_down
-from verdicts import quick_check_case, set_up
+from verdicts import (Layer, ROUNDING, Wrong, deep_label, differ, excerpt, quick_check_case,
+                      set_up, step, strayed)
+
+
+LAYER = Layer("context_shift", "the context shift (context_shift.py)", ("deep_model",))
 
 
 def setUpModule():

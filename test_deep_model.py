@@ -14,11 +14,14 @@ import support
 import verdicts
 from generate import load_trained
 from instruments import replacing
-from quick_checks import deep_label, deep_rows, differ, step, where_deep_rows_differ
 from support import (PARAMS, STORIES, TOK, assert_each_mistake_is_caught,
                      assert_each_refused, check_random_cases, deep_snapshot, random_tokens,
                      tear_down)
-from verdicts import quick_check_case, set_up
+from verdicts import (Layer, deep_label, deep_rows, differ, quick_check_case, set_up, step,
+                      where_deep_rows_differ)
+
+LAYER = Layer("deep_model", "the deeper model (deep_model.py)", ("lesson", "deep_params"))
+
 
 SHAPES = [(layers, heads, kv_heads) for layers in (1, 2, 3, 4)
           for heads, kv_heads in ((1, 1), (4, 4), (4, 2), (4, 1))]   # MHA, GQA, MQA

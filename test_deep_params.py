@@ -10,10 +10,14 @@ import deep_params
 import support
 import verdicts
 from model import CONTEXT, VOCAB_SIZE
-from quick_checks import Wrong, deep_label, step
 from support import swapping
+from verdicts import Layer, Wrong, deep_label, step
 
 # Shapes the quick check makes: grouped-query, multi-query (rotary), latent, latent rotary.
+LAYER = Layer("deep_params", "the deeper model's shapes and parameters (deep_params.py)",
+              ())
+
+
 TRIED = ((2, 4, 2, 16, 0), (1, 4, 1, 16, 0, "rotary"), (1, 4, 4, 16, 0, "learned", 8),
          (1, 4, 4, 16, 0, "rotary", 8))
 

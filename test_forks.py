@@ -11,10 +11,13 @@ import paged
 import support
 import verdicts
 from instruments import recording
-from quick_checks import Wrong, step
 from kv_cache import generate_cached
 from stories import story_ids
 from support import OPENINGS, PARAMS, TOK, assert_equal, swapping
+from verdicts import Layer, Wrong, step
+
+
+LAYER = Layer("forks", "parallel sampling from forks (forks.py)", ("lesson", "paged"))
 
 
 def setUpModule():

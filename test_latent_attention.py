@@ -10,15 +10,18 @@ import unittest
 
 import deep_model
 import latent_attention
-import quick_checks
 import support
 import verdicts
 from instruments import recording, replacing
-from quick_checks import (ROUNDING, Wrong, by_layer, deep_label, step, stepped_rows,
-                          strayed, where_deep_rows_differ)
 from support import (STORIES, TOK, assert_each_mistake_is_caught, assert_each_refused,
                      deep_snapshot, random_tokens, swapping, tear_down)
-from verdicts import quick_check_case, set_up
+from verdicts import (Layer, ROUNDING, Wrong, by_layer, deep_label, quick_check_case,
+                      set_up, step, stepped_rows, strayed, where_deep_rows_differ)
+
+
+LAYER = Layer("latent_attention",
+              "latent attention read in latent space (latent_attention.py)",
+              ("deep_model",))
 
 
 def setUpModule():
@@ -166,7 +169,7 @@ class Work(unittest.TestCase):
             cache = deep_model.DeepCache(params)
             for position, token_id in enumerate(random_tokens(40)):
                 def one_step():   # an exception names the model and the position
-                    quick_checks.step(f"the {path} path of {deep_label(params)}, at position "
+                    verdicts.step(f"the {path} path of {deep_label(params)}, at position "
                                       f"{position}")
                     if folded:
                         latent_attention.absorbed_step(folded, cache, token_id, position)

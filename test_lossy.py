@@ -13,10 +13,13 @@ import support
 import verdicts
 from instruments import largest_gap, replacing
 from kv_cache import KVCache, feed, forward_step, generate_cached
-from quick_checks import Wrong, differ, excerpt, step
 from stories import story_ids
 from support import (OPENINGS, PARAMS, STORIES, TOK, assert_changed, assert_equal,
                      assert_same_generation, assert_same_rows, cached_rows, swapping)
+from verdicts import Layer, Wrong, differ, excerpt, step
+
+
+LAYER = Layer("lossy", "the lossy caches (lossy.py)", ("lesson", "prefill"))
 
 
 def setUpModule():

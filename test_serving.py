@@ -17,8 +17,11 @@ import support
 import verdicts
 from instruments import replacing
 from kv_cache import feed, generate_cached
-from quick_checks import Wrong, step
 from support import OPENINGS, PARAMS, STORIES, TOK, assert_equal, cached_rows, filled_cache
+from verdicts import Layer, Wrong, step
+
+
+LAYER = Layer("serving", "serving (serving.py)", ("prefill", "paged", "batched"))
 
 
 def setUpModule():
