@@ -86,8 +86,8 @@ def quick_check():
 
     For each shape of TRIED: every parameter deep_params.init_params makes has the
     (rows, columns) worked_out gives, none more or fewer, each gain is 1.0 and each bias
-    0.0; check_params takes the params, and refuses each parameter one row or entry short,
-    naming it. Then a million layers are refused by check_model_shape. None if all holds,
+    0.0; check_params takes the params, and refuses each parameter of the first one row or
+    entry short, naming it. Then a million layers are refused by check_model_shape. None if all holds,
     else a Wrong naming the model, the parameter and both shapes or values."""
     for args in TRIED:
         step(f"deep_params.init_params{args}")
@@ -110,7 +110,7 @@ def quick_check():
                              f"{'gain' if first == '_g' else 'bias'} starts there)")
         step(f"{where}: check_params of the params init_params made")
         deep_params.check_params(params)
-        for name in sorted(values):
+        for name in sorted(values) if args == TRIED[0] else ():   # one model's will do
             step(f"{where}: check_params of the params with {name} one short")
             try:
                 deep_params.check_params(one_short(params, name))

@@ -87,10 +87,6 @@ class QuickCheckTeeth(unittest.TestCase):
         ("the parent sequence kept until the end, so the last fork copies its block too",
          forks, "sample_from_forks", swapping("seq.free()", "pass"),
          r"^forks of .*: blocks held when the last ended .* \d+, \d+ expected"),
-        ("the prompt fed again into every fork", forks, "sample_from_forks",
-         swapping("forks = [seq.copy() for _ in seeds]",
-                  "forks = [pool.sequence() for _ in seeds]"),
-         r"^forks of .*: (the continuation of seed 0|rows computed)"),
         ("the forks not given back on the way out", forks, "sample_from_forks",
          swapping("sequence.free()", "pass"), r"^forks of .*: free blocks afterwards")]
 

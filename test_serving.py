@@ -49,7 +49,8 @@ def quick_check():
     the second finds the first's full blocks; and one prompt twice in blocks of 1, one at
     a time, so that the second finds all but its last position. None if each result is
     generate_cached's and each run did what it is there for, else a Wrong naming the run,
-    the request and the new token where it parts."""
+    the request and the new token where it parts. Last, the batch-dependent kernel's
+    blocks are found by its serves only (where_kernels_mix)."""
     shared = OPENINGS[1] + " she was"
     runs = (("four requests that preempt", [{"prompt": prompt, "max_new_tokens": 12}
                                            for prompt in OPENINGS[:3]]
