@@ -71,6 +71,9 @@ def _declared(path):
             break
         except SyntaxError:
             continue
+    else:
+        raise SyntaxError(f"{os.path.basename(path)}: its line LAYER = Layer(...) does not "
+                          f"parse; write it as {declaration_line('name')}")
     module = os.path.basename(path)[:-3]
     return Layer(*map(ast.literal_eval, call.args),
                  **{word.arg: ast.literal_eval(word.value) for word in call.keywords},
