@@ -239,5 +239,5 @@ def where_raised(error):
               for frame in traceback.extract_tb(error.__traceback__)
               if os.path.dirname(os.path.abspath(frame.filename)) == LAB
               and not os.path.basename(frame.filename).startswith(("test_", "support",
-                                                                   "quick_checks", "verdicts"))]
+                                                                   "verdicts"))]
     return f" (in {'; '.join(frames[-3:])})" if frames else ""

@@ -2,10 +2,11 @@
 test stories; comparisons that name the first number that differs instead of printing
 thousands; loops over many cases that fail once, naming the case (a random one by its
 seed, with the command that reruns it alone); and running from another folder. The
-layers of the lab are quick_checks.py's, and the skips they decide verdicts.py's. No test
-module imports another; they import these three (verdicts.py alone imports a test
-module, for its layer's quick_check).
+layers of the lab, their quick checks' vocabulary and the skips they decide are
+verdicts.py's. No test module imports another; they import these two (verdicts.py alone
+imports a test module, for its layer's quick_check).
 """
+import ast
 import contextlib
 import functools
 import json
@@ -22,7 +23,7 @@ import generate
 import kv_cache
 import model
 from generate import load_trained, never_ending
-from instruments import plant, recording, where_raised
+from instruments import plant, recording, replacing, where_raised
 from kv_cache import KVCache, feed
 from stories import openings, split_stories, story_ids
 
@@ -411,6 +412,17 @@ def random_case(index):
     return params, prompt, settings, label
 
 
+def swapping(source, new_source):
+    """A mistake for instruments.plant: each node whose source is source (ast.unparse's
+    spelling) becomes new_source's node, a statement for a statement ("pass" drops it),
+    else an expression."""
+    new = ast.parse(new_source).body[0]
+    statement = not isinstance(new, ast.Expr) or ast.unparse(new) != new_source.strip()
+    return replacing(lambda node: (isinstance(node, ast.stmt) == statement
+                                   and ast.unparse(node) == source),
+                     lambda node: new if statement else new.value)
+
+
 UNCHANGED = lambda tree: 1   # a planting for instruments.plant: the real function, compiled again
 
 
@@ -455,7 +467,7 @@ def enter_another_folder():
 
 
 def tear_down():
-    """A module's tear-down after enter_another_folder (or quick_checks.set_up): back to the
+    """A module's tear-down after enter_another_folder (or verdicts.set_up): back to the
     lab's folder."""
     os.chdir(HERE)
     _elsewhere.pop().cleanup()

@@ -12,9 +12,12 @@ import model
 import verdicts
 from instruments import replacing
 from kv_cache import KVCache, feed
-from quick_checks import Wrong, step
 from support import PARAMS, STORIES, TOK, random_tokens, tear_down
-from verdicts import quick_check_case, set_up
+from verdicts import Layer, Wrong, quick_check_case, set_up, step
+
+
+LAYER = Layer("bandwidth", "the numbers a step reads (bandwidth.py)",
+              ("lesson", "deep_model", "latent_attention"))
 
 
 def setUpModule():

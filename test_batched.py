@@ -10,21 +10,23 @@ import unittest
 import batched
 import model
 import paged
-import quick_checks
 import support
 import verdicts
 from instruments import is_call_of, replacing
 from kv_cache import KVCache, feed
 from lossy import QuantizedCache, WindowCache
-from quick_checks import Wrong, differ, step, story_name
 from support import (PARAMS, STORIES, TOK, assert_changed, assert_each_mistake_is_caught,
                      assert_same_rows, first_difference)
+from verdicts import Layer, Wrong, differ, step, story_name
+
+LAYER = Layer("batched", "batched rows (batched.py)", ("lesson", "paged", "lossy"))
+
 
 IDS = [TOK.encode(story) for story in STORIES[:3]]
 
 
 def setUpModule():
-    """forward_rows' first check (quick_checks.LAYERS["batched"]), before any test of this
+    """forward_rows' first check (its layer's, LAYER), before any test of this
     module: three stories fed in mixed batches give forward_step's rows. If not, its one
     line names the first number that differs (or why forward_rows refused), and no other
     test runs."""
@@ -163,7 +165,7 @@ class ExactProduct(unittest.TestCase):
         pool = paged.BlockPool(PARAMS, 64, 4)
         self.assertIsNone(where_batches_differ(
             PARAMS, [pool.sequence() for _ in IDS], IDS,
-            labels=[quick_checks.story_name(index) for index in range(len(IDS))]))
+            labels=[verdicts.story_name(index) for index in range(len(IDS))]))
 
     def test_random_models_and_batches(self):
         """Case n draws, from random.Random(n), a model (init_params with a random seed)

@@ -13,9 +13,13 @@ import blockwise
 import support
 from instruments import is_call_of, replacing
 from kv_cache import KVCache
-from quick_checks import ROUNDING, Wrong, excerpt, step, story_name
 from support import OPENINGS, PARAMS, STORIES, TOK, assert_each_mistake_is_caught, tear_down
-from verdicts import assert_verdicts, quick_check_case, set_up
+from verdicts import (Layer, ROUNDING, Wrong, assert_verdicts, excerpt, quick_check_case,
+                      set_up, step, story_name)
+
+LAYER = Layer("blockwise", "attention read block by block (blockwise.py)",
+              ("lesson", "batched", "serving"))
+
 
 READS = []   # (story's name, the (q, keys, values) of each of its rows) for two stories
 

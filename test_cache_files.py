@@ -21,9 +21,12 @@ import support
 import verdicts
 from instruments import replacing, where_raised
 from kv_cache import KVCache, feed, generate_cached
-from quick_checks import Wrong, step, where_cache_differs
 from support import (OPENINGS, PARAMS, STORIES, TOK, assert_equal, filled_cache,
                      random_model, snapshot)
+from verdicts import Layer, Wrong, step, where_cache_differs
+
+
+LAYER = Layer("cache_files", "cache files (cache_files.py)", ("lesson", "paged", "lossy"))
 
 
 def setUpModule():

@@ -1,8 +1,9 @@
 """Shifting a rotary cache (context_shift.py). Its quick check meets the shift itself:
 the caches the experiment builds from kept keys and values go on exactly as caches fed
 the same tokens, the kept keys turned back by the dropped positions are, within rounding,
-those computed at the new positions, and _shift records what one layer gives; five
-mistakes planted in the real module make it name the quantity and the place. The figures
+those computed at the new positions, _shift records what one layer gives (a block moved
+and a learned table too), and experiment gathers its cases; ten mistakes planted in the
+real module make it name the quantity and the place. The figures
 themselves are the record's (TheRecord here, and test_whole_trace)."""
 import ast
 import random
@@ -14,9 +15,12 @@ import model
 import support
 import verdicts
 from instruments import is_call_of, replacing
-from quick_checks import ROUNDING, Wrong, deep_label, differ, excerpt, step, strayed
-from support import STORIES, TOK, tear_down
-from verdicts import quick_check_case, set_up
+from support import STORIES, TOK, swapping, tear_down
+from verdicts import (Layer, ROUNDING, Wrong, deep_label, differ, excerpt, quick_check_case,
+                      set_up, step, strayed)
+
+
+LAYER = Layer("context_shift", "the context shift (context_shift.py)", ("deep_model",))
 
 
 def setUpModule():
@@ -77,16 +81,22 @@ def where_shift_strays(seed=0):
 
 def where_shift_record_wrong(seed=0):
     """None if context_shift._shift of a 1-layer rotary model (4 heads, 2 kv heads, seed;
-    without the cases elsewhere) records what one layer gives: its cached rows the full
+    with the cases elsewhere) records what one layer gives: its cached rows the full
     pass's, its keys turned back within rounding of those turned once, those turned once
     the recompute's, and its shifted cache continued within rounding of the turned-once
     one and exactly as the recompute (in one layer the recompute is the turned-once
-    cache); else a Wrong naming the entry of the record, and both values."""
-    label = (f"context_shift._shift(1, 2, {seed}, False), of the 1-layer grouped-query model "
+    cache); a block moved to another offset continued within rounding of the tokens fed
+    there, with or without tokens before it; the learned table's old keys more than
+    rounding from the recompute's; else a Wrong naming the entry of the record, and both
+    values."""
+    label = (f"context_shift._shift(1, 2, {seed}, True), of the 1-layer grouped-query model "
              f"(4 heads, 2 kv heads, rotary positions)")
     step(f"{label}: running it")
-    case = context_shift._shift(1, 2, seed, False)
+    case = context_shift._shift(1, 2, seed, True)
     rounding = case["rounding"]
+
+    def within_rounding(entry):
+        return entry["largest_logit_gap"] <= ROUNDING and entry["continuation_changed"] is False
     for name, holds, wanted in (
             ("largest_logit_gap", case["largest_logit_gap"] == 0.0,
              "0.0 (the cached rows are the full pass's)"),
@@ -96,15 +106,82 @@ def where_shift_record_wrong(seed=0):
             ("layer_1_keys_rotated_once_equal_recomputed",
              case["layer_1_keys_rotated_once_equal_recomputed"] is True,
              "True (a key turned once to its new position is the recompute's)"),
-            ("rounding", rounding["largest_logit_gap"] <= ROUNDING
-             and rounding["continuation_changed"] is False,
+            ("rounding", within_rounding(rounding),
              f"a largest_logit_gap of at most {ROUNDING:g}, the continuation unchanged"),
             ("against_recompute", case["against_recompute"] == rounding,
-             f"{rounding} (its rounding's: the recompute is the turned-once cache)")):
+             f"{rounding} (its rounding's: the recompute is the turned-once cache)"),
+            ("offset_with_nothing_before", within_rounding(case["offset_with_nothing_before"]),
+             f"a largest_logit_gap of at most {ROUNDING:g}, the continuation unchanged (a "
+             f"key turned twice)"),
+            ("offset_after_other_tokens", within_rounding(case["offset_after_other_tokens"]),
+             f"a largest_logit_gap of at most {ROUNDING:g}, the continuation unchanged (in "
+             f"one layer a key holds nothing of the tokens before it)"),
+            ("learned_old_keys_against_recompute",
+             case["learned_old_keys_against_recompute"]["largest_logit_gap"] > ROUNDING,
+             f"a largest_logit_gap of more than {ROUNDING:g} (a learned table's old keys "
+             f"keep their old positions)")):
         if not holds:
             return Wrong(f"{label}: its {name} is {case[name]!r}, where one layer gives {wanted}",
-                         f"  fed: context_shift._shift(1, 2, {seed}, False)\n"
+                         f"  fed: context_shift._shift(1, 2, {seed}, True)\n"
                          f"  _shift gave: {excerpt(case, 2000)}")
+    return None
+
+
+def made_up_case(layers, kv_heads, seed, elsewhere):
+    """A stand-in for context_shift._shift: figures made up from its arguments, with the
+    cases elsewhere if asked."""
+    case = {"layers": layers, "kv_heads": kv_heads, "seed": seed,
+            "key_gap_rotated_back_vs_rotated_once": seed / 64,
+            "rounding": {"largest_logit_gap": (seed * 5 % 12) / 32,
+                         "continuation_changed": seed % 3 == 0},
+            "against_recompute": {"largest_logit_gap": (seed * 7 % 12) / 4,
+                                  "continuation_changed": seed % 2 == 0}}
+    if elsewhere:
+        case["offset_with_nothing_before"] = {"largest_logit_gap": (seed * 5 % 12) / 8,
+                                              "continuation_changed": seed % 4 == 1}
+        case["learned_old_keys_against_recompute"] = {"largest_logit_gap": 12 - seed,
+                                                      "continuation_changed": seed > 4}
+    return case
+
+
+def where_experiment_sums_wrong():
+    """None if context_shift.experiment, given made-up cases for _shift (made_up_case),
+    runs one a shape of DEEP_SHAPES, with the cases elsewhere for the grouped-query ones,
+    and gathers their largest gaps and changed continuations as worked out plainly here;
+    else a Wrong naming the entry of its record, and both values."""
+    from unittest import mock
+    shapes = deep_model.DEEP_SHAPES
+    cases = [made_up_case(layers, kv_heads, seed, kv_heads == 2)
+             for seed, (layers, kv_heads) in enumerate(shapes)]
+
+    def over(name, chosen):
+        return {"models": len(chosen),
+                "largest_logit_gap": max(c[name]["largest_logit_gap"] for c in chosen),
+                "continuations_changed": sum(c[name]["continuation_changed"] for c in chosen)}
+    grouped = [c for c in cases if c["kv_heads"] == 2]
+    expected = {"shapes": cases,
+                "key_gap_rotated_back_vs_rotated_once": (len(shapes) - 1) / 64,
+                "rounding": over("rounding", cases),
+                "against_recompute_by_layers": [
+                    {"layers": layers, **over("against_recompute",
+                                              [c for c in cases if c["layers"] == layers])}
+                    for layers in (1, 2, 3, 4)],
+                "offset_with_nothing_before": over("offset_with_nothing_before", grouped),
+                "learned_old_keys_against_recompute":
+                    over("learned_old_keys_against_recompute", grouped)}
+    label = "context_shift.experiment, given made-up cases for its shapes"
+    step(f"{label}: running it")
+    with mock.patch.object(context_shift, "_shift", made_up_case):
+        record = context_shift.experiment(None)
+    for name, wanted in expected.items():
+        got = record.get(name)
+        if (name == "shapes" and got != wanted and isinstance(got, list)
+                and len(got) == len(wanted)):
+            name, (got, wanted) = next((f"shapes[{index}]", pair) for index, pair
+                                       in enumerate(zip(got, wanted)) if pair[0] != pair[1])
+        if got != wanted:
+            return Wrong(f"{label}: its {name} is {excerpt(got, 300)}, {excerpt(wanted, 300)} "
+                         f"worked out plainly (_shift(layers, kv_heads, seed, kv_heads == 2))")
     return None
 
 
@@ -117,7 +194,11 @@ def quick_check():
     a 1-layer rotary model random tokens: its kept keys turned back by the dropped
     positions are within rounding of those computed at the new positions
     (where_shift_strays), and context_shift._shift records what one layer gives
-    (where_shift_record_wrong)."""
+    (where_shift_record_wrong). First of all, experiment gathers made-up cases as worked
+    out plainly (where_experiment_sums_wrong)."""
+    why = where_experiment_sums_wrong()   # first: it runs no model
+    if why:
+        return why
     ids = TOK.encode(STORIES[0])[:10]
     for positions in ("learned", "rotary"):
         why = where_held_differs(deep_model.init_params(2, 4, 2, 16, 0, positions), ids, 6)
@@ -184,8 +265,10 @@ KEY = (r"the 1-layer grouped-query model \(4 heads, 2 kv heads, rotary positions
        r"\(back by 6: position p was position p \+ 6\), at layer 0, "
        r"position \d+, number \d+: \S+ from the shift, \S+ expected \(\S+ apart, more than "
        r"rounding, 1e-12\)")
-RECORD = (r"context_shift._shift\(1, 2, 0, False\), of the 1-layer grouped-query model "
+RECORD = (r"context_shift._shift\(1, 2, 0, True\), of the 1-layer grouped-query model "
           r"\(4 heads, 2 kv heads, rotary positions\): its {} is {}, where one layer gives")
+EXPERIMENT = (r"^context_shift\.experiment, given made-up cases for its shapes: its {} is .*, "
+              r".* worked out plainly")
 
 
 class QuickCheckTeeth(unittest.TestCase):
@@ -206,6 +289,22 @@ class QuickCheckTeeth(unittest.TestCase):
          RECORD.format("key_gap_rotated_back_vs_rotated_once", r"\S+")),
         ("a held cache's keys and values swapped", context_shift, "_held",
          KEYS_AND_VALUES_SWAPPED, HELD),
+        ("a block moved to another offset turned back, not on", context_shift,
+         "_block_elsewhere", swapping("rotate(k, DROPPED, thetas)", "rotate(k, -DROPPED, thetas)"),
+         RECORD.format("offset_with_nothing_before", r"\{'largest_logit_gap': \S+, "
+                                                     r"'continuation_changed': \w+\}")),
+        ("the last shape's gap, not the largest", context_shift, "experiment",
+         swapping("max((c[name]['largest_logit_gap'] for c in chosen))",
+                  "chosen[-1][name]['largest_logit_gap']"), EXPERIMENT.format("rounding")),
+        ("every shape's gaps against the recompute, whatever its layers", context_shift,
+         "experiment", swapping("[c for c in cases if c['layers'] == layers]", "cases"),
+         EXPERIMENT.format("against_recompute_by_layers")),
+        ("the multi-query shapes taken for the grouped ones", context_shift, "experiment",
+         swapping("c['kv_heads'] == 2", "c['kv_heads'] == 1"),
+         r"^context_shift\.experiment, given made-up cases .*: (its offset_with_nothing_before"
+         r"|running it: raised KeyError)"),
+        ("the cases elsewhere run for every shape", context_shift, "experiment",
+         swapping("kv_heads == 2", "True"), EXPERIMENT.format(r"shapes\[0\]")),
     ]
 
     def test_the_quick_check_names_each_mistake_s_quantity_and_place(self):

@@ -13,8 +13,11 @@ import verdicts
 from instruments import replacing
 from kv_cache import KVCache, feed, generate_cached
 from model import SCALE, dot, softmax_row
-from quick_checks import Wrong, differ, step
 from support import PARAMS, STORIES, TOK
+from verdicts import Layer, Wrong, differ, step
+
+
+LAYER = Layer("eviction", "the evicting caches (eviction.py)", ("lesson", "lossy"))
 
 
 def setUpModule():

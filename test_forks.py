@@ -13,17 +13,85 @@ import verdicts
 from instruments import recording
 from kv_cache import generate_cached
 from stories import story_ids
-from support import OPENINGS, PARAMS, TOK, assert_equal
+from support import OPENINGS, PARAMS, TOK, assert_equal, swapping
+from verdicts import Layer, Wrong, step
+
+
+LAYER = Layer("forks", "parallel sampling from forks (forks.py)", ("lesson", "paged"))
 
 
 def setUpModule():
-    """Built on the paged cache: if its layer is wrong, these tests skip (test_paged says
-    why)."""
-    verdicts.skip_unless_sound("paged")
-    support.enter_another_folder()   # as a learner might run the commands
+    verdicts.set_up("forks")   # skips if a layer under it is wrong; runs from elsewhere
 
 
 tearDownModule = support.tear_down
+
+
+def quick_check():
+    """Forked continuations are generate's for their seeds, and share the prompt's blocks.
+
+    Three continuations (seeds 0, 1, 2) of the fifth test opening (14 tokens: 3 full
+    blocks and 2 positions) forked from one prefill in a pool of 48 blocks of 4: None if
+    each is generate_cached's for its seed, the prompt's rows are computed once, the
+    blocks held at the end are the prompt's full blocks once and each continuation's own,
+    and every block is back in the pool; else a Wrong naming the seed and the quantity."""
+    pool, prompt, seeds = paged.BlockPool(PARAMS, 48, 4), OPENINGS[4], (0, 1, 2)
+    prompt_tokens, where = len(TOK.encode(prompt)), f"forks of {OPENINGS[4]!r}"
+    step(f"{where}: sampling seeds {seeds} (forks.sample_from_forks)")
+    with recording(kv_cache, "forward_step") as rows:
+        results, held = forks.sample_from_forks(PARAMS, TOK, prompt, seeds, pool)
+    positions = []
+    for seed, result in zip(seeds, results):
+        step(f"{where}: generate_cached for seed {seed}")
+        expected = generate_cached(PARAMS, TOK, prompt, temperature=1.0, seed=seed)
+        if result != expected:
+            parts = [f"new token {number}: {mine} from sample_from_forks, {theirs} expected"
+                     for number, (mine, theirs) in enumerate(zip(result["steps"],
+                                                                  expected["steps"]), 1)
+                     if mine != theirs]
+            return Wrong(f"{where}: the continuation of seed {seed}, at " + (parts or [
+                f"its end: {len(result['steps'])} new tokens ({result['stopped']}) from "
+                f"sample_from_forks, {len(expected['steps'])} ({expected['stopped']}) "
+                f"expected"])[0], f"  fed: {prompt!r}, seeds {seeds}, blocks of 4\n"
+                f"  got:      {result['text']!r}\n  expected: {expected['text']!r}")
+        positions.append(len(story_ids(TOK, prompt, result)) - 1)
+    full = prompt_tokens // 4
+    for quantity, got, wanted in (
+            ("rows computed (the prompt's once, then each continuation's)", len(rows),
+             prompt_tokens + sum(n - prompt_tokens for n in positions)),
+            ("blocks held when the last ended (the prompt's full blocks once)", held,
+             full + sum(math.ceil(n / 4) - full for n in positions)),
+            ("free blocks afterwards", pool.free_blocks(), len(pool.blocks)),
+            ("blocks still counted as held afterwards", sum(pool.ref_counts), 0)):
+        if got != wanted:
+            return Wrong(f"{where}: {quantity} {got}, {wanted} expected",
+                         f"  fed: {prompt!r} ({prompt_tokens} tokens), seeds {seeds}, "
+                         f"blocks of 4\n  continuations end at positions {positions}")
+    return None
+
+
+QuickCheck = verdicts.quick_check_case("forks", __name__)
+
+
+class QuickCheckTeeth(unittest.TestCase):
+    """Mistakes planted in the real forks.sample_from_forks (by its syntax tree): the
+    quick check names the seed or the quantity that shows each."""
+
+    MISTAKES = [
+        ("every continuation sampled with the first seed", forks, "sample_from_forks",
+         swapping("generate.generate_with(next_logits, tok, list(ids), 60, 1.0, None, seed)",
+                  "generate.generate_with(next_logits, tok, list(ids), 60, 1.0, None, seeds[0])"),
+         r"^forks of .*: the continuation of seed 1, at new token"),
+        ("every fork the parent itself, not a copy", forks, "sample_from_forks",
+         swapping("seq.copy()", "seq"), r"^forks of .*: (the continuation of seed 0|.*raised)"),
+        ("the parent sequence kept until the end, so the last fork copies its block too",
+         forks, "sample_from_forks", swapping("seq.free()", "pass"),
+         r"^forks of .*: blocks held when the last ended .* \d+, \d+ expected"),
+        ("the forks not given back on the way out", forks, "sample_from_forks",
+         swapping("sequence.free()", "pass"), r"^forks of .*: free blocks afterwards")]
+
+    def test_each_mistake_names_its_seed_or_quantity(self):
+        verdicts.assert_verdicts(self, "forks", self.MISTAKES)
 
 
 class Forks(unittest.TestCase):

@@ -20,12 +20,16 @@ import support
 from generate import never_ending
 from instruments import is_call_of, plant, recording
 from kv_cache import KVCache, feed, forward_step, generate_cached
-from verdicts import skip_unless_sound
 from stories import story_ids
 from support import (HERE, OPENINGS, PARAMS, STORIES, TOK, assert_changed, assert_equal,
                      assert_every_row_equal, assert_same_generation, assert_same_rows,
                      cached_rows, filled_cache, generation_difference, lab_file, snapshot,
                      where_rows_differ)
+from verdicts import Layer, skip_unless_sound
+
+
+LAYER = Layer("lesson", "the lesson (kv_cache.forward_step against model.forward)",
+              (), shown_by="Exactness")
 
 
 def setUpModule():
@@ -42,7 +46,6 @@ NEXT = object()   # stands for "the cache's next position" in Misuse.assertRefus
 def quick_check():
     """Every row of the first test story, fed through the cache, is model.forward's."""
     return where_rows_differ(PARAMS, TOK.encode(STORIES[0]))
-
 
 
 class BuiltOnTheLesson(unittest.TestCase):

@@ -10,15 +10,18 @@ import unittest
 
 import deep_model
 import latent_attention
-import quick_checks
 import support
 import verdicts
 from instruments import is_call_of, recording, replacing
-from quick_checks import (ROUNDING, by_layer, deep_label, step, stepped_rows, strayed,
-                          where_deep_rows_differ)
 from support import (STORIES, TOK, assert_each_mistake_is_caught, assert_each_refused,
-                     deep_snapshot, random_tokens, tear_down)
-from verdicts import quick_check_case, set_up
+                     deep_snapshot, random_tokens, swapping, tear_down)
+from verdicts import (Layer, ROUNDING, Wrong, by_layer, deep_label, quick_check_case,
+                      set_up, step, stepped_rows, strayed, where_deep_rows_differ)
+
+
+LAYER = Layer("latent_attention",
+              "latent attention read in latent space (latent_attention.py)",
+              ("deep_model",))
 
 
 def setUpModule():
@@ -45,20 +48,68 @@ def where_absorbed_strays(params, ids):
     return by_layer(params, compare)
 
 
+# The work check's models: grouped-query (learned), multi-query (rotary), latent
+# (learned; rotary with a rotary key; rotary with its rebuilt keys turned), with their paths.
+WORK_MODELS = (((2, 4, 2, 16, 0), ("cached",)), ((2, 4, 1, 16, 0, "rotary"), ("cached",)),
+               ((2, 4, 4, 16, 0, "learned", 8), ("rebuilt", "absorbed")),
+               ((2, 4, 4, 16, 0, "rotary", 8), ("rebuilt", "absorbed")),
+               ((2, 4, 4, 16, 0, "rotary", 8, 0), ("rebuilt",)))
+WORK_ATTENDED = 6   # the decode step whose products are counted attends to this many
+
+
+def where_work_differs(ids):
+    """None if, for each model of WORK_MODELS and each of its paths, the decode step
+    attending to WORK_ATTENDED positions of ids computes multiply_adds's products (each
+    product of dot and linear counted as it runs), and its cache keeps cache_floats's
+    numbers a position; else a Wrong naming the model, the path, the positions and both
+    counts."""
+    for args, paths in WORK_MODELS:
+        params = deep_model.init_params(*args)
+        shape, label = params["shape"], deep_label(params)
+        for path in paths:
+            folded = path == "absorbed" and latent_attention._fold(params)
+            step_function = latent_attention.absorbed_step if folded else deep_model.forward_step
+            cache = deep_model.DeepCache(params)
+            stepped_rows(f"the {path} path of {label}", step_function, folded or params, cache,
+                         ids[:WORK_ATTENDED - 1])
+            step(f"the {path} path of {label}: the decode step at position "
+                 f"{WORK_ATTENDED - 1}, its products counted")
+            with recording(deep_model, "dot", "linear") as calls, \
+                    recording(latent_attention, "dot", "linear") as more:
+                step_function(folded or params, cache, ids[WORK_ATTENDED - 1], WORK_ATTENDED - 1)
+            computed = latent_attention.products(calls + more)
+            formula = latent_attention.multiply_adds(shape, WORK_ATTENDED, path)
+            if computed != formula:
+                return Wrong(f"{label}, the {path} path: the decode step at position "
+                             f"{WORK_ATTENDED - 1} (attending to {WORK_ATTENDED}) computes "
+                             f"{computed} products, multiply_adds counts {formula}",
+                             f"  fed: token IDs {ids[:WORK_ATTENDED]}; counted: every product "
+                             f"of deep_model's and latent_attention's dot and linear")
+        kept = latent_attention.cache_floats(shape["layers"], shape["kv_heads"],
+                                             shape["width"] // shape["heads"], shape["latent"],
+                                             shape["rotary_key"])
+        if kept != cache.floats_per_position():
+            return Wrong(f"{label}: its cache keeps {cache.floats_per_position():g} numbers a "
+                         f"position, cache_floats counts {kept}")
+    return None
+
+
 def quick_check():
     """A latent model's rows, rebuilt and absorbed (within rounding), are its full pass's.
 
     Feeds the first 12 tokens of the first test story through 2-layer latent models (4
     heads, latent 8), of learned positions and of rotary ones with a rotary key: the rows
     of deep_model.forward_step (keys and values rebuilt) == the full pass's, and those of
-    latent_attention.absorbed_step (read in latent space) within ROUNDING of them."""
+    latent_attention.absorbed_step (read in latent space) within ROUNDING of them. Then
+    a decode step's products and a cache's numbers a position, counted in the real code,
+    are multiply_adds's and cache_floats's (where_work_differs)."""
     ids = TOK.encode(STORIES[0])[:12]
     for positions in ("learned", "rotary"):
         params = deep_model.init_params(2, 4, 4, 16, 0, positions, 8)
         why = where_deep_rows_differ(params, ids) or where_absorbed_strays(params, ids)
         if why:
             return why
-    return None
+    return where_work_differs(ids)
 
 
 QuickCheck = quick_check_case("latent_attention", __name__)
@@ -118,7 +169,7 @@ class Work(unittest.TestCase):
             cache = deep_model.DeepCache(params)
             for position, token_id in enumerate(random_tokens(40)):
                 def one_step():   # an exception names the model and the position
-                    quick_checks.step(f"the {path} path of {deep_label(params)}, at position "
+                    verdicts.step(f"the {path} path of {deep_label(params)}, at position "
                                       f"{position}")
                     if folded:
                         latent_attention.absorbed_step(folded, cache, token_id, position)
@@ -211,6 +262,9 @@ ABSORBED = (r"the absorbed path's row \(read in latent space\), at position \d+,
 REBUILT = (r"the cached row \(its keys and values rebuilt from the cached latents\), at "
            r"position \d+, logit \d+: \S+ from forward_step, \S+ expected")
 
+WORK = (r"^the 2-layer {} model \(.*\), the {} path: the decode step at position 5 "
+        r"\(attending to 6\) computes \d+ products, multiply_adds counts \d+$")
+
 
 class QuickCheckTeeth(unittest.TestCase):
     """Each mistake planted in the real latent_attention.py (or in deep_model.forward_step's
@@ -227,6 +281,16 @@ class QuickCheckTeeth(unittest.TestCase):
         ("the rotary key turned by the next position on the rebuilding path", deep_model,
          "forward_step", ROTARY_KEY_A_POSITION_ON,
          ROTARY + r", wrong from layer 0 on: " + REBUILT),
+        ("the scores counted once a key-value head, not once a head", latent_attention,
+         "multiply_adds", swapping("2 * heads * d * t", "2 * shape['kv_heads'] * d * t"),
+         WORK.format("grouped-query", "cached")),
+        ("the rotary part of the absorbed scores left out", latent_attention, "multiply_adds",
+         swapping("heads * t * (2 * latent_width + r)", "heads * t * 2 * latent_width"),
+         WORK.format("latent", "absorbed")),
+        ("a latent cache's rotary key left out", latent_attention, "cache_floats",
+         swapping("layers * (latent + rotary_key)", "layers * latent"),
+         r"^the 2-layer latent model .*rotary key 2\): its cache keeps 20 numbers a position, "
+         r"cache_floats counts 16$"),
     ]
 
     def test_the_quick_check_names_each_mistake_s_model_path_layer_and_position(self):

@@ -3,6 +3,7 @@ bytes; a window equals the band-masked full pass; what a format cannot store is 
 import ast
 import struct
 import unittest
+from types import SimpleNamespace
 
 import kv_cache
 import lossy
@@ -10,11 +11,15 @@ import model
 import prefill
 import support
 import verdicts
-from instruments import is_call_of, replacing
+from instruments import is_call_of, largest_gap, replacing
 from kv_cache import KVCache, feed, forward_step, generate_cached
-from quick_checks import Wrong, differ, step
+from stories import story_ids
 from support import (OPENINGS, PARAMS, STORIES, TOK, assert_changed, assert_equal,
-                     assert_same_generation, assert_same_rows, cached_rows)
+                     assert_same_generation, assert_same_rows, cached_rows, swapping)
+from verdicts import Layer, Wrong, differ, excerpt, step
+
+
+LAYER = Layer("lossy", "the lossy caches (lossy.py)", ("lesson", "prefill"))
 
 
 def setUpModule():
@@ -105,6 +110,64 @@ def quick_check():
                                       f"({window}, {sinks})")
         if why:
             return why
+    return where_measure_differs()
+
+
+MEASURED = (2, 0)      # lossy.measure's check: the test openings it measures, and
+MEASURED_WINDOW = 28   # the window: the largest gap in the first, the second unchanged
+
+
+def where_measure_differs():
+    """None if lossy.measure of a WindowCache of MEASURED_WINDOW positions on the test
+    openings MEASURED (by index) gives the figures worked out plainly here
+    (each greedy story fed through a new cache; each sampled one generated again through
+    one by generate_cached), tells each_story what it fed, and returns the last story's
+    cache; else a Wrong naming the figure or the opening, with both values."""
+    prompts = [OPENINGS[index] for index in MEASURED]
+    where = (f"lossy.measure of a window of {MEASURED_WINDOW} positions on test openings "
+             f"{MEASURED}")
+    step(f"{where}: the exact greedy and sampled stories (generate_cached) and their rows")
+    greedy = [generate_cached(PARAMS, TOK, prompt) for prompt in prompts]
+    sampled = [generate_cached(PARAMS, TOK, prompt, temperature=1.0, seed=index)
+               for index, prompt in enumerate(prompts)]
+    stories = [story_ids(TOK, prompt, result) for prompt, result in zip(prompts, greedy)]
+    runs = SimpleNamespace(greedy=greedy, sampled=sampled,
+                           greedy_rows=[cached_rows(PARAMS, ids[:-1]) for ids in stories])
+
+    def make(prompt_tokens):
+        return lossy.WindowCache(PARAMS, MEASURED_WINDOW)
+    told = []
+    step(f"{where}: measuring")
+    measured, last = lossy.measure(SimpleNamespace(params=PARAMS, tok=TOK, prompts=prompts),
+                                   runs, make, lambda cache, ids, rows, prompt_tokens:
+                                   told.append((list(cache.tokens), ids, rows, prompt_tokens)))
+    step(f"{where}: working the figures out plainly")
+    expected = {"largest_logit_gap": 0.0, "greedy_stories_changed": 0,
+                "sampled_stories_changed": 0}
+    for index, (prompt, ids, rows) in enumerate(zip(prompts, stories, runs.greedy_rows)):
+        prompt_tokens = len(TOK.encode(prompt))
+        fed = feed(PARAMS, make(prompt_tokens), ids[:-1])
+        if index < len(told) and told[index] != (ids[:-1], ids[:-1], fed, prompt_tokens):
+            return Wrong(f"{where}: what it tells each_story of opening {index} is not the "
+                         f"cache holding its greedy story, the IDs fed, their rows and "
+                         f"{prompt_tokens} prompt tokens",
+                         f"  told: cache tokens, IDs: {excerpt(told[index][:2])}, prompt "
+                         f"tokens {told[index][3]}\n  expected IDs: {excerpt(ids[:-1])}")
+        expected["largest_logit_gap"] = max(expected["largest_logit_gap"], largest_gap(fed, rows))
+        expected["greedy_stories_changed"] += any(
+            fed[p].index(max(fed[p])) != ids[p + 1] for p in range(prompt_tokens - 1, len(fed)))
+        again = generate_cached(PARAMS, TOK, prompt, len(sampled[index]["steps"]), 1.0,
+                                seed=index, cache=make(prompt_tokens))
+        expected["sampled_stories_changed"] += ([s["token"] for s in again["steps"]]
+                                                != [s["token"] for s in sampled[index]["steps"]])
+    for name, wanted in expected.items():
+        if measured.get(name) != wanted:
+            return Wrong(f"{where}: its {name} is {measured.get(name)!r}, {wanted!r} worked "
+                         f"out plainly", f"  measure gave: {measured}\n  expected: {expected}")
+    if len(told) != len(prompts) or list(last.tokens) != stories[-1][:-1]:
+        return Wrong(f"{where}: it told each_story of {len(told)} stories and returned a cache "
+                     f"of {len(last.tokens)} tokens, where {len(prompts)} stories and the last "
+                     f"one's cache ({len(stories[-1]) - 1} tokens) are expected")
     return None
 
 
@@ -161,6 +224,15 @@ MISTAKES = [
      r"cache, \S+ expected"),
     ("the positions kept for the next position, not this one", lossy.WindowCache, "_kept",
      KEPT_FOR_THE_NEXT_POSITION, r"window of 8 positions and 0 sinks.*feeding position 0"),
+    ("the largest gap of the last story only", lossy, "measure",
+     swapping("max(gap, largest_gap(fed, rows))", "largest_gap(fed, rows)"),
+     r"^lossy\.measure of a window .*: its largest_logit_gap is \S+, \S+ worked out plainly"),
+    ("each row's best token met with the token fed there, not the next", lossy, "measure",
+     swapping("ids[p + 1]", "ids[p]"),
+     r"^lossy\.measure .*: its greedy_stories_changed is \d+, \d+ worked out plainly"),
+    ("each sampled story met with the first opening's", lossy, "measure",
+     swapping("runs.sampled[index]", "runs.sampled[0]"),
+     r"^lossy\.measure .*: its sampled_stories_changed is \d+, \d+ worked out plainly"),
 ]
 
 

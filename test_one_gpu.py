@@ -14,9 +14,12 @@ from instruments import count_reads, is_call_of, recording, replacing
 from kv_cache import KVCache
 from latent_attention import products
 from one_gpu import A100, LLAMA_3_1_8B, MODELS
-from quick_checks import Wrong, step
 from support import PARAMS, STORIES, TOK, recorded, tear_down
-from verdicts import quick_check_case, set_up
+from verdicts import Layer, Wrong, quick_check_case, set_up, step
+
+
+LAYER = Layer("one_gpu", "what one GPU does with a model (one_gpu.py)",
+              ("lesson", "prefill", "bandwidth"))
 
 
 def setUpModule():

@@ -14,10 +14,13 @@ import support
 import verdicts
 from instruments import is_call_of, replacing
 from kv_cache import feed, forward_step, generate_cached
-from quick_checks import STEPS, Wrong, excerpt, step
 from stories import story_ids
 from support import (OPENINGS, PARAMS, STORIES, TOK, assert_equal, assert_same_generation,
                      assert_same_rows, cached_rows, chunked_rows, filled_cache, snapshot)
+from verdicts import Layer, STEPS, Wrong, excerpt, step
+
+
+LAYER = Layer("paged", "the paged cache (paged.py)", ("lesson", "prefill"))
 
 
 def setUpModule():

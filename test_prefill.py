@@ -11,9 +11,12 @@ import support
 import verdicts
 from instruments import is_call_of, recording, replaced, replacing, where_raised
 from kv_cache import KVCache, feed, forward_step, generate_cached
-from quick_checks import Wrong, differ, step, where_cache_differs
 from support import (OPENINGS, PARAMS, STORIES, TOK, assert_equal, assert_same_generation,
                      assert_same_rows, cached_rows, chunked_rows, filled_cache, snapshot)
+from verdicts import Layer, Wrong, differ, step, where_cache_differs
+
+
+LAYER = Layer("prefill", "one-pass prefill (prefill.py)", ("lesson",))
 
 
 def setUpModule():

@@ -15,8 +15,11 @@ import verdicts
 from eviction import snapkv_choice
 from instruments import is_call_of, replacing
 from pyramid_kv import KINDS, PyramidKVCache
-from quick_checks import deep_label, differ, step, stepped_rows
 from support import assert_each_refused, random_tokens
+from verdicts import Layer, deep_label, differ, step, stepped_rows
+
+
+LAYER = Layer("pyramid_kv", "PyramidKV's budgets by layer (pyramid_kv.py)", ("deep_model",))
 
 
 def setUpModule():

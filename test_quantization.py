@@ -13,8 +13,12 @@ import verdicts
 from instruments import is_call_of, replacing
 from kv_cache import KVCache, feed
 from quantization import GroupedCache, RotatedCache, bytes_by_formula
-from quick_checks import Wrong, differ, step, strayed
 from support import PARAMS, STORIES, TOK, assert_equal
+from verdicts import Layer, differ, step, strayed
+
+
+LAYER = Layer("quantization", "keys by channel, values by token (quantization.py)",
+              ("lesson", "prefill", "lossy"))
 
 
 def setUpModule():

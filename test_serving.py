@@ -17,8 +17,11 @@ import support
 import verdicts
 from instruments import replacing
 from kv_cache import feed, generate_cached
-from quick_checks import Wrong, step
 from support import OPENINGS, PARAMS, STORIES, TOK, assert_equal, cached_rows, filled_cache
+from verdicts import Layer, Wrong, step
+
+
+LAYER = Layer("serving", "serving (serving.py)", ("prefill", "paged", "batched"))
 
 
 def setUpModule():
@@ -46,7 +49,8 @@ def quick_check():
     the second finds the first's full blocks; and one prompt twice in blocks of 1, one at
     a time, so that the second finds all but its last position. None if each result is
     generate_cached's and each run did what it is there for, else a Wrong naming the run,
-    the request and the new token where it parts."""
+    the request and the new token where it parts. Last, the batch-dependent kernel's
+    blocks are found by its serves only (where_kernels_mix)."""
     shared = OPENINGS[1] + " she was"
     runs = (("four requests that preempt", [{"prompt": prompt, "max_new_tokens": 12}
                                            for prompt in OPENINGS[:3]]
@@ -74,6 +78,31 @@ def quick_check():
         if not counts[exercised]:
             return Wrong(f"{where}: no {exercised.replace('_', ' ')[:-1]} in this run, "
                          f"which is there to make them", f"  counts: {counts}")
+    return where_kernels_mix()
+
+
+def where_kernels_mix():
+    """None if one prompt served twice with the batch-dependent kernel (batched.by_batch),
+    then exactly, from one pool of blocks of 1, finds the kernel's blocks the second time
+    and none of them the third, with generate_cached's result; else a Wrong naming the serve."""
+    pool, request = paged.BlockPool(PARAMS, 40, 1), {"prompt": OPENINGS[0], "max_new_tokens": 4}
+    for serve, product, hits in (("the first, with the batch-dependent kernel", batched.by_batch,
+                                  "none"),
+                                 ("the second, with the batch-dependent kernel",
+                                  batched.by_batch, "the first's blocks"),
+                                 ("the third, exactly", batched.exact, "none")):
+        where = (f"one prompt served three times from one pool (blocks of 1, batches of up "
+                 f"to 1): {serve}")
+        step(f"serving {where}")
+        (result,), counts = serving.serve(PARAMS, TOK, [request], pool, 1, product=product)
+        if bool(counts["prefix_hits"]) != (hits != "none"):
+            return Wrong(f"{where}: {counts['prefix_hits']} prefix hits, where it should find "
+                         f"{hits}", f"  request: {request}\n  counts: {counts}")
+    expected = kv_cache.generate_cached(PARAMS, TOK, **request)
+    if result != expected:
+        return Wrong(f"{where}: the request parts from generate_cached's "
+                     f"{parting(result, expected)}",
+                     f"  served:   {result['text']!r}\n  expected: {expected['text']!r}")
     return None
 
 
@@ -103,13 +132,18 @@ class ServingTeeth(unittest.TestCase):
          serving._Served, "admit", replacing(_source_is("self.pool.sequence(ids[:-1], kernel)"),
                                              lambda node: ast.parse(
                                                  "self.pool.sequence(ids, kernel)",
-                                                 mode="eval").body))]
+                                                 mode="eval").body)),
+        ("a prefix looked up without the kernel that computes the rows", serving._Served,
+         "admit", replacing(_source_is("self.pool.sequence(ids[:-1], kernel)"),
+                            lambda node: ast.parse("self.pool.sequence(ids[:-1])",
+                                                   mode="eval").body))]
 
     def test_each_mistake_names_its_run_and_request(self):
         verdicts.assert_verdicts(self, "serving", [
             (*mistake, r"^(serving )?(four requests that preempt|two requests sharing a "
-                       r"prefix|one prompt twice) \(blocks of \d+, batches of up to \d+\)"
-                       r".*(request \d+|no \w+)")
+                       r"prefix|one prompt (twice|served three times from one pool)) "
+                       r"\(blocks of \d+, batches of up to \d+\)"
+                       r".*(request \d+|no \w+|the (first|second|third), .*(prefix hits|raised))")
             for mistake in self.MISTAKES])
 
 

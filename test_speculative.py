@@ -13,10 +13,13 @@ import support
 import verdicts
 from instruments import is_call_of, recording, replacing
 from kv_cache import generate_cached
-from quick_checks import Wrong, differ, step, strayed
 from stories import split_stories, story_ids
 from support import (OPENINGS, PARAMS, TOK, assert_equal, filled_cache, first_difference,
                      snapshot)
+from verdicts import Layer, Wrong, differ, step, strayed
+
+
+LAYER = Layer("speculative", "speculative decoding (speculative.py)", ("prefill", "lossy"))
 
 
 def setUpModule():

@@ -1,4 +1,4 @@
-"""The tests' own frame (support.py, quick_checks.py, verdicts.py): a failing case names
+"""The tests' own frame (support.py, verdicts.py): a failing case names
 itself and the command that reruns it alone; an exception in a case names the lab's lines
 it came through; a layer whose check fails makes the layers built on it skip, saying
 which, and its own module's QuickCheck fail with the check's detail; a generation that
@@ -11,12 +11,11 @@ from unittest import mock
 
 import generate
 import model
-import quick_checks
 import support
 import verdicts
-from quick_checks import Layer, Wrong
+from verdicts import Layer, Wrong
 
-REAL_LAYERS = quick_checks.LAYERS   # before the tests below put made-up ones in its place
+REAL_LAYERS = dict(verdicts.layers())   # before the tests below put made-up ones in its place
 
 
 class Cases(unittest.TestCase):
@@ -57,15 +56,14 @@ class Cases(unittest.TestCase):
 class Layers(unittest.TestCase):
     """Made-up layers: a foundation whose check fails, one built on it, one beside it."""
 
-    FAKE = {"ground": Layer("the ground", (), "python3 -m unittest test_support",
-                            lambda: Wrong("it cracked", "  at its foot: 1.0, 2.0 expected")),
-            "house": Layer("the house", ("ground",), "python3 -m unittest test_house",
-                           lambda: None),
-            "shed": Layer("the shed", (), "python3 -m unittest test_shed", lambda: None)}
+    FAKE = {"ground": Layer("ground", "the ground", (), module="test_support",
+                            check=lambda: Wrong("it cracked", "  at its foot: 1.0, 2.0 expected")),
+            "house": Layer("house", "the house", ("ground",), module="test_house",
+                           check=lambda: None),
+            "shed": Layer("shed", "the shed", (), module="test_shed", check=lambda: None)}
 
     def setUp(self):
-        patches = [mock.patch.object(verdicts, "LAYERS", self.FAKE),
-                   mock.patch.object(quick_checks, "LAYERS", self.FAKE),
+        patches = [mock.patch.object(verdicts, "_found", self.FAKE),
                    mock.patch.object(verdicts, "_verdicts", {}),
                    mock.patch.object(verdicts, "_told", set())]
         for patch in patches:
@@ -104,13 +102,26 @@ class Layers(unittest.TestCase):
             "the ground is wrong: it cracked", "  at its foot: 1.0, 2.0 expected",
             "This check alone: python3 -m unittest test_support.QuickCheck"])
 
-    def test_a_layer_missing_from_layers_says_the_line_to_add(self):
-        with self.assertRaises(LookupError) as missing:
-            verdicts.set_up("eviction")
-        self.assertIn("quick_checks.LAYERS has no layer 'eviction'", str(missing.exception))
-        self.assertIn('LAYERS[\'eviction\'] = Layer("what it is (eviction.py)", ("lesson",), '
-                      '"python3 -m unittest test_eviction")', str(missing.exception))
-        self.assertIn("quick_check() in test_eviction.py", str(missing.exception))
+    def test_a_layer_no_test_module_declares_says_the_line_to_write(self):
+        for attempt in (lambda: verdicts.set_up("eviction"),
+                        lambda: verdicts.quick_check_case("eviction", "test_eviction")):
+            with self.assertRaises(LookupError) as missing:
+                attempt()
+            self.assertIn("no test module declares the layer 'eviction'", str(missing.exception))
+            self.assertIn('write in test_eviction.py\nLAYER = Layer("eviction", "what it is '
+                          '(eviction.py)", ("lesson",))', str(missing.exception))
+            self.assertIn("quick_check() in test_eviction.py", str(missing.exception))
+
+    def test_a_test_module_declares_its_layer_in_one_line_found_without_importing_it(self):
+        """The lab's layers are those its test modules declare, read from their files (no
+        test module imports another): test_forks.py's is its line LAYER = Layer(...)."""
+        self.assertEqual(REAL_LAYERS["forks"], Layer("forks", "parallel sampling from forks "
+                                                     "(forks.py)", ("lesson", "paged"),
+                                                     module="test_forks"))
+        self.assertEqual(REAL_LAYERS["lesson"].command,
+                         "python3 -m unittest test_kv_cache.Exactness")
+        self.assertEqual(REAL_LAYERS["every Part"].builds_on,
+                         tuple(name for name in REAL_LAYERS if name != "every Part"))
 
     def test_a_record_entry_no_stage_writes_says_the_line_to_add(self):
         with self.assertRaises(AssertionError) as missing:
@@ -124,16 +135,19 @@ class Layers(unittest.TestCase):
         self.addCleanup(support.tear_down)
         self.assertNotEqual(os.getcwd(), support.HERE)
 
-    def test_each_layer_of_the_lab_builds_on_earlier_ones_and_names_its_tests(self):
-        """(Each layer's check itself runs in its module's set-up.)"""
-        earlier = []
+    def test_each_layer_of_the_lab_builds_on_declared_ones_and_names_its_tests(self):
+        """(Each layer's check itself runs in its module's set-up.) No layer builds, through
+        others, on itself."""
+        def under(name, path=()):
+            self.assertNotIn(name, path, f"layers built on themselves: {path + (name,)}")
+            for below in REAL_LAYERS[name].builds_on:
+                under(below, path + (name,))
         for name, layer in REAL_LAYERS.items():
             with self.subTest(layer=name):
-                self.assertLessEqual(set(layer.builds_on), set(earlier))
-                module = layer.command.split()[-1].split(".")[0]
-                self.assertTrue(module == "unittest" or os.path.exists(
-                    os.path.join(support.HERE, module + ".py")), layer.command)
-            earlier.append(name)
+                self.assertLessEqual(set(layer.builds_on), set(REAL_LAYERS))
+                under(name)
+                self.assertTrue(name == "every Part" or os.path.exists(
+                    os.path.join(support.HERE, layer.module + ".py")), layer.command)
 
 
 class Messages(unittest.TestCase):

@@ -1,5 +1,17 @@
-"""What the lab's layers say of themselves, for the tests: each layer of quick_checks.LAYERS
-is checked at most once in a test run, and its verdict decides what runs.
+"""The lab's layers, for the tests: each declared by its own test module, found as
+unittest finds tests, checked at most once in a test run; what their quick checks share;
+and what a layer's verdict makes the tests built on it do.
+
+A layer is declared by the test module of its Part, near its top, in one line:
+LAYER = Layer("lossy", "the lossy caches (lossy.py)", ("lesson", "prefill"))
+(its name, what it is in words with its module, the layers its tests build on; its quick
+check is quick_check() in that module). The layers are found by reading that line of
+every test_*.py beside this file, without importing it: a Part that cannot even be
+imported (a syntax error) is then its layer's verdict, and the layers beside it run.
+
+A quick check feeds the cases where its module's mistakes show, and returns None if they
+hold, else why not: a Wrong, whose one line names the quantity that differs and where
+(story, position, block, request), and whose detail gives what was fed and both values.
 
 A test module names its layer in its set-up (set_up). If a layer under it is wrong, its
 tests skip, with one line naming that layer and the command that shows why, so that one
@@ -7,31 +19,109 @@ mistake gives one verdict, from the layer it is in. If its own layer is wrong, i
 skip too, but for its QuickCheck (quick_check_case), which fails with the check's detail:
 what it fed, what it compared, and both values.
 """
+import ast
+import glob
+import importlib
+import os
 import sys
 import unittest
+from collections import namedtuple
 from unittest import mock
 
-import quick_checks
 from instruments import plant
-from quick_checks import LAYERS, Wrong, check_of, module_of
-from support import described, enter_another_folder
+from support import described, enter_another_folder, first_gap
 
 __unittest = True   # unittest leaves this module's lines out of the tracebacks it prints
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class Layer(namedtuple("Layer", "name title builds_on shown_by module check",
+                       defaults=("", "", None))):
+    """One layer of the lab, as its test module declares it: its name, what it is (with
+    its module), the layers its tests build on, and the class of tests that shows why it
+    is wrong (shown_by; all the module's tests if ""). Discovery adds the declaring test
+    module; check is its quick check if given here, else quick_check() in that module."""
+
+    @property
+    def command(self):
+        """The command that shows why the layer is wrong."""
+        return f"python3 -m unittest {self.module}" + (f".{self.shown_by}" if self.shown_by
+                                                       else "")
+
+
+def declaration_line(name):
+    """The line a test module writes to declare layer name, for a message."""
+    return (f'LAYER = Layer("{name}", "what it is ({name}.py)", ("lesson",))   '
+            f'# from verdicts import Layer')
+
+
+def _declared(path):
+    """The layer the test module at path declares (its line LAYER = Layer(...), read by
+    its syntax tree, without importing it), or None if it declares none."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    start = text.find("\nLAYER = Layer(")
+    if start < 0:
+        return None
+    lines = text[start + 1:].splitlines()
+    for end in range(1, len(lines) + 1):   # the statement ends where its lines parse
+        try:
+            call = ast.parse("\n".join(lines[:end])).body[0].value
+            break
+        except SyntaxError:
+            continue
+    else:
+        raise SyntaxError(f"{os.path.basename(path)}: its line LAYER = Layer(...) does not "
+                          f"parse; write it as {declaration_line('name')}")
+    module = os.path.basename(path)[:-3]
+    return Layer(*map(ast.literal_eval, call.args),
+                 **{word.arg: ast.literal_eval(word.value) for word in call.keywords},
+                 module=module)
+
+
+_found = {}
+
+
+def layers():
+    """Every layer the test modules beside this file declare, by name (found once); and
+    "every Part", built on all of them, shown by the whole suite."""
+    if not _found:
+        for path in sorted(glob.glob(os.path.join(HERE, "test_*.py"))):
+            declared = _declared(path)
+            if declared:
+                _found[declared.name] = declared
+        _found["every Part"] = Layer("every Part", "every Part", tuple(_found), module="",
+                                     check=lambda: None)
+    return _found
+
 
 _verdicts, _told = {}, set()
 
 
 def layer(name):
-    """LAYERS[name], or an error that says the line a new Part's layer needs there."""
-    if name not in LAYERS:
+    """The layer name, or an error that says the line its test module needs."""
+    if name not in layers():
         raise LookupError(
-            f"quick_checks.LAYERS has no layer {name!r}: a new Part's test module names its "
-            f"layer, so add its line before LAYERS[\"every Part\"], for instance\n"
-            f"LAYERS[{name!r}] = Layer(\"what it is ({name}.py)\", (\"lesson\",), "
-            f"\"python3 -m unittest test_{name}\")\n"
+            f"no test module declares the layer {name!r}: a new Part's test module declares "
+            f"its layer near its top, so write in test_{name}.py\n"
+            f"{declaration_line(name)}\n"
             f"and its quick check, quick_check() in test_{name}.py (None if it holds, else "
-            f"a quick_checks.Wrong naming what differs and where)")
-    return LAYERS[name]
+            f"a verdicts.Wrong naming what differs and where)")
+    return layers()[name]
+
+
+def check_of(name):
+    """Layer name's quick check: the one its Layer gives, else quick_check() in its test
+    module, imported now (a Part that cannot be imported fails here, as its verdict)."""
+    if layer(name).check:
+        return layer(name).check
+    module = importlib.import_module(layer(name).module)
+    if not hasattr(module, "quick_check"):
+        raise LookupError(f"{layer(name).module}.py has no quick_check(), the quick check of "
+                          f"layer {name!r}: a function that feeds the cases where its "
+                          f"module's mistakes show and returns None, or a Wrong")
+    return module.quick_check
 
 
 def verdict(name):
@@ -44,11 +134,11 @@ def verdict(name):
 
 def checked(check):
     """check(): None, or why it fails; an exception it raises is its failure, named with
-    the step it was at (quick_checks.step) and the lab's lines it came through."""
-    quick_checks.STEPS.clear()
+    the step it was at (step) and the lab's lines it came through."""
+    STEPS.clear()
     why = described(check)
-    if why and not isinstance(why, Wrong) and quick_checks.STEPS:
-        return Wrong(f"{quick_checks.STEPS[-1]}: {why}")
+    if why and not isinstance(why, Wrong) and STEPS:
+        return Wrong(f"{STEPS[-1]}: {why}")
     return why
 
 
@@ -89,7 +179,7 @@ def set_up(name):
     if verdict(name):
         reason = (f"{layer(name).title} is wrong (its QuickCheck says why), so the tests "
                   f"built on it skip")
-        module = module_of(name)
+        module = layer(name).module
         for case in vars(sys.modules[module]).values():   # its own classes, not imported ones
             if (isinstance(case, type) and issubclass(case, unittest.TestCase)
                     and case.__module__ == module and case.__name__ != "QuickCheck"):
@@ -103,7 +193,14 @@ def _skip(reason):
 
 def quick_check_case(name, module):
     """The TestCase class QuickCheck of layer name's own test module (named module): it
-    runs the layer's quick check, and fails with its verdict and its detail."""
+    runs the layer's quick check, and fails with its verdict and its detail. A test
+    module that does not declare its layer fails here, at its import, naming the line to
+    write."""
+    declared = layer(name)
+    if declared.module != module:
+        raise LookupError(f"the layer {name!r} is declared by {declared.module}.py, not by "
+                          f"{module}.py: a layer has one test module")
+
     def test_the_layer_s_quick_check(self):
         why = verdict(name)
         if why:
@@ -113,7 +210,7 @@ def quick_check_case(name, module):
     test_the_layer_s_quick_check.__doc__ = check_of(name).__doc__
     return type("QuickCheck", (unittest.TestCase,),
                 {"__module__": module, "__qualname__": "QuickCheck",
-                 "__doc__": f"The quick check of {layer(name).title}, first.",
+                 "__doc__": f"The quick check of {declared.title}, first.",
                  "test_the_layer_s_quick_check": test_the_layer_s_quick_check})
 
 
@@ -134,3 +231,160 @@ def assert_verdicts(test, name, mistakes):
             with mock.patch.object(owner, function, planted):
                 why = checked(check)
             test.assertRegex(why or "", pattern, f"with {what}, the check said {why!r}")
+
+
+# ---- what quick checks share ----------------------------------------------------
+
+class Wrong(str):
+    """A check's verdict when it fails: one line (the str itself), naming the quantity that
+    differs and where; and its detail, for the layer's own QuickCheck: what was fed, and
+    both values."""
+
+    def __new__(cls, line, detail=""):
+        wrong = super().__new__(cls, line)
+        wrong.detail = detail
+        return wrong
+
+
+STEPS = []   # what the running check is doing now (step), so that an exception can say it
+
+
+def step(what):
+    """Say what the running check does next ("finding the prefix again"): an exception it
+    raises from here on is named with it."""
+    STEPS[:] = [what]
+
+
+def excerpt(values, width=100):
+    """A list of numbers (or anything) as a line of at most width characters."""
+    text = repr(values)
+    return text if len(text) <= width else text[:width - 5] + " ...]"
+
+
+def differ(what, got, expected, source, names=("position", "logit"), fed="", within=None):
+    """None if got == expected (given within, if each number of got is within that of
+    expected's), else a Wrong naming the first number that differs by its indices (names:
+    what each level of nesting counts, "position 9, logit 3"), with both numbers; its
+    detail shows what was fed and the two vectors that hold the difference."""
+    if got == expected:
+        return None
+    found = first_gap(got, expected, within)
+    if found is None:
+        return None
+    indices, mine, wanted, numbers = found
+    place = ", ".join(f"{name} {i}" for name, i in zip(names, indices)) or "the lists"
+    outer_got, outer_wanted = got, expected
+    for i in (indices[:-1] if numbers else indices):
+        outer_got, outer_wanted = outer_got[i], outer_wanted[i]
+    gap = (f" ({abs(mine - wanted):.3g} apart, more than rounding, {within:g})"
+           if numbers and within is not None else "")
+    return Wrong(f"{what}, at {place}: {mine} from {source}, {wanted} expected{gap}",
+                 (f"  fed: {fed}\n" if fed else "") + f"  {source} gave: {excerpt(outer_got)}\n"
+                 f"  expected:  {excerpt(outer_wanted)}")
+
+
+ROUNDING = 1e-12   # far above the absorbed path's gaps (about 1e-15), far below a mistake's
+
+
+def strayed(what, got, expected, source, names=("position", "logit"), fed=""):
+    """differ within ROUNDING."""
+    return differ(what, got, expected, source, names, fed, within=ROUNDING)
+
+
+def where_cache_differs(label, cache, reference, source):
+    """None if cache holds the tokens, keys and values reference holds, else a Wrong
+    naming the first part and position that differ, with both numbers."""
+    for part in ("tokens", "keys", "values"):
+        why = differ(f"{label}: its {part}", list(getattr(cache, part)),
+                     list(getattr(reference, part)), source,
+                     names=("position", "number"), fed=f"token IDs {list(reference.tokens)}")
+        if why:
+            return why
+    return None
+
+
+def story_name(index):
+    """The name a check gives test story index (0: "the first test story")."""
+    return f"the {('first', 'second', 'third', 'fourth')[index]} test story"
+
+
+def deep_label(params):
+    """A deep_model model's shape in words: "the 2-layer grouped-query model (4 heads,
+    2 kv heads, rotary positions)", with its latent and rotary key if it has them."""
+    shape = params["shape"]
+    heads, kv_heads = shape["heads"], shape["kv_heads"]
+    kind = ("latent" if shape["latent"] else "multi-head" if kv_heads == heads
+            else "multi-query" if kv_heads == 1 else "grouped-query")
+    latent = ""
+    if shape["latent"]:
+        latent = f", latent {shape['latent']}" + (f", rotary key {shape['rotary_key']}"
+                                                  if shape["rotary_key"] else "")
+    return (f"the {shape['layers']}-layer {kind} model ({heads} head{'s' * (heads > 1)}, "
+            f"{kv_heads} kv head{'s' * (kv_heads > 1)}, {shape['positions']} positions{latent})")
+
+
+def cut(params, layers):
+    """A deep_model model's params with only its first layers (the same weights)."""
+    return dict(params, shape=dict(params["shape"], layers=layers),
+                blocks=params["blocks"][:layers])
+
+
+def by_layer(params, compare):
+    """compare(params), None or a Wrong, for a deep_model model; if it fails, again for
+    the model cut after each layer in turn, so as to name the first layer whose rows go
+    wrong: a Wrong that names the model and that layer, then the cut model's line."""
+    why = compare(params)
+    if why is None:
+        return None
+    layers = params["shape"]["layers"]
+    wrong = layers - 1
+    for layer in range(layers - 1):
+        earlier = compare(cut(params, layer + 1))
+        if earlier:
+            why, wrong = earlier, layer
+            break
+    below = ("" if wrong == 0 else " (layer 0 alone agrees)" if wrong == 1
+             else f" (layers 0 to {wrong - 1} alone agree)")
+    return Wrong(f"{deep_label(params)}, wrong from layer {wrong} on{below}: {why}", why.detail)
+
+
+def stepped_rows(label, step_function, weights, cache, ids):
+    """The rows of step_function(weights, cache, token_id, position) for each of ids in
+    turn, each call a step (step), so that an exception names the model and the position."""
+    rows = []
+    for position, token_id in enumerate(ids):
+        step(f"{label}: {step_function.__name__} of token {token_id} at position {position}, "
+             f"which should give the full pass's row")
+        rows.append(step_function(weights, cache, token_id, position))
+    return rows
+
+
+def deep_rows(params, ids, mask=None, label=None):
+    """The rows of a deep_model fed ids one token at a time through a new cache (with
+    mask, causal unless given), and the cache; each step named with label (the model's
+    deep_label unless given)."""
+    import deep_model
+    cache = deep_model.DeepCache(params, mask or deep_model.causal)
+    return stepped_rows(label or deep_label(params), deep_model.forward_step, params, cache,
+                        ids), cache
+
+
+def where_deep_rows_differ(params, ids, mask=None):
+    """None if every row of a deep_model fed ids through its cache (deep_rows) equals its
+    full pass's, else a Wrong naming the model, the first layer whose rows differ, the
+    position and the logit, with both numbers (by_layer); mask may be a list, a mask a
+    layer."""
+    import deep_model
+    mask = mask or deep_model.causal
+    rebuilt = " (its keys and values rebuilt from the cached latents)"
+
+    def compare(weights):
+        layers = weights["shape"]["layers"]   # a mask a layer: those of the layers kept
+        masks = mask[:layers] if isinstance(mask, list) else mask
+        rows, _ = deep_rows(weights, ids, masks)
+        step(f"{deep_label(weights)}: its full pass (deep_model.forward)")
+        return differ("the cached row" + (rebuilt if weights["shape"]["latent"] else ""),
+                      rows, deep_model.forward(weights, ids, masks), "forward_step",
+                      fed=f"token IDs {ids}, one at a time through a new DeepCache"
+                          + ("" if mask is deep_model.causal else ", with a mask"))
+    return by_layer(params, compare)
