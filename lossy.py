@@ -330,7 +330,7 @@ Series = namedtuple("Series", "axis name rungs dashed")
 Series.__doc__ = """A line of section 19's picture: the record's key it is drawn against
 ("positions_kept" or "bytes_per_position"), its name in the legend, its rungs (the
 record's), and whether it is dashed (a baseline: the ladder's own)."""
-RUNG_SHAPE = {"cache": str, "positions_kept": (*svg.COUNT, None),   # what the picture
+RUNG_SHAPE = {"cache": str, "positions_kept": (*svg.COUNT, None),   # what the picture reads
               "greedy_stories_changed": svg.COUNT, "bytes_per_position": (*svg.COUNT, None)}
 
 
