@@ -23,7 +23,8 @@ from math import exp, fsum
 from batched import exact_attention, forward_rows
 from documents import bold, shown, table
 from instruments import largest_gap
-from model import SCALE, add, check_int, dot, layernorm, linear, relu
+from kv_cache import KVCache
+from model import SCALE, check_int, dot
 from paged import BlockPool
 from stories import story_ids
 
@@ -207,22 +208,13 @@ KINDS = {"online": online, **{f"split {parts}": split(parts) for parts in (1, 2,
          **{f"exact {parts}": exact(parts) for parts in (1, 8)}}
 
 
-def _finish(params, cols, x0, mixed):
-    """forward_step's row after its attention, from the mixed values on: the logits."""
-    x1 = add(x0, linear(mixed, cols["Wo"]))
-    h2 = layernorm(x1, params["ln2_g"], params["ln2_b"])
-    a = relu(add(linear(h2, cols["W1"]), params["b1"]))
-    x2 = add(x1, add(linear(a, cols["W2"]), params["b2"]))
-    hf = layernorm(x2, params["lnf_g"], params["lnf_b"])
-    return add(linear(hf, cols["W_out"]), params["b_out"])
-
-
 def story_kinds(lab, index, runs):
     """Opening index's greedy story fed through a paged sequence (blocks of BLOCK) with
     forward_step's exact rows; at each row that chooses a token, every kind of KINDS reads
-    the same query, keys and values: per kind, the largest gap between its logits and the
-    exact ones, and whether the story would change there (its best token is not the
-    story's next)."""
+    the same query, keys and values, and where its mixed values differ, the row is
+    computed again with them (batched.forward_rows): per kind, the largest gap between its
+    logits and the exact ones, and whether the story would change there (its best token
+    is not the story's next)."""
     params, prompt = lab.params, lab.prompts[index]
     found = {name: {"largest_logit_gap": 0.0, "changed": False} for name in KINDS}
     ids = story_ids(lab.tok, prompt, runs.greedy[index])
@@ -234,22 +226,41 @@ def story_kinds(lab, index, runs):
         def exact_read(q, keys, values, rows):   # forward_step's attention, its input kept
             read.append(((q, keys, values), exact_attention(q, keys, values, rows)))
             return read[0][1]
+        held = _holding(params, sequence) if position >= first else None
         logits, = forward_rows(params, [(sequence, token_id, position)], attention=exact_read)
-        if position < first:
+        if held is None:
             continue
         if _best(logits) != ids[position + 1]:   # the premise: the story is greedy
             raise ValueError(f"opening {index}: the greedy story's token at position "
                              f"{position + 1} is not the best of the exact logits")
-        x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])
         (q, keys, values), mixed = read[0]
-        for name, kind in KINDS.items():
-            other_mixed = kind(q, keys, values, 1)
-            if other_mixed != mixed:   # else so are its logits
-                other = _finish(params, sequence.columns, x0, other_mixed)
+        mixes = {name: kind(q, keys, values, 1) for name, kind in KINDS.items()}
+        rows = _rows_mixing(params, held, token_id, position, mixed, logits, mixes.values())
+        for name, other_mixed in mixes.items():
+            other = rows[tuple(other_mixed)]
+            if other is not logits:
                 found[name]["largest_logit_gap"] = max(found[name]["largest_logit_gap"],
                                                        largest_gap([other], [logits]))
                 found[name]["changed"] |= _best(other) != ids[position + 1]
     return {**found, "longest_row": len(ids) - 1}
+
+
+def _holding(params, sequence):
+    """A KVCache holding the positions sequence holds, to compute a row from again."""
+    cache = KVCache(params)
+    cache.extend(list(sequence.tokens), sequence.keys, sequence.values)
+    return cache
+
+
+def _rows_mixing(params, held, token_id, position, mixed, logits, mixes):
+    """The row (batched.forward_rows) of token_id at position after the positions held,
+    for each of mixes as its attention's mixed values, by those values: logits for mixed,
+    the others computed together, each on a copy of held."""
+    others = list({tuple(m): m for m in mixes if m != mixed}.values())
+    given = iter(others)
+    rows = forward_rows(params, [(held.copy(), token_id, position) for _ in others],
+                        attention=lambda *read: next(given)) if others else []
+    return {tuple(mixed): logits, **{tuple(m): row for m, row in zip(others, rows)}}
 
 
 def _best(row):

@@ -22,7 +22,7 @@ from math import fsum
 import model
 from documents import shown, table
 from kv_cache import KVCache
-from lossy import measure
+from lossy import Series, declared, measure
 
 
 class EvictingCache(KVCache):
@@ -216,9 +216,10 @@ def rung(lab, index, runs):
 def rows_equal_to_the_masked_pass(record, timing):
     """The rows compared with the masked full pass and the equal ones, in words: for each
     kind, or all kinds at once where they agree."""
-    counts = [(rung["cache"].split(",")[0], rung["rows_equal_to_the_masked_pass"],
+    counts = [(name, rung["rows_equal_to_the_masked_pass"],
                rung["rows_compared_with_the_masked_pass"])
-              for rung in record["eviction"]["rungs"] if rung["rows_compared_with_the_masked_pass"]]
+              for (name, _), rung in declared(record, "eviction", RUNGS)
+              if rung["rows_compared_with_the_masked_pass"]]
     if len({(equal, compared) for _, equal, compared in counts}) == 1:
         return f"{counts[0][1]:,} of {counts[0][2]:,} rows for each kind"
     return "; ".join(f"{name}: {equal:,} of {compared:,} rows" for name, equal, compared in counts)
@@ -245,8 +246,7 @@ def budgets_table(record, timing):
     """Greedy (and sampled) stories changed, of the openings, at each number of positions
     kept: by position (the ladder's windows and sinks) and by attention (each kind)."""
     windows = [rung for rung in record["ladder"]["rungs"] if rung["positions_kept"]]
-    by_kind = {(rung["cache"].split(",")[0], rung["positions_kept"]): rung
-               for rung in record["eviction"]["rungs"]}
+    by_kind = dict(declared(record, "eviction", RUNGS))
 
     def cell(rung):
         return f"{rung['greedy_stories_changed']} ({rung['sampled_stories_changed']})"
@@ -258,3 +258,11 @@ def budgets_table(record, timing):
     return table(["positions kept", f"by position (window, sinks): greedy (sampled) stories "
                   f"changed, of {stories}", *(name for name, _ in KINDS)], rows)
 
+
+def side_by_side(record):
+    """Each kind's series in section 19's picture (lossy.side_by_side_picture): its
+    budgets, against the positions kept."""
+    kinds = {}
+    for (name, _), rung in declared(record, "eviction", RUNGS):
+        kinds.setdefault(name, []).append(rung)
+    return [Series("positions_kept", name, rungs, False) for name, rungs in kinds.items()]

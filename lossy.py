@@ -6,7 +6,9 @@ measures by how much: the ladder, from exact to the fewest bytes.
 import contextlib
 import math
 import struct
+import sys
 from array import array
+from collections import namedtuple
 
 import model
 import svg
@@ -324,54 +326,83 @@ def ladder_picture(record, timing):
 
 SHIFT = 3   # pixels between the series of a panel, side by side, so that none hides another
 
+Series = namedtuple("Series", "axis name rungs dashed")
+Series.__doc__ = """A line of section 19's picture: the record's key it is drawn against
+("positions_kept" or "bytes_per_position"), its name in the legend, its rungs (the
+record's), and whether it is dashed (a baseline: the ladder's own)."""
+RUNG_SHAPE = {"cache": str, "positions_kept": (*svg.COUNT, None),   # what the picture reads
+              "greedy_stories_changed": svg.COUNT, "bytes_per_position": (*svg.COUNT, None)}
+
+
+def declared(record, stage, declarations, key="rungs"):
+    """The rungs of record[stage][key] (checked as RUNG_SHAPE says), each beside the
+    declaration it was measured from (declarations: the stage's, in its cases' order), so
+    that no code reads a rung's kind back from its label; refused, naming the key, if the
+    record holds another number of rungs than the stage declares."""
+    rungs = svg.checked(record, {stage: {key: [RUNG_SHAPE]}})[stage][key]
+    if len(rungs) != len(declarations):
+        raise ValueError(f"the record's {stage}.{key} holds {len(rungs)} rungs, and the stage "
+                         f"declares {len(declarations)}: write the record again "
+                         f"(python3 trace_kv.py --write)")
+    return list(zip(declarations, rungs))
+
+
+def side_by_side(record):
+    """The ladder's series in section 19's picture: its windows by their sinks, against the
+    positions kept, and its compact formats (one scale a vector) against the bytes, both
+    dashed."""
+    kept, formats = {}, []
+    for (_, kind), rung in declared(record, "ladder", RUNGS):
+        if isinstance(kind, tuple):   # (window, sinks)
+            kept.setdefault(f"a window, sinks {kind[1]}", []).append(rung)
+        elif kind in FORMATS:
+            formats.append(rung)
+    return ([Series("positions_kept", name, rungs, True) for name, rungs in kept.items()]
+            + [Series("bytes_per_position", "one scale a vector", formats, True)])
+
+
+def keeping_less():
+    """The modules of every stage that keeps less, found in trace_kv.STAGES, in its order:
+    those that declare side_by_side(record), their series in section 19's picture."""
+    import trace_kv   # here, not at the top: trace_kv imports this module for its stage
+    modules = dict.fromkeys(sys.modules[stage.function.__module__] for stage in trace_kv.STAGES)
+    return [module for module in modules if callable(getattr(module, "side_by_side", None))]
+
 
 def side_by_side_picture(record, timing):
-    """Section 19, every rung that keeps less side by side: the greedy stories changed
-    against the positions kept (the windows, without and with 4 sinks, and each evicting
-    kind of eviction.py), and against the bytes a position takes in a full context of 64,
-    its exact positions included (the formats, and quantization.py's GroupedCaches by
-    kind and its RotatedCaches). Each series has a colour and a marker of its own, and is
-    drawn SHIFT pixels right of the one before it."""
-    kept_shape = {"stories": svg.COUNT, "rungs": [{
-        "cache": str, "positions_kept": (*svg.COUNT, None), "greedy_stories_changed": svg.COUNT,
-        "bytes_per_position": (*svg.COUNT, None)}]}
-    checked = svg.checked(record, {"ladder": kept_shape, "eviction": kept_shape, "quantization": {
-        **kept_shape, "one_scale_rungs": kept_shape["rungs"]}})
-    stories = checked["ladder"]["stories"]
-
-    by_kept, by_bytes = {}, {"one scale a vector": [r for r in checked["ladder"]["rungs"]
-                                                    if r["bytes_per_position"] is not None],
-                             "rotated, one scale": checked["quantization"]["one_scale_rungs"]}
-    for rung in checked["ladder"]["rungs"]:
-        if rung["positions_kept"]:
-            by_kept.setdefault(f"a window, {rung['cache'].rpartition(', ')[2]}", []).append(rung)
-    for rung in checked["eviction"]["rungs"]:   # "heavy hitters, 8 kept": "heavy hitters"
-        by_kept.setdefault(rung["cache"].split(",")[0], []).append(rung)
-    for rung in checked["quantization"]["rungs"]:   # "KIVI 2-bit, groups of 16": "KIVI"
-        by_bytes.setdefault(rung["cache"].split(",")[0].rsplit(" ", 1)[0], []).append(rung)
+    """Section 19, every rung that keeps less side by side, from every stage that keeps
+    less (keeping_less): the greedy stories changed against the positions kept (the
+    windows, without and with 4 sinks, and each evicting kind of eviction.py), and against
+    the bytes a position takes in a full context of 64, its exact positions included (the
+    formats, and quantization.py's RotatedCaches and GroupedCaches by kind). Each series
+    has a colour and a marker of its own, and is drawn SHIFT pixels right of the one before
+    it."""
+    stories = svg.checked(record, {"ladder": {"stories": svg.COUNT}})["ladder"]["stories"]
+    series = [line for module in keeping_less() for line in module.side_by_side(record)]
+    by_kept, by_bytes = ([line for line in series if line.axis == axis]
+                         for axis in ("positions_kept", "bytes_per_position"))
     body, drawn, rows = [], 0, 1
     for box, lines, key, label, xticks, xlabels in (
             ((80, 50, 250, 240), by_kept, "positions_kept", "positions kept", svg.ticks, None),
             ((440, 50, 250, 240), by_bytes, "bytes_per_position",
              "bytes a position, 64 held (exact ones too)", lambda most: svg.byte_ticks(most, 5),
              svg.bytes_label)):
-        xs = [rung[key] for rungs in lines.values() for rung in rungs]
+        xs = [rung[key] for line in lines for rung in line.rungs]
         if not xs:
             raise ValueError(f"the record has no rung of {label} to draw")
         panel = svg.Panel(box, (0, max(xs) * 1.05 or 1), (0, stories or 1))
         body += panel.axes(xticks(max(xs)), svg.ticks(stories), label,
                            f"greedy stories changed (of {stories})", xlabels=xlabels)
         entries = []
-        for j, (name, rungs) in enumerate(lines.items()):   # no two of 63 series alike
+        for j, line in enumerate(lines):   # no two of 63 series alike
             color, marker = svg.COLORS[drawn % len(svg.COLORS)], svg.MARKERS[drawn % len(svg.MARKERS)]
             drawn += 1
-            dashed = name.startswith(("a window", "one scale"))
             body += panel.line([(r[key], r["greedy_stories_changed"],
                                  f"{r['cache']}: {r['greedy_stories_changed']} of {stories} "
-                                 f"greedy stories changed") for r in sorted(rungs, key=lambda
+                                 f"greedy stories changed") for r in sorted(line.rungs, key=lambda
                                                                              r: r[key])],
-                               color, dashed, marker, shift=SHIFT * (j - (len(lines) - 1) / 2))
-            entries.append((name, color, marker, dashed))
+                               color, line.dashed, marker, shift=SHIFT * (j - (len(lines) - 1) / 2))
+            entries.append((line.name, color, marker, line.dashed))
         body += svg.legend(box[0], 347, entries, 11, columns=2)   # under the panel
         rows = max(rows, svg.legend_rows(entries, 2))
     return svg.page(f"Keeping less, every way: the greedy stories changed ({stories} openings)",

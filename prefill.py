@@ -1,26 +1,27 @@
 """One-pass prefill (Part 2, section 15): a prompt's tokens in one call instead of one
-forward_step each, as servers prefill. Every new position's key and value join the cache
-first; then new position i attends to positions 0..i, the causal mask offset by what the
-cache already held. The rows are forward_step's, bit for bit: each is still the same
-operations in the same order.
+forward_step each, as servers prefill. The rows are computed together by
+batched.forward_rows: every new position's key and value join the cache's own first; then
+new position i attends to positions 0..i, the causal mask offset by what the cache already
+held. The rows are forward_step's, bit for bit: each is still the same operations in the
+same order.
 """
 import sys
 from itertools import accumulate
 
+import batched
 import generate
 import model
 from instruments import largest_gap, recording, results
 from kv_cache import KVCache, check_cache, held_prefix
-from model import SCALE, add, dot, layernorm, linear, relu, softmax_row
 
 CHUNKS = (1, 4, 8)   # the experiment's chunk sizes, tokens per call (test_prefill: 2 too)
 
 
 def prefill(params, cache, token_ids, start):
     """Next-token logits for each of token_ids, at positions start, start + 1, ..., in one
-    pass, as servers prefill a prompt: every new position's key and value join the cache
-    first, then new position i attends to positions 0..i (the causal mask, offset by the
-    start). start must be the number of positions the cache holds."""
+    pass, as servers prefill a prompt: the rows of batched.forward_rows, one item a token
+    (each new position i attends to positions 0..i, the causal mask offset by the start).
+    start must be the number of positions the cache holds."""
     check_cache(cache, params)
     if not model.is_int(start) or start != len(cache):
         raise ValueError(f"expected start {len(cache)}, got {start!r}: the cache holds "
@@ -40,30 +41,8 @@ def prefill(params, cache, token_ids, start):
         raise ValueError(f"a {type(cache).__name__} changes the keys and values it holds "
                          f"when it quantizes a group, so rows prefilled together would read "
                          f"them otherwise than one at a time; feed it one token at a time")
-    cols = cache.columns
-    x0_and_q, new_keys, new_values = [], [], []
-    for i, t in enumerate(token_ids, start):
-        x0 = add(params["tok_emb"][t], params["pos_emb"][i])
-        h1 = layernorm(x0, params["ln1_g"], params["ln1_b"])
-        q, k, v = linear(h1, cols["Wq"]), linear(h1, cols["Wk"]), linear(h1, cols["Wv"])
-        x0_and_q.append((x0, q))
-        new_keys.append(k)
-        new_values.append(v)
-    cache.extend(list(token_ids), new_keys, new_values)   # all of them, before attention
-    held_keys, held_values = cache.keys, cache.values
-    logits = []
-    for i, (x0, q) in enumerate(x0_and_q, start):
-        keys, values = held_keys[:i + 1], held_values[:i + 1]   # positions 0..i only
-        scores = [dot(q, k_j) * SCALE for k_j in keys]
-        weights = softmax_row(scores)
-        mixed = [dot(weights, column) for column in zip(*values)]
-        x1 = add(x0, linear(mixed, cols["Wo"]))
-        h2 = layernorm(x1, params["ln2_g"], params["ln2_b"])
-        a = relu(add(linear(h2, cols["W1"]), params["b1"]))
-        x2 = add(x1, add(linear(a, cols["W2"]), params["b2"]))   # the MLP output plus its bias first
-        hf = layernorm(x2, params["lnf_g"], params["lnf_b"])
-        logits.append(add(linear(hf, cols["W_out"]), params["b_out"]))
-    return logits
+    return batched.forward_rows(params, [(cache, token_id, i)
+                                         for i, token_id in enumerate(token_ids, start)])
 
 
 def prefill_in_chunks(params, cache, ids, size):

@@ -21,7 +21,7 @@ import documents
 from documents import shown
 from instruments import largest_gap
 from kv_cache import KVCache, feed
-from lossy import QuantizedCache, measure
+from lossy import QuantizedCache, Series, declared, measure
 
 BITS = (2, 4, 8, 64)   # 64: no levels, every number kept as a float64 (the rotation alone)
 FLUSHES = ("groups", "requantize")
@@ -313,6 +313,16 @@ RUNGS = (("KIVI 4-bit, groups of 8", dict(bits=4, group=8, residual=RESIDUAL)),
 # and RotatedCaches, beside the ladder's one-scale formats (its int4: the same bytes)
 ONE_SCALE_RUNGS = (("rotated int4, one scale a vector", "int4"),)
 CASES = range(len(RUNGS) + len(ONE_SCALE_RUNGS))   # the stage's: RUNGS, then ONE_SCALE_RUNGS
+
+
+def side_by_side(record):
+    """This stage's series in section 19's picture, against the bytes a position takes: the
+    RotatedCaches of one scale a vector, then the GroupedCaches, KIVI's and rotated."""
+    series = {"rotated, one scale": [rung for _, rung in declared(
+        record, "quantization", ONE_SCALE_RUNGS, "one_scale_rungs")]}
+    for (_, settings), rung in declared(record, "quantization", RUNGS):
+        series.setdefault("rotated" if settings.get("rotate") else "KIVI", []).append(rung)
+    return [Series("bytes_per_position", name, rungs, False) for name, rungs in series.items()]
 
 
 def full_context(lab):

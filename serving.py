@@ -52,9 +52,29 @@ def serve(params, tok, requests, pool, max_batch, log=None, product=exact,
     chose a token, summed over the steps). log(step, request index, event), if given,
     is told each "prefill", "decode", "preempted" and "finished" as it happens. If
     anything raises (log itself, say), every block serve took goes back to the pool."""
+    log = _checked_settings(params, tok, requests, pool, max_batch, log, product, attention)
+    served = [_Served(params, tok, index, request, pool)
+              for index, request in enumerate(requests)]    # every request checked first
+    steps = _Steps(params, pool, max_batch, log, product, attention,
+                   [request for request in served if not request.generation.stopped])
+    try:
+        while steps.waiting or steps.running:
+            steps.admit()
+            steps.choose()
+            steps.preempt_for_room()
+            steps.decode()
+    finally:   # on the way out, normally or not, no block stays taken
+        for request in served:
+            if request.seq is not None:
+                request.seq.free()
+    return [request.generation.result() for request in served], steps.counts
+
+
+def _checked_settings(params, tok, requests, pool, max_batch, log, product, attention):
+    """serve's checks of its arguments, the requests' own aside; the log to tell (log,
+    or one that does nothing)."""
     if log is not None and not callable(log):
         raise ValueError(f"log must be a function of (step, request index, event), got {log!r}")
-    log = log or (lambda step, index, event: None)
     check_pool(pool, params)
     model.check_int("max_batch", max_batch, 1)
     if not callable(product):
@@ -66,52 +86,69 @@ def serve(params, tok, requests, pool, max_batch, log=None, product=exact,
     generate.check_tokenizer(tok)
     if not isinstance(requests, (list, tuple)):
         raise ValueError(f"requests must be a list of dicts, got {type(requests).__name__}")
-    served = [_Served(params, tok, index, request, pool)
-              for index, request in enumerate(requests)]    # every request checked first
-    waiting = deque(request for request in served if not request.generation.stopped)
-    running = []
-    counts = dict.fromkeys(("steps", "request_steps", "rows", "recomputed_rows",
-                            "readmitted_positions", "readmitted_prefix_hits", "preemptions",
-                            "peak_blocks", "prefix_hits"), 0)
+    return log or (lambda step, index, event: None)
 
-    def note_peak():   # after every admission and every decode row
-        counts["peak_blocks"] = max(counts["peak_blocks"], len(pool.blocks) - pool.free_blocks())
-    try:
-        while waiting or running:
-            while waiting and len(running) < max_batch and waiting[0].admit(counts, product,
-                                                                             attention):
-                running.append(waiting.popleft())
-                note_peak()
-                log(counts["steps"] + 1, running[-1].index, "prefill")
-            if not running:   # and the first waiting request cannot be admitted: it never will
-                raise ValueError(f"request {waiting[0].index} cannot be admitted and nothing "
-                                 f"runs: {waiting[0].seq_room()}")
-            counts["steps"] += 1
-            counts["request_steps"] += len(running)
-            for request in list(running):
-                request.generation.choose(request.logits)
-                if request.generation.stopped:
-                    running.remove(request)
-                    request.seq.free()
-                    log(counts["steps"], request.index, "finished")
-            while not pool.room_for([(request.seq, 1) for request in running]):
-                victim = running.pop()              # the most recently admitted
-                victim.preempt()
-                waiting.appendleft(victim)
-                counts["preemptions"] += 1
-                log(counts["steps"], victim.index, "preempted")
-            if running:
-                rows = forward_rows(params, [request.next_item() for request in running],
-                                    product, attention)
-                for request, logits in zip(running, rows):
-                    request.fed(logits, counts)
-                    log(counts["steps"], request.index, "decode")
-                note_peak()
-    finally:   # on the way out, normally or not, no block stays taken
-        for request in served:
-            if request.seq is not None:
+
+class _Steps:
+    """serve's steps: the waiting requests (in order) and the running ones (in the order
+    they were admitted), what serving counted, and the four parts of a step."""
+
+    def __init__(self, params, pool, max_batch, log, product, attention, waiting):
+        self.params, self.pool, self.max_batch, self.log = params, pool, max_batch, log
+        self.product, self.attention = product, attention
+        self.waiting, self.running = deque(waiting), []
+        self.counts = dict.fromkeys(("steps", "request_steps", "rows", "recomputed_rows",
+                                     "readmitted_positions", "readmitted_prefix_hits",
+                                     "preemptions", "peak_blocks", "prefix_hits"), 0)
+
+    def note_peak(self):   # after every admission and every decode row
+        self.counts["peak_blocks"] = max(self.counts["peak_blocks"],
+                                         len(self.pool.blocks) - self.pool.free_blocks())
+
+    def admit(self):
+        """Admit waiting requests in order, each prefilled, while the batch and the pool
+        have room; refuse a first one that cannot be admitted with nothing running."""
+        waiting, running = self.waiting, self.running
+        while waiting and len(running) < self.max_batch and waiting[0].admit(
+                self.counts, self.product, self.attention):
+            running.append(waiting.popleft())
+            self.note_peak()
+            self.log(self.counts["steps"] + 1, running[-1].index, "prefill")
+        if not running:   # and the first waiting request cannot be admitted: it never will
+            raise ValueError(f"request {waiting[0].index} cannot be admitted and nothing "
+                             f"runs: {waiting[0].seq_room()}")
+
+    def choose(self):
+        """A new step: every running request chooses its token; a finished one leaves."""
+        self.counts["steps"] += 1
+        self.counts["request_steps"] += len(self.running)
+        for request in list(self.running):
+            request.generation.choose(request.logits)
+            if request.generation.stopped:
+                self.running.remove(request)
                 request.seq.free()
-    return [request.generation.result() for request in served], counts
+                self.log(self.counts["steps"], request.index, "finished")
+
+    def preempt_for_room(self):
+        """Preempt the most recently admitted request until the others have room for a
+        decode row each."""
+        while not self.pool.room_for([(request.seq, 1) for request in self.running]):
+            victim = self.running.pop()
+            victim.preempt()
+            self.waiting.appendleft(victim)
+            self.counts["preemptions"] += 1
+            self.log(self.counts["steps"], victim.index, "preempted")
+
+    def decode(self):
+        """Feed every running request its chosen token, the rows in one batch."""
+        if not self.running:
+            return
+        rows = forward_rows(self.params, [request.next_item() for request in self.running],
+                            self.product, self.attention)
+        for request, logits in zip(self.running, rows):
+            request.fed(logits, self.counts)
+            self.log(self.counts["steps"], request.index, "decode")
+        self.note_peak()
 
 
 class _Served:

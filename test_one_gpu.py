@@ -6,6 +6,7 @@ import copy
 import random
 import unittest
 
+import batched
 import one_gpu
 import prefill
 import verdicts
@@ -62,15 +63,15 @@ BY_HAND = (
 
 
 def quick_check():
-    """The products the lesson's one-pass prefill of the first test opening computes
-    (recorded in prefill.prefill) against one_gpu.prefill_multiply_adds, then the real
-    models' figures against the ones worked out by hand: a prefill's FLOPs and a decode
-    step's time for Llama-3.1-8B, the prompt from which its prefill is bound by
-    arithmetic, the bytes, tokens and requests its cache has on an A100 80GB, and
-    Llama-2-7B's requests beyond its context."""
+    """The products the lesson's one-pass prefill of the first test opening computes (recorded
+    in batched.py, which computes its rows) against one_gpu.prefill_multiply_adds, then the
+    real models' figures against the ones worked out by hand: a prefill's FLOPs and a decode
+    step's time for Llama-3.1-8B, the prompt from which its prefill is bound by arithmetic,
+    the bytes, tokens and requests its cache has on an A100 80GB, and Llama-2-7B's requests
+    beyond its context."""
     ids = TOK.encode(STORIES[0].split(". ")[0] + ".")
     step(f"the lesson's one-pass prefill of the first test opening ({len(ids)} tokens)")
-    with recording(prefill, "dot", "linear") as calls:
+    with recording(batched, "dot", "linear") as calls:
         prefill.prefill(PARAMS, KVCache(PARAMS), ids, 0)
     counted = one_gpu.prefill_multiply_adds(LESSON, len(ids))
     if products(calls) != counted:
@@ -139,16 +140,17 @@ class Teeth(unittest.TestCase):
 class Lesson(unittest.TestCase):
 
     def test_a_prefill_computes_and_reads_what_the_formulas_count(self):
-        """The real prefill.prefill of 1, 9 and 64 different tokens: its products
-        (recorded) and the distinct numbers it reads of the weights (instruments.
-        count_reads, on a copy of the trained model), against the formulas'; and a decode
-        step after it reads what one_gpu.pass_numbers_read counts for one token."""
+        """The real prefill.prefill of 1, 9 and 64 different tokens: its products (recorded in
+        batched.py, which computes its rows) and the distinct numbers it reads of the
+        weights (instruments.count_reads, on a copy of the trained model), against the
+        formulas'; and a decode step after it reads what one_gpu.pass_numbers_read counts
+        for one token."""
         for n in (1, 9, 64):
             ids = random.Random(n).sample(range(len(PARAMS["tok_emb"])), n)
             params = copy.deepcopy(PARAMS)   # count_reads watches its vectors for good
             cache = KVCache(params)
             with self.subTest(tokens=n):
-                with recording(prefill, "dot", "linear") as calls:
+                with recording(batched, "dot", "linear") as calls:
                     read = count_reads(lambda: prefill.prefill(params, cache, ids, 0),
                                        params, cache.columns)
                 self.assertEqual(products(calls), one_gpu.prefill_multiply_adds(LESSON, n))

@@ -10,6 +10,8 @@ import math
 import random
 import re
 import signal
+import sys
+import types
 import unittest
 import xml.etree.ElementTree as ET
 from unittest import mock
@@ -17,9 +19,12 @@ from unittest import mock
 import bandwidth
 import batched
 import documents
+import eviction
 import lossy
+import quantization
 import support
 import svg
+import trace_kv
 from instruments import is_call_of, plant, replacing
 from support import lab_file
 
@@ -262,20 +267,19 @@ class Pictures(unittest.TestCase):
         shapes); bars, which have their colour alone, refuse it, naming the record's key.
         Seven colours for the lines, planted in place of the cycle, are found."""
         record = copy.deepcopy(self.record)
-        for i, rung in enumerate(record["eviction"]["rungs"]):
-            rung["cache"] = f"kind {i}, {rung['positions_kept']} kept"
+        each_its_own_kind = tuple((f"kind {i}", budget)   # eviction.py's declarations
+                                  for i, (_, budget) in enumerate(eviction.RUNGS))
         shape = next(s for s in record["deep_models"]["shapes"] if s["layers"] == 4)
         record["deep_models"]["shapes"] += [{**shape, "kv_heads": n} for n in range(5, 12)]
         cut = replacing(lambda node: is_call_of(node, "enumerate"), lambda node: ast.Call(
                 ast.Name("zip", ast.Load()), [ast.Call(ast.Name("range", ast.Load()), [
                     ast.Constant(len(svg.COLORS))], []), node.args[0]], []))
-        kinds_by_bytes = {r["cache"].split(",")[0].rsplit(" ", 1)[0]
-                          for r in record["quantization"]["rungs"]}
+        kinds_by_bytes = {bool(settings.get("rotate")) for _, settings in quantization.RUNGS}
         for owner, function, picture, kinds in (
                 (lossy, "side_by_side_picture", "side_by_side_picture",   # one scale, rotated too
                  2 + len(record["eviction"]["rungs"]) + 2 + len(kinds_by_bytes)),
                 (bandwidth, "_cache_lines", "cache_bytes_by_design_picture", 1 + 2 + 7 + 4)):
-            with self.subTest(function):
+            with self.subTest(function), mock.patch.object(eviction, "RUNGS", each_its_own_kind):
                 drawn = getattr(owner, picture)(record, None)
                 self.assertGreater(kinds, len(svg.COLORS))
                 self.assertEqual(sum(map(len, legends(drawn))), kinds)
@@ -289,6 +293,32 @@ class Pictures(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, r"^the record's batched_decode\.runs has "
                                                 r"\d+ kernels, more than the 7 colours"):
             batched.stories_picture(record, None)
+
+    def test_every_stage_that_keeps_less_is_drawn_side_by_side(self):
+        """A new stage whose module declares side_by_side, added to trace_kv.STAGES, is
+        drawn in section 19's picture with the others, in its own series; with the stages
+        listed (planted in lossy.keeping_less) it is left out, and found."""
+        new = types.ModuleType("largest_values")
+        rung = {**self.record["eviction"]["rungs"][0], "cache": "largest values, 8 kept"}
+        new.side_by_side = lambda record: [lossy.Series("positions_kept", "largest values",
+                                                        [rung], False)]
+
+        def experiment(lab):   # the new stage's function, in the new module
+            return {}
+        experiment.__module__ = new.__name__
+        listed = replacing(lambda node: isinstance(node, ast.Return), lambda node: ast.parse(
+            "return [sys.modules[name] for name in ('lossy', 'eviction', 'quantization')]").body[0])
+        before = sum(map(len, legends(self.drawn["kv-ladder-side-by-side.svg"])))
+        for found, keeping_less in ((True, lossy.keeping_less),
+                                    (False, plant(lossy, "keeping_less", listed))):
+            with self.subTest(found=found), \
+                    mock.patch.dict(sys.modules, {new.__name__: new}), \
+                    mock.patch.object(trace_kv, "STAGES", trace_kv.STAGES + (
+                        trace_kv.Stage(3, "largest_values", experiment),)), \
+                    mock.patch.object(lossy, "keeping_less", keeping_less):
+                drawn = lossy.side_by_side_picture(self.record, None)
+                self.assertEqual(("largest values, 8 kept: " in drawn,
+                                  sum(map(len, legends(drawn)))), (found, before + found))
 
     def test_the_batch_bars_are_as_high_as_their_counts(self):
         requests = self.record["batched_decode"]["requests"]

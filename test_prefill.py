@@ -5,6 +5,7 @@ import copy
 import reprlib
 import unittest
 
+import batched
 import model
 import prefill
 import support
@@ -84,8 +85,8 @@ POSITIONS_FROM_ZERO = replacing(   # enumerate(..., start) becomes enumerate(...
     lambda node: is_call_of(node, "enumerate", 2),
     lambda node: ast.Call(node.func, node.args[:1], []))
 SQUARE_MASK = replacing(is_causal_slice, lambda node: ast.Slice(upper=ast.BinOp(
-    ast.BinOp(node.upper.left, ast.Sub(), ast.Name("start", ast.Load())), ast.Add(),
-    node.upper.right)))   # [:i + 1] becomes [:i - start + 1]
+    ast.BinOp(node.upper.left, ast.Sub(), ast.parse("len(cache)", mode="eval").body), ast.Add(),
+    node.upper.right)))   # [:i + 1] becomes [:i - len(cache) + 1]
 NO_MASK = replacing(lambda node: isinstance(node, ast.Subscript) and is_causal_slice(node.slice),
                     lambda node: node.value)
 OWN_POSITION_LEFT_OUT = replacing(is_causal_slice,   # [:i + 1] becomes [:i]
@@ -98,25 +99,22 @@ SHORT_LAST_CHUNK_DROPPED = replacing(   # range(held, len(ids), size): to len(id
 HELD_PREFIX_FORGOTTEN = replacing(   # range(held_prefix(cache, ids), ...): from position 0
     lambda node: is_call_of(node, "range", 3),
     lambda node: ast.Call(node.func, [ast.Constant(0), *node.args[1:]], []))
-UNSCALED_SCORES = replacing(   # dot(q, k_j) * SCALE becomes dot(q, k_j)
-    lambda node: (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)
-                  and isinstance(node.right, ast.Name) and node.right.id == "SCALE"),
-    lambda node: node.left)
 
 A_LATER_ROW = (r"chunks of [1-9]\d*.*, at position [1-9]\d*, logit \d+: \S+ from prefill, \S+ "
                r"expected")   # a row after position 0 differs
 
+# prefill computes its rows with batched.forward_rows, and the mask is there: so are the
+# mistakes in it (a scale forgotten is batched.exact_attention's, forward_rows' default)
 MISTAKES = [
     ("the positions of every chunk counted from 0", prefill, "prefill", POSITIONS_FROM_ZERO,
-     A_LATER_ROW),
-    ("the causal mask not offset by what the cache holds", prefill, "prefill", SQUARE_MASK,
-     A_LATER_ROW),
-    ("no causal mask within a chunk", prefill, "prefill", NO_MASK,
+     r"chunks of [1-9]\d*.*expected position [1-9]\d*, got 0"),
+    ("the causal mask not offset by what the cache holds", batched, "forward_rows",
+     SQUARE_MASK, A_LATER_ROW),
+    ("no causal mask within a chunk", batched, "forward_rows", NO_MASK,
      r"chunks of [1-9]\d*.*, at position \d+, logit \d+: \S+ from prefill, \S+ expected"),
-    ("a new position that does not attend to itself", prefill, "prefill", OWN_POSITION_LEFT_OUT,
+    ("a new position that does not attend to itself", batched, "forward_rows",
+     OWN_POSITION_LEFT_OUT,
      r"chunks of [1-9]\d*.*the chunk of positions 0 to \d+.*softmax_row got no scores"),
-    ("a scale forgotten in the scores", prefill, "prefill", UNSCALED_SCORES,
-     A_LATER_ROW),
     ("the short last chunk dropped", prefill, "prefill_in_chunks", SHORT_LAST_CHUNK_DROPPED,
      r"chunks of [1-9]\d*.*: \d+ rows from prefill, \d+ expected"),
     ("the positions the cache holds fed again", prefill, "prefill_in_chunks",
@@ -125,8 +123,9 @@ MISTAKES = [
 
 
 class Teeth(unittest.TestCase):
-    """Each mistake, planted in the real prefill.py (by its syntax tree), makes the layer's
-    quick check fail, naming the chunk size or the prefix held, the position and both numbers."""
+    """Each mistake, planted in the real prefill.py or where its rows are computed
+    (batched.forward_rows), by its syntax tree, makes the layer's quick check fail, naming
+    the chunk size or the prefix held, the position and both numbers."""
 
     def test_each_mistake_is_named_by_the_quick_check(self):
         verdicts.assert_verdicts(self, "prefill", MISTAKES)
