@@ -18,9 +18,11 @@ The marks are comments a reader does not see:
 PATH is the record's keys joined by dots (kv-trace.json's; time.KEY for kv-time.json's);
 an item of a list is picked by its number or by its fields (rungs.cache=int4,
 runs.drafter=x&lookahead=4). MODULE.NAME() is the figure NAME(record, timing) computes
-from several entries. PATH:SPEC formats the figure with that format spec (shown says how
+from several entries, and MODULE.NAME(ARG) the figure NAME(record, timing, ARG) gives
+for ARG, a text (course_map.prose(part3-keeping-less.md): the course map's cell for the
+Part in that file). PATH:SPEC formats the figure with that format spec (shown says how
 it is printed without one). A function drawn by running the lab's code rather than from
-the record takes a third argument, folder: the lab folder being written, whose model and
+the record takes a keyword argument, folder: the lab folder being written, whose model and
 corpus it runs (NAME(record, timing, folder=folder)).
 """
 import importlib
@@ -33,7 +35,7 @@ README, TRACE, TIMES = "README.md", "kv-trace.json", "kv-time.json"
 FIGURE = re.compile(r"<!--fig ([^>\n]*?)-->([^<\n]*)<!--/-->")   # within one line
 BLOCK = re.compile(r"^<!--block ([\w.]+)-->\n(.*?)(?=^$)", re.M | re.S)
 PICTURE = re.compile(r"^<!--picture ([\w.]+)-->\n!\[[^\]\n]*\]\(([\w.-]+\.svg)\)$", re.M)
-COMPUTED = re.compile(r"(\w+)\.(\w+)\(\)$")   # a figure's PATH that names a function
+COMPUTED = re.compile(r"(\w+)\.(\w+)\(([^()]*)\)$")   # a PATH that names a function
 
 
 def documents(folder=LAB):
@@ -54,21 +56,23 @@ def drawing(name):
     return found
 
 
-def drawn(name, record, timing, folder=LAB):
-    """What MODULE.NAME gives: NAME(record, timing); or, for one drawn by running the lab's
-    code rather than from the record (it takes a folder), from folder's model and corpus."""
+def drawn(name, record, timing, folder=LAB, *given):
+    """What MODULE.NAME gives: NAME(record, timing, *given); or, for one drawn by running
+    the lab's code rather than from the record (it takes a folder), from folder's files."""
     draw = drawing(name)
     if "folder" in inspect.signature(draw).parameters:
-        return draw(record, timing, folder=folder)
-    return draw(record, timing)
+        return draw(record, timing, *given, folder=folder)
+    return draw(record, timing, *given)
 
 
 def entry(path, record, timing, folder=LAB):
     """The value at PATH (without its :SPEC) in the record or the timing, or the figure
-    MODULE.NAME() computes. A KeyError says which key or item is missing."""
+    MODULE.NAME() or MODULE.NAME(ARG) computes. A KeyError says which key or item is
+    missing."""
     computed = COMPUTED.match(path)
     if computed:
-        return drawn(f"{computed[1]}.{computed[2]}", record, timing, folder)
+        return drawn(f"{computed[1]}.{computed[2]}", record, timing, folder,
+                     *([computed[3]] if computed[3] else []))
     root, _, rest = path.partition(".")
     value, keys = (timing, rest.split(".")) if root == "time" else (record, path.split("."))
     for key in keys:
@@ -125,7 +129,7 @@ def unknown_names(text, recorded, stages):
         path = found[1].partition(":")[0]
         if names_code:
             try:
-                drawing(path.rstrip("()"))
+                drawing(path if names_code is True else f"{names_code[1]}.{names_code[2]}")
             except ValueError as e:
                 problems.append(f"{where}: {e}")
         elif not path.startswith("time.") and path.split(".")[0] not in (*recorded, *stages):

@@ -32,6 +32,9 @@ PARAMS, TOK = load_trained()
 with open(os.path.join(HERE, "corpus.txt"), encoding="utf-8") as _corpus:
     STORIES = split_stories(_corpus.read())[2]
 OPENINGS = openings(STORIES)
+ON_PURPOSE = ("If you did not mean to change this, `git diff` shows what did (and `git "
+              "checkout -- FILE` undoes an edit). If you changed the code or retrained on "
+              "purpose, this is expected: bring the document up to date")   # the documents' tests
 
 
 def lab_file(name):

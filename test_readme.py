@@ -1,42 +1,36 @@
 """The course's documents (README.md, each Part's file, the Reference, CONTRIBUTING.md)
-against the code: every example, excerpt, diagram, figure and link they show.
+against the record and the code: every figure, block and picture they mark, the course
+map's figures, their links, the glossary's terms and the lab's names they quote.
 
 Every figure a document quotes from the record (kv-trace.json, kv-time.json) is marked
-with the entry it comes from, and every table, text block and diagram made by the code
-with the function that makes it (documents.py). python3 trace_kv.py --write rewrites them
-all, so after a --write on any machine these checks hold; a change of the code or a
-retrained model that changes what the README shows fails them until the next --write.
-The other checks: every example prints what is shown, every excerpt is in its function,
-and each Part says its own length. The exactness of the cache is tested elsewhere."""
+with the entry it comes from, every figure of the course map (words, minutes, lines) with
+the course_map function that counts it, and every table, text block and diagram made by
+the code with the function that makes it (documents.py). python3 trace_kv.py --write
+rewrites them all, so after a --write these checks hold; a change of the code, of the
+documents or a retrained model that changes what they show fails them until the next
+--write. The commands and sessions they show are test_examples'. The exactness of the
+cache is tested elsewhere."""
 import collections
-import doctest
 import importlib
 import inspect
-import io
 import json
-import math
 import os
 import re
-import shlex
-import shutil
-import subprocess
-import sys
 import tempfile
 import unittest
 import unittest.mock
 
+import course_map
 import documents
 import trace_kv
-from documents import BLOCK, FIGURE
+from course_map import (EXERCISES, anchor, code_lines, course, heading_offsets,
+                        is_lab_module, opening, parts, prose_words, the_documents)
+from documents import BLOCK, FIGURE, README
+from support import HERE, ON_PURPOSE, lab_file
 from verdicts import skip_unless_sound
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ON_PURPOSE = ("If you did not mean to change this, `git diff` shows what did (and `git "
-              "checkout -- FILE` undoes an edit). If you changed the code or retrained on "
-              "purpose, this is expected: bring the document up to date")
 WRITE = ("python3 trace_kv.py --write records the run and writes every marked figure and "
          "block of every document from it")
-TIMES = re.compile(r"\d[\d,]*\.\d+ (s|µs)\b")   # seconds vary from run to run
 NUMBER = re.compile(r"(?<![\w.,])\d[\d,]*(?:\.\d+)?(?:e[-+]\d+)?(?![\w])")
 
 
@@ -46,116 +40,13 @@ def setUpModule():
     skip_unless_sound("every Part")
 
 
-def lab_file_text(name):
-    with open(os.path.join(HERE, name), encoding="utf-8") as f:
-        return f.read()
-
-
 def readme():
-    return lab_file_text("README.md")
+    return lab_file("README.md")
 
 
 def lab_json(name):
     with open(os.path.join(HERE, name), encoding="utf-8") as f:
         return json.load(f)
-
-
-def fenced_blocks(text):
-    """(line number, first line, lines) of every fenced block of text."""
-    return [(text[:found.start()].count("\n") + 2, found.group(1), found.group(2).splitlines())
-            for found in re.finditer(r"^```(\w*)\n(.*?)^```$", text, re.M | re.S)]
-
-
-def mismatch(shown, printed, source="the command"):
-    """None if the lines printed match the lines shown, else the first line that does not:
-    times are not compared, and a line "..." in shown stands for any number of lines."""
-    shown = [TIMES.sub("<seconds>", line) for line in shown]
-    printed = [TIMES.sub("<seconds>", line) for line in printed]
-    at, skipping = 0, False
-    for line in shown:
-        if line == "...":
-            skipping = True
-            continue
-        if skipping:
-            found = next((i for i in range(at, len(printed)) if printed[i] == line), None)
-            if found is None:
-                return f"the README shows {line!r}, which {source} does not give after line {at}"
-            at, skipping = found + 1, False
-        elif at >= len(printed) or printed[at] != line:
-            got = printed[at] if at < len(printed) else "(nothing more)"
-            return f"line {at + 1}: the README shows {line!r}, {source} gives {got!r}"
-        else:
-            at += 1
-    if not skipping and at < len(printed):
-        return f"{source} gives more than the README shows, from line {at + 1}: {printed[at]!r}"
-    return None
-
-
-Part = collections.namedtuple("Part", "name file offset text words time")
-MAP_ROW = re.compile(r"^\| \[([^\]]+)\]\(([\w.-]*)(?:#([\w-]+))?\)[^|\n]* \| [^|\n]* \| "
-                     r"([^|\n]*) \| ([^|\n]*) \|$", re.M)
-README = documents.README
-EXERCISES = r"^#+ Exercises$"   # each Part ends with them
-SECTION = re.compile(r"^#+ \d+\. ", re.M)        # a numbered section: the course's
-WORDS_A_MINUTE = 130   # prose full of figures and cross-references, read with care
-
-
-def the_documents():
-    """{file: its text} for every document of the course."""
-    return {name: lab_file_text(name) for name in documents.documents()}
-
-
-def parts(texts):
-    """Each row of the README's map of the course, in order: its name, its file, and its
-    text (the whole file; for a row that links a heading, from that heading on), with the
-    row's prose and time cells."""
-    found = []
-    for name, file, heading, words, time in MAP_ROW.findall(texts[README]):
-        text = texts[file or README]
-        offset = heading_offsets(text)[heading] if heading else 0
-        found.append(Part(name, file or README, offset, text[offset:], words, time))
-    return found
-
-
-def course(texts):
-    """The Parts with numbered sections, exercises and code (the Reference has none)."""
-    return [part for part in parts(texts) if SECTION.search(part.text)]
-
-
-def prose_words(text, start=None, end=None):
-    """The words of the prose of text (from the heading start, up to the heading end:
-    regular expressions), without code blocks, tables, indented formula blocks, comments
-    and link targets; a marked figure counts as one word, whatever a run writes there."""
-    if start:
-        text = text[re.compile(start, re.M).search(text).start():]
-    if end:
-        text = text[:re.compile(end, re.M).search(text).start()]
-    part = FIGURE.sub("figure", text)   # one word each
-    part = re.sub(r"^```.*?^```$", "", part, flags=re.M | re.S)
-    kept = [line for line in part.splitlines()
-            if not line.startswith(("|", "    ", "<!--", "!["))]
-    prose = re.sub(r"\]\([^)]*\)", "]", "\n".join(kept))
-    return [word for word in prose.split() if re.search(r"[A-Za-z0-9]", word)]
-
-
-def anchor(heading):
-    """GitHub's anchor of a heading: lowercase, punctuation dropped but hyphens and
-    spaces, spaces to hyphens (a link's target kept, its address dropped)."""
-    heading = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip())
-    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
-
-
-def heading_offsets(text):
-    """{anchor: where its heading starts} for every heading of text outside code blocks;
-    a repeated anchor gets -1, -2 ... as on GitHub."""
-    plain = re.sub(r"^```.*?^```$", lambda f: " " * len(f[0]), text, flags=re.M | re.S)
-    found = {}
-    for heading in re.finditer(r"^#+ (.*)$", plain, re.M):
-        name, n = anchor(heading[1]), 1
-        while name in found:
-            name, n = f"{anchor(heading[1])}-{n}", n + 1
-        found[name] = heading.start()
-    return found
 
 
 def link_problems(texts, folder=HERE):
@@ -241,7 +132,7 @@ def lab_definitions():
     """{name: [each function and class of that name defined in a module of the lab]}."""
     found = collections.defaultdict(list)
     for module in sorted(file[:-3] for file in os.listdir(HERE) if file.endswith(".py")):
-        if _is_lab_module(module):
+        if is_lab_module(module):
             for name, value in vars(importlib.import_module(module)).items():
                 if (inspect.isfunction(value) or inspect.isclass(value)) \
                         and value.__module__ == module:
@@ -259,7 +150,7 @@ def lab_name_problems(names, definitions):
             problems.append(f"{idea!r}: `{text}` is not written as a name of the lab")
             continue
         first, *rest = written[1].split(".")
-        found = [importlib.import_module(first)] if rest and _is_lab_module(first) \
+        found = [importlib.import_module(first)] if rest and is_lab_module(first) \
             else definitions.get(first, [])
         for part in rest:
             found = [getattr(owner, part) for owner in found if hasattr(owner, part)]
@@ -363,210 +254,30 @@ def unmarked_quotes(text, record):
             for found in NUMBER.finditer(plain) if found[0] in entries]
 
 
-def opening(part):
-    """A Part's text before its first numbered section."""
-    return part.text[:SECTION.search(part.text).start()]
-
-
-def length_problems(texts):
-    """The lesson's sections within 2,500 words; the README's map giving each Part's words
-    of prose and the minutes they take at 130 words a minute; each Part's opening saying
-    the minutes with its code, as the map does."""
+def map_problems(texts):
+    """The lesson's sections within 2,500 words; the README's map and each Part's opening
+    giving their figures as marks of course_map (the figure check compares each with its
+    rule): each Part's prose cell, and for a Part with code its last cell and its opening's
+    "With its code, N to M minutes."."""
     problems = []
     lesson = course(texts)[0].text
     words = len(prose_words(lesson, r"^#+ 1\. ", EXERCISES))   # sections 1 to 14 alone
     if words > 2500:
         problems.append(f"the lesson (sections 1 to 14, without code, tables and formulas) "
                         f"has {words:,} words, more than 2,500")
+    with_code = course(texts)
     for part in parts(texts):
-        words = len(prose_words(part.text))
-        wanted = f"{words:,} words, about {round(words / WORDS_A_MINUTE)} minutes"
-        minutes = re.match(r"\d+ to \d+ minutes", part.time)
-        if part.words != wanted:
-            problems.append(f"the README's map must give {part.name} {wanted!r}, not "
-                            f"{part.words!r}")
-        elif not minutes:
-            problems.append(f"the README's map must give {part.name}'s time as \"N to M "
-                            f"minutes\", not {part.time!r}")
-        elif SECTION.search(part.text) and (f"With its code, {minutes[0]}."
-                                            not in " ".join(opening(part).split())):
-            problems.append(f"{part.name}'s opening ({part.file}) must say \"With its code, "
-                            f"{minutes[0]}.\", as the README's map does")
-    return problems
-
-
-Exercise = collections.namedtuple("Exercise", "part file line title edit answer")
-
-
-def exercises(texts):
-    """Every exercise of every Part: its Part, its file and line, its title, its edit of
-    the code if it asks for one ((file, old, new): "in FILE.py, change `OLD` to `NEW`")
-    and the text of its answer (its <details> block)."""
-    found = []
-    for part in course(texts):
-        at = part.offset + re.search(EXERCISES, part.text, re.M).start()
-        text = texts[part.file]
-        for asked in re.finditer(r"^\*\*(\d+\. [^*]+)\*\*(.*?)^<details>(.*?)^</details>",
-                                 text[at:], re.M | re.S):
-            edit = re.search(r"in (\w+\.py),? change `([^`]+)`\s+to `([^`]+)`",
-                             " ".join(asked[2].split()), re.I)
-            found.append(Exercise(part.name, part.file, documents.line_of(text, at + asked.start()),
-                                  asked[1], edit.groups() if edit else None, asked[3]))
-    return found
-
-
-def commands(answer):
-    """The fenced blocks of an answer: ("console", its "$ " command, the lines shown) or
-    ("pycon", the session's text, None)."""
-    found = []
-    for kind, body in re.findall(r"^```(console|pycon)\n(.*?)^```$", answer, re.M | re.S):
-        lines = body.splitlines()
-        found.append((kind, lines[0], lines[1:]) if kind == "console" else (kind, body, None))
-    return found
-
-
-def session_problems(session, name, folder=HERE):
-    """Replay a Python session (>>> lines and what they print) in folder, as a learner
-    typing it into python3 there: None, or what doctest reports of its first mismatch."""
-    test = doctest.DocTestParser().get_doctest(session, {}, name, None, 0)
-    report = io.StringIO()
-    runner = doctest.DocTestRunner(optionflags=doctest.REPORT_ONLY_FIRST_FAILURE)
-    before = os.getcwd()
-    os.chdir(folder)
-    try:
-        runner.run(test, out=report.write)
-    finally:
-        os.chdir(before)
-    return report.getvalue() or None
-
-
-def run_shown(command, shown, folder=HERE):
-    """Run a "$ python3 ..." command in folder: None if it prints the lines shown, else
-    the first line that differs."""
-    done = subprocess.run([sys.executable, *shlex.split(command[len("$ python3 "):])],
-                          cwd=folder, capture_output=True, text=True, timeout=120)
-    return mismatch(shown, (done.stdout + done.stderr).splitlines())
-
-
-MENTION = re.compile(r"\]\((\w+)\.py\)|`(?:(\w+)\.)?(\w+)(?:\([^`]*\))?`")   # a link, a name
-
-
-def _is_lab_module(name):
-    return not name.startswith("test_") and os.path.isfile(os.path.join(HERE, f"{name}.py"))
-
-
-def _lab_object(module, name):
-    """The function or class name defined in the lab's module (not imported there), or
-    None."""
-    found = getattr(importlib.import_module(module), name, None)
-    return found if ((inspect.isfunction(found) or inspect.isclass(found))
-                     and found.__module__ == module) else None
-
-
-EXPERIMENT_RULE = re.compile(r"^# ---- (the experiment|what Part)", re.M)
-
-
-def read_whole(part):
-    """{module: its lines from its top to the rule that opens its experiment} for the
-    modules a Part's opening says it adds (a paragraph "The modules it adds ...")."""
-    said = re.search(r"^The modules it adds.*?(?=\n\n)", opening(part), re.M | re.S)
-    found = {}
-    for module in re.findall(r"\]\((\w+)\.py\)", said[0] if said else ""):
-        source = lab_file_text(f"{module}.py")
-        rule = EXPERIMENT_RULE.search(source)
-        found[module] = source[:rule.start() if rule else len(source)].count("\n")
-    return found
-
-
-def _starts_at(module, name):
-    """The line where the lab's function or class name of module starts (inf if none)."""
-    try:
-        return inspect.getsourcelines(_lab_object(module, name))[1]
-    except (OSError, TypeError):   # not the lab's, or made by a call (a namedtuple)
-        return math.inf
-
-
-def code_lines(texts):
-    """{Part: lines of code} by the map's rule: the lines of the modules it adds, each to
-    its experiment (read_whole), and the source lines (inspect) of every other function
-    and class of the lab it names in backticks, as `name`, `name(...)` or `module.name`
-    (a bare name is the one in the module linked or named last before it that defines
-    one), each counted once, in the first Part that names it."""
-    counted, lines = set(), {}
-    for part in course(texts):
-        whole = read_whole(part)
-        lines[part.name] = sum(whole.values())
-        for module, end in whole.items():   # what they define above the rule is read
-            counted |= {(module, name) for name in vars(importlib.import_module(module))
-                        if _starts_at(module, name) <= end}
-        modules = []     # the lab's modules linked or named so far, in order
-        for link, module, name in MENTION.findall(part.text):
-            if _is_lab_module(link or module):
-                modules = [m for m in modules if m != (link or module)] + [link or module]
-            if link or (module and module not in modules):   # `math.fsum`, `cache.crop`
-                continue
-            owner = next((m for m in ([module] if module else reversed(modules))
-                          if _lab_object(m, name)), None)
-            if owner and (owner, name) not in counted:
-                counted.add((owner, name))
-                lines[part.name] += len(inspect.getsourcelines(_lab_object(owner, name))[0])
-    return lines
-
-
-def code_line_problems(texts):
-    """Each Part's "about N lines" in the README's map: its code_lines to the nearest 10."""
-    problems = []
-    times = {part.name: part.time for part in parts(texts)}
-    for name, lines in code_lines(texts).items():
-        wanted = f"about {int(lines / 10 + 0.5) * 10} lines"
-        stated = re.search(r"about [\d,]+ lines", times[name])
-        if not stated or stated[0] != wanted:
-            problems.append(f"the README's map must give {name} {wanted!r} ({lines} lines of "
-                            f"the modules it adds and the functions and classes it names "
-                            f"first), not {stated[0] if stated else 'nothing'!r}, and its "
-                            f"minutes by the rule above the map")
-    return problems
-
-
-COUNTED = re.compile(r"\b(a|an|\d+) (tables?|diagrams?|pictures?|diffs?|exercises?)\b")
-
-
-def shown_items(text):
-    """The tables, diagrams (```text blocks), pictures and diffs a Part's text shows."""
-    return {"table": len(re.findall(r"^\|(?:---\|)+$", text, re.M)),
-            "diagram": len(re.findall(r"^```text$", text, re.M)),
-            "picture": len(re.findall(r"^!\[", text, re.M)),
-            "diff": len(re.findall(r"^```diff$", text, re.M))}
-
-
-def minute_problems(texts):
-    """Each Part's "N to M minutes" in the README's map by the rule under it: the prose's
-    minutes, its lines at 10 and at 5 a minute, a minute for each table, diagram, picture
-    and diff the row counts, 5 for each exercise (10 for one that asks for an edit of the
-    code: the edit, the run and the undoing), each end rounded to 5 minutes."""
-    problems = []
-    asked = collections.Counter(exercise.part for exercise in exercises(texts))
-    edits = collections.Counter(exercise.part for exercise in exercises(texts) if exercise.edit)
-    for part in course(texts):
-        prose = round(len(prose_words(part.text)) / WORDS_A_MINUTE)
-        lines = int(re.search(r"about ([\d,]+) lines", part.time)[1].replace(",", ""))
-        counted = {kind.rstrip("s"): 1 if n in ("a", "an") else int(n)
-                   for n, kind in COUNTED.findall(part.time)}
-        if counted.get("exercise") != asked[part.name]:
-            problems.append(f"the README's map counts {counted.get('exercise')} exercises "
-                            f"for {part.name}, which has {asked[part.name]}")
-        for kind, found in shown_items(part.text).items():
-            if counted.get(kind, 0) != found:
-                problems.append(f"the README's map counts {counted.get(kind, 0)} {kind}s "
-                                f"for {part.name}, whose text shows {found}")
-        rest = (prose + sum(counted.values()) + 4 * asked[part.name]   # 5 an exercise,
-                + 5 * edits[part.name])                                  # 10 with an edit
-        wanted = "{} to {} minutes".format(*(5 * round((rest + lines / pace) / 5)
-                                            for pace in (10, 5)))
-        if not part.time.startswith(wanted):
-            problems.append(f"the README's map must give {part.name} {wanted!r} by its rule "
-                            f"({prose} of prose, {lines} lines, {counted}), not "
-                            f"{part.time.split(',')[0]!r}")
+        cells = [(part.words, f"course_map.prose({part.file})")]
+        if part in with_code:
+            cells.append((part.time, f"course_map.with_code({part.file})"))
+            said = f"With its code, <!--fig course_map.minutes({part.file})-->"
+            if said not in " ".join(opening(part).split()):
+                problems.append(f"{part.name}'s opening ({part.file}) must say \"{said}N to M "
+                                f"minutes<!--/-->.\"")
+        for cell, name in cells:
+            if not re.fullmatch(rf"<!--fig {re.escape(name)}-->[^<]*<!--/-->", cell):
+                problems.append(f"the README's map must give {part.name} the mark "
+                                f"<!--fig {name}-->, not {cell!r}")
     return problems
 
 
@@ -662,17 +373,23 @@ class Figures(unittest.TestCase):
                                      unmarked_quotes(text, self.record),
                                      f"problems of the rewritten {name}")
             with self.subTest(pace=pace, check="lengths and digits"):
-                self.assert_none(length_problems(texts) + course_digit_problems(texts),
+                self.assert_none(map_problems(texts) + course_digit_problems(texts),
                                  "problems of the rewritten documents")
 
-    def test_the_lesson_and_each_part_give_their_own_length(self):
-        self.assert_none(length_problems(self.texts), f"lengths are wrong. {ON_PURPOSE}")
+    def test_the_map_and_each_opening_give_their_figures_by_marks(self):
+        self.assert_none(map_problems(self.texts), f"the course map is typed. {ON_PURPOSE}")
 
-    def test_each_part_gives_the_lines_of_code_it_names(self):
-        self.assert_none(code_line_problems(self.texts), f"lines are wrong. {ON_PURPOSE}")
-
-    def test_each_part_gives_the_minutes_its_rule_gives(self):
-        self.assert_none(minute_problems(self.texts), f"minutes are wrong. {ON_PURPOSE}")
+    def test_a_map_cell_or_an_opening_typed_by_hand_is_found(self):
+        """A cell whose figure is off is a mark out of date; a cell or an opening typed
+        without its mark is found by map_problems."""
+        text = self.texts[README]
+        cell = next(found for found in FIGURE.finditer(text)
+                    if found[1] == "course_map.with_code(README.md)")
+        wrong = text.replace(cell[0], cell[0].replace(" to ", " to 1", 1))
+        self.assertEqual(len(figure_problems(wrong, self.record, self.timing)), 1)
+        typed = dict(self.texts, **{README: text.replace(cell[0], cell[2]).replace(
+            "<!--fig course_map.minutes(README.md)-->", "")})
+        self.assertEqual(len(map_problems(typed)), 2, map_problems(typed))
 
     def test_no_figure_in_the_text_has_more_than_6_significant_digits(self):
         self.assert_none(course_digit_problems(self.texts), "figures are too long")
@@ -807,83 +524,6 @@ class Figures(unittest.TestCase):
         with self.assertRaisesRegex(KeyError, "picks 2 items"):
             documents.figure("runs.n=2.gap", record, {})
 
-
-class Examples(unittest.TestCase):
-
-    @classmethod
-    def setUpClass(cls):
-        cls.texts = the_documents()
-
-    def test_every_example_prints_what_the_documents_show(self):
-        """Each fenced block whose first line is "$ python3 ..." is run from the lab's
-        folder, but those of the exercises (which run in a copy of it, below); training
-        logs (python3 train.py) are one real run's and are tied to best.json by
-        test_the_reference_quotes_the_checkpoint_figures instead."""
-        answers = "".join(exercise.answer for exercise in exercises(self.texts))
-        examples = [(name, line, block[0], block[1:]) for name, text in self.texts.items()
-                    for line, _, block in fenced_blocks(text)
-                    if block and block[0].startswith("$ python3 ")
-                    and not block[0].startswith("$ python3 train.py")
-                    and "\n".join(block) not in answers]
-        self.assertGreaterEqual(len(examples), 2)
-        for name, line, command, shown in examples:
-            with self.subTest(command=command):
-                found = run_shown(command, shown)
-                if found:
-                    self.fail(f"{name} line {line}, `{command}`: {found}.\n{ON_PURPOSE}: "
-                              f"run the command and copy what it prints.")
-
-    def test_each_part_ends_with_two_or_three_exercises_and_their_answers(self):
-        found = exercises(self.texts)
-        for part in course(self.texts):
-            with self.subTest(part.name):
-                self.assertRegex(re.findall(r"^#+ .*", part.text, re.M)[-1], EXERCISES,
-                                 f"{part.file}: {part.name} must end with its exercises")
-                asked = [exercise for exercise in found if exercise.part == part.name]
-                self.assertIn(len(asked), (2, 3), f"{part.name}: 2 or 3 exercises")
-                for exercise in asked:
-                    self.assertTrue(commands(exercise.answer), f"{exercise.file} line "
-                                    f"{exercise.line}, {exercise.title!r}: its answer must "
-                                    f"show a command or a session that a test runs")
-
-    def test_every_answer_prints_what_it_shows(self):
-        """Each exercise's answer is run as a learner would: its commands in a copy of the
-        lab's folder (with the exercise's edit of the code made there, if it asks for
-        one), one after another, and its Python sessions replayed there."""
-        for exercise in exercises(self.texts):
-            where = f"{exercise.file} line {exercise.line}, exercise {exercise.title!r}"
-            with self.subTest(exercise.title), tempfile.TemporaryDirectory() as folder:
-                for name in os.listdir(HERE):
-                    if os.path.isfile(os.path.join(HERE, name)):
-                        shutil.copy(os.path.join(HERE, name), folder)
-                if exercise.edit:   # made for its commands: a session imports the lab's
-                    self.assertNotIn("pycon", [kind for kind, _, _ in commands(exercise.answer)],
-                                     f"{where}: an edit of the code is tried by commands")
-                    name, old, new = exercise.edit
-                    code = lab_file_text(name)
-                    self.assertEqual(code.count(old), 1, f"{where}: `{old}` must be in "
-                                     f"{name} once, to be changed")
-                    with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
-                        f.write(code.replace(old, new))
-                for kind, command, shown in commands(exercise.answer):
-                    found = (run_shown(command, shown, folder) if kind == "console"
-                             else session_problems(command, exercise.title, folder))
-                    if found:
-                        self.fail(f"{where}: {found}\n{ON_PURPOSE}: run it and copy what it "
-                                  f"prints.")
-
-    def test_the_documents_show_the_real_code(self):
-        excerpts = [(name, *found) for name, text in self.texts.items() for found in
-                    re.findall(r"<!-- excerpt: (\w+)\.(\w+) -->\n```python\n(.*?)```", text,
-                               re.DOTALL)]
-        self.assertGreaterEqual(len(excerpts), 2)
-        for name, module, function, code in excerpts:
-            with self.subTest(excerpt=f"{module}.{function}"):
-                source = inspect.getsource(getattr(importlib.import_module(module), function))
-                self.assertTrue(code in source, f"{name}'s excerpt of {module}.{function} is "
-                                f"not in its source any more. {ON_PURPOSE}: copy the lines "
-                                f"again.")
-
     def test_the_lesson_counts_its_words_without_code_tables_and_formulas(self):
         text = ("### 1. One\n\nTwo words, [a link](https://x.y/z).\n\n```python\nx = 1\n```\n"
                 "| a | table |\n    a formula\n<!-- a comment -->\n- a list `item`\n")
@@ -901,26 +541,18 @@ class Examples(unittest.TestCase):
                              "## 2. Two\n`forward_step` again, `prefill.prefill`, "
                              "`deep_model.forward_step`, [deep_model.py](deep_model.py), "
                              "`DeepCache`\n"}
-        source = lab_file_text("prefill.py")
+        source = lab_file("prefill.py")
         lines = [len(inspect.getsourcelines(named)[0]) for named in (
             kv_cache.forward_step, kv_cache.feed, deep_model.forward_step, deep_model.DeepCache)]
         self.assertEqual(code_lines(texts), {
             "the lesson": lines[0] + lines[1],
-            "Part 2": source[:EXPERIMENT_RULE.search(source).start()].count("\n")
+            "Part 2": source[:course_map.EXPERIMENT_RULE.search(source).start()].count("\n")
             + lines[2] + lines[3]})
-
-    def test_a_line_shown_must_match_except_times_and_elided_lines(self):
-        printed = ["uncached: 198 rows, 0.067 s", "a", "b", "c", "identical: yes"]
-        self.assertIsNone(mismatch(["uncached: 198 rows, 1.234 s", "...", "identical: yes"],
-                                   printed))
-        self.assertIn("line 1", mismatch(["uncached: 225 rows, 0.067 s", "..."], printed))
-        self.assertIn("gives more", mismatch(printed[:3], printed))
-        self.assertIn("does not give", mismatch(["...", "identical: NO"], printed))
 
     def test_the_reference_quotes_the_checkpoint_figures(self):
         meta = lab_json("best.json")["meta"]
         val, baseline = meta["val_loss"], meta["unigram_baseline"]
-        text = lab_file_text("reference.md")
+        text = lab_file("reference.md")
         for figure in (f"| {baseline:.4f} nats per token |",
                        f"| {val:.4f} nats per token, {val / baseline:.1%} of the baseline |",
                        f"best validation loss {val:.4f} = {val / baseline:.1%} of the unigram "
@@ -928,6 +560,10 @@ class Examples(unittest.TestCase):
             with self.subTest(figure=figure):
                 self.assertTrue(figure in text, f"not in reference.md. {ON_PURPOSE}.")
 
+
+
+if __name__ == "__main__":
+    unittest.main()
 
 
 if __name__ == "__main__":

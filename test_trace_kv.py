@@ -247,7 +247,7 @@ class RecordFiles(unittest.TestCase):
         """Each as main() parses it (argparse's exit 2, before anything runs), and one as
         the command does, in a process of its own."""
         for flag in ("--chek", "--check --write", "--workers 0", "--workers two",
-                     "--workers 100000", "--write --part 2"):
+                     "--workers 100000", "--write --part 2", "--times", "--check --times"):
             err = io.StringIO()
             with self.subTest(flag=flag), redirect_stderr(err), \
                     self.assertRaises(SystemExit) as ended:
@@ -331,21 +331,70 @@ class Summary(unittest.TestCase):
         self.assertIn(f"in: '\\x1b[2J', {'a' * 197}..., extra 0, extra 1, extra 10, ", line)
         self.assertRegex(line, r", extra 15 and 42 more$")
 
-    def assert_save_fails_in_one_line(self, folder, fragment):
+    def assert_save_fails_in_one_line(self, folder, fragment, *flags):
         with self.assertRaises(SystemExit) as ended:
-            self.run_main("--write", "--folder", folder)
+            self.run_main("--write", "--folder", folder, *flags)
         self.assertRegex(str(ended.exception.code), r"^trace_kv\.py: error: [^\n]*$")
         self.assertIn(fragment, str(ended.exception.code))
 
     def test_a_save_that_fails_after_the_run_is_one_line_and_writes_nothing(self):
         with tempfile.TemporaryDirectory() as folder:
             os.mkdir(os.path.join(folder, trace_kv.TIMES))
-            self.assert_save_fails_in_one_line(folder, "kv-time.json: it is a folder")
+            self.assert_save_fails_in_one_line(folder, "kv-time.json: it is a folder",
+                                               "--times")
             self.assertEqual(os.listdir(folder), [trace_kv.TIMES])
         with tempfile.TemporaryDirectory() as folder, mock.patch(
                 "lab_files.os.fsync", side_effect=OSError(28, "No space left on device")):
             self.assert_save_fails_in_one_line(folder, "No space left on device")
             self.assertEqual(os.listdir(folder), [])
+
+    def test_write_keeps_the_times_and_their_figures_unless_asked(self):
+        """--write fills the time marks from kv-time.json as it is and leaves the file
+        alone; --write --times records this run's (timing more); so does the first --write
+        of a folder without kv-time.json; one that cannot be read stops before the run."""
+        kept = '{"python": "2.7"}\n'
+        for flags, times in (((), kept), (("--times",), kept), ((), None)):
+            with self.subTest(flags=flags, times=times), \
+                    tempfile.TemporaryDirectory() as folder:
+                files = {"README.md": "Python <!--fig time.python-->x<!--/-->\n",
+                         trace_kv.TIMES: times}
+                files = self.write_main(folder, files, *flags)
+                self.assertEqual(files[trace_kv.TRACE], trace_kv._dumps(self.record))
+                python = "2.7" if times and not flags else self.timing["python"]
+                self.assertEqual(files["README.md"],
+                                 f"Python <!--fig time.python-->{python}<!--/-->\n")
+                self.assertEqual(files[trace_kv.TIMES], trace_kv._dumps(self.timing)
+                                 if python != "2.7" else kept)
+                self.assertEqual(self.timed, python != "2.7")
+        for bad in ("{ not json", "[1]"):
+            with self.subTest(bad=bad), tempfile.TemporaryDirectory() as folder:
+                with open(os.path.join(folder, trace_kv.TIMES), "w", encoding="utf-8") as f:
+                    f.write(bad)
+                with mock.patch.object(trace_kv, "run") as run, \
+                        redirect_stderr(io.StringIO()), self.assertRaises(SystemExit) as ended:
+                    trace_kv.main(["--write", "--folder", folder])
+                self.assertRegex(str(ended.exception.code), r"^trace_kv\.py: error: cannot "
+                                 r"read .*kv-time\.json to keep it .*--write --times to "
+                                 r"record it again$")
+                run.assert_not_called()
+
+    def write_main(self, folder, files, *flags):
+        """--write (with flags) in folder holding files (a None text: no such file), run()
+        replaced by the recorded run: the folder's files after it. self.timed: whether the
+        run was asked to time more (full_timing)."""
+        for name, text in files.items():
+            if text is not None:
+                with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+                    f.write(text)
+        with mock.patch.object(trace_kv, "run", return_value=(self.record, self.timing)) as run:
+            with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
+                trace_kv.main(["--write", "--folder", folder, *flags])
+        self.timed = run.call_args.args[0]
+        after = {}
+        for name in os.listdir(folder):
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                after[name] = f.read()
+        return after
 
     def test_a_write_stopped_among_its_renames_is_finished_before_anything_else(self):
         with tempfile.TemporaryDirectory() as folder:

@@ -9,14 +9,17 @@ that the machine's cores share.
     python3 trace_kv.py --part 1     runs only the lesson's stages (Part 1)
     python3 trace_kv.py --json       prints the whole record instead, as JSON
     python3 trace_kv.py --check      also fails if the record differs from kv-trace.json
-    python3 trace_kv.py --write      for changing the lab, on an idle machine: rewrites
-                                     kv-trace.json, kv-time.json (timing more) and the
-                                     documents' figures
+    python3 trace_kv.py --write      for changing the lab: rewrites kv-trace.json, the
+                                     documents' figures and the pictures, keeping
+                                     kv-time.json and the time figures as they are
+    python3 trace_kv.py --write --times   also records this machine's times (timing more;
+                                     on an idle machine): kv-time.json and the time figures
     python3 trace_kv.py --workers N  shares the stages among N processes (the same record)
 
 kv-trace.json holds only what any machine reproduces exactly (results and counts);
-kv-time.json holds wall-clock times, which vary, and is never compared. Progress goes to
-stderr, so the output stays clean when redirected.
+kv-time.json holds wall-clock times, which vary, and is never compared; only
+--write --times (or the first --write of a folder without it) records them. Progress
+goes to stderr, so the output stays clean when redirected.
 """
 import os
 import sys
@@ -118,23 +121,40 @@ PARTS = max(stage.part for stage in STAGES)
 
 def run(full_timing=False, folder=LAB, progress=None, workers=None, stories=None,
         parts=PARTS):
-    """Every stage of Parts 1 to parts, on the 60 test openings (or the first stories of
-    them, for a quick run), shared by workers processes (default: one per core), each
-    stage as soon as the stages it needs are done: (record, timing). The record is the
-    same for any number of workers. The timing holds the seconds of both generators;
-    with full_timing (what --write records) also what timings() measures afterwards, in
-    this process alone. progress(stage, done, total), if given, is told each stage done."""
+    """Every stage of Parts 1 to parts, on the 60 test openings: (record, timing).
+
+    The openings are all 60, or the first stories of them for a quick run; workers
+    processes (default: one per core) share the stages, each stage run as soon as the
+    stages it needs are done, and the record is the same for any number of workers. The
+    timing holds the seconds of both generators; with full_timing (what --write --times
+    records) also what timings() measures afterwards, in this process alone.
+    progress(stage, done, total), if given, is told each stage done."""
     progress = progress or (lambda stage, done, total: None)
     workers = workers or os.cpu_count() or 1
     model.check_int("workers", workers, 1, MAX_WORKERS, " (each process loads the lab)")
     if stories is not None:   # a stage of no cases would never be done
         model.check_int("stories", stories, 1, None, " (the first test openings to run)")
     stages = [stage for stage in STAGES if stage.part <= parts]
-    needed = {need for stage in stages for need in stage.needs}
     start = time.perf_counter()
     lab = _load(folder, stories)
+    done = _run_stages(stages, lab, _workers(workers, folder, stories), workers, progress)
+    record = {}
+    for stage in stages:
+        if stage.record == "top":
+            record.update(done[stage.name])
+        elif stage.record == "key":
+            record[stage.name] = done[stage.name]
+    timing = generators_timing(done["runs"], record["work"], workers)
+    timing["run_seconds"] = round(time.perf_counter() - start, 1)   # every stage, all told
+    if full_timing:
+        timing.update(trace_lesson.timings(lab, done["runs"]))
+    return record, timing
+
+
+def _run_stages(stages, lab, pool, workers, progress):
+    """{stage's name: its result} for every stage, run in pool by workers processes."""
+    needed = {need for stage in stages for need in stage.needs}
     done, results, left, waiting, running, shipped = {}, {}, {}, [], {}, {}
-    pool = _workers(workers, folder, stories)
     try:
         while len(done) < len(stages):
             for stage in stages:   # queue each stage whose needs are done, in table order
@@ -176,17 +196,7 @@ def run(full_timing=False, folder=LAB, progress=None, workers=None, stories=None
         stop(pool)
         raise
     pool.shutdown()
-    record = {}
-    for stage in stages:
-        if stage.record == "top":
-            record.update(done[stage.name])
-        elif stage.record == "key":
-            record[stage.name] = done[stage.name]
-    timing = generators_timing(done["runs"], record["work"], workers)
-    timing["run_seconds"] = round(time.perf_counter() - start, 1)   # every stage, all told
-    if full_timing:
-        timing.update(trace_lesson.timings(lab, done["runs"]))
-    return record, timing
+    return done
 
 
 class StageFailed(Exception):
@@ -263,10 +273,13 @@ def _dumps(data):
     return json.dumps(data, indent=2) + "\n"
 
 
-def save_records(record, timing, folder=LAB):
-    """Write kv-trace.json and kv-time.json in folder, and every document there (its
-    marked figures and blocks, and the pictures it marks), all drawn before any is written,
-    and written as one set (lab_files.write_together): the names of what it wrote."""
+def save_records(record, timing, folder=LAB, times=True):
+    """Write kv-trace.json in folder, and every document there (its marked figures and
+    blocks, and the pictures it marks), as one set (lab_files.write_together).
+
+    All are drawn before any is written; the time figures come from timing, which goes to
+    kv-time.json too if times (else it is the timing kv-time.json holds, left as it is).
+    Returns the names of what it wrote."""
     texts, drawn = {}, {}
     for name in documents.documents(folder):
         with open(os.path.join(folder, name), encoding="utf-8") as f:
@@ -277,9 +290,10 @@ def save_records(record, timing, folder=LAB):
         except (KeyError, IndexError, TypeError, ValueError) as e:
             raise ValueError(f"{name}: a mark cannot be filled from this run "
                              f"({type(e).__name__}: {e}); nothing was written") from None
-    write_together(folder, {TRACE: _dumps(record), TIMES: _dumps(timing), **drawn, **texts})
-    return [TRACE, TIMES] + ([f"the figures and pictures of {', '.join(texts)}"]
-                             if texts else [])
+    records = {TRACE: _dumps(record), **({TIMES: _dumps(timing)} if times else {})}
+    write_together(folder, {**records, **drawn, **texts})
+    return list(records) + ([f"the figures and pictures of {', '.join(texts)}"]
+                            if texts else [])
 
 
 def unknown_names(folder=LAB):
@@ -351,7 +365,8 @@ def show_progress(stage, done, total):
         print(line, file=sys.stderr, flush=True)
 
 
-def main(argv=None):
+def _parser():
+    """The command's flags, with their help."""
     parser = argparse.ArgumentParser(
         description="Run the uncached and the cached generator on the openings of the 60 "
                     "test stories: prove they agree bit for bit, count the work each does, "
@@ -362,8 +377,12 @@ def main(argv=None):
     mode.add_argument("--check", action="store_true",
                       help=f"exit non-zero if the record differs from {TRACE}")
     mode.add_argument("--write", action="store_true",
-                      help=f"for changing the lab: rewrite {TRACE}, {TIMES} (this machine's "
-                           "times: run it on an idle machine) and every document's figures")
+                      help=f"for changing the lab: rewrite {TRACE}, every document's figures "
+                           f"and the pictures, keeping {TIMES} and the time figures as they "
+                           f"are (a folder without {TIMES} gets this machine's)")
+    parser.add_argument("--times", action="store_true",
+                        help=f"with --write: also record this machine's times in {TIMES} and "
+                             "the documents (run it on an idle machine)")
     parser.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1,
                         help="processes to share the experiments (default: one per core, "
                              f"{os.cpu_count() or 1} here; at most {MAX_WORKERS}, since each "
@@ -373,50 +392,83 @@ def main(argv=None):
                         help="run only the stages of Parts 1 to PART (1: the lesson's alone); "
                              "--check then compares only the keys those stages record")
     add_folder_flag(parser)
+    return parser
+
+
+def kept_times(folder=LAB):
+    """The timing folder's kv-time.json holds, which --write keeps; None if there is none
+    (a new folder, whose first --write records this machine's times). A ValueError says
+    how to record it again if it cannot be read."""
+    path = os.path.join(folder, TIMES)
+    if not os.path.lexists(path):
+        return None
+    try:
+        return read_json(path, None, "a timing of trace_kv.py")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {_shown(path)} to keep it ({e}); run "
+                         f"python3 trace_kv.py --write --times to record it again") from None
+
+
+def main(argv=None):
+    """The command: run the stages, then print, check or write what the flags ask."""
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.workers > MAX_WORKERS:
         parser.error(f"--workers {args.workers}: at most {MAX_WORKERS} (each process loads "
                      f"the lab, and the stages keep no more than that busy)")
     if args.write and args.part != PARTS:
         parser.error(f"--write records every Part: leave out --part {args.part}")
-    trace = _shown(os.path.join(args.folder, TRACE))
+    if args.times and not args.write:
+        parser.error("--times records the times with --write: add --write")
     try:
         finish_saving(args.folder)   # a --write stopped midway: its files all new, first
-    except (OSError, ValueError) as e:
-        sys.exit(f"trace_kv.py: error: {e}")
-    unknown = unknown_names(args.folder) if args.write else []   # in a moment, before the run
-    if unknown:
-        sys.exit("trace_kv.py: error: marks that name nothing, so nothing was run or "
-                 "written:\n  " + "\n  ".join(unknown))
-    try:
-        # Read the record first, so that a missing one fails before the long run.
+        unknown = unknown_names(args.folder) if args.write else []   # in a moment
+        if unknown:
+            sys.exit("trace_kv.py: error: marks that name nothing, so nothing was run or "
+                     "written:\n  " + "\n  ".join(unknown))
+        # Read the files first, so that a missing or unreadable one fails before the run.
         recorded = read_record(os.path.join(args.folder, TRACE)) if args.check else None
+        kept = kept_times(args.folder) if args.write and not args.times else None
         print("Running both generators on the openings of the 60 test stories, greedy and "
               "sampled, and comparing every row's logits, then "
               + (f"every Part's experiments{last_duration(args.folder)}:"
                  if args.part == PARTS else f"the experiments of Parts 1 to {args.part}:"),
               file=sys.stderr)
-        record, timing = run(args.write, args.folder, show_progress, args.workers,
-                             parts=args.part)
+        record, timing = run(args.write and kept is None, args.folder, show_progress,
+                             args.workers, parts=args.part)
     except (OSError, ValueError, StageFailed) as e:
         sys.exit(f"trace_kv.py: error: {e}")
     print(_dumps(record) if args.json else summary(record, timing), end="")
     if args.write:
-        try:
-            written = save_records(record, timing, args.folder)
-        except (OSError, ValueError) as e:
-            sys.exit(f"trace_kv.py: error: {e}")
-        where = "" if args.folder == LAB else f" in {_shown(args.folder)}"
-        print(f"wrote {', '.join(written[:-1])} and {written[-1]}{where}; the times are "
-              f"this machine's now: keep them only from an idle machine (CONTRIBUTING.md)")
+        _write(record, timing if kept is None else kept, kept is None, args.folder)
     elif args.check:
-        differ = differing_keys(record, {key: recorded.get(key) for key in record}
-                                if args.part != PARTS else recorded)
-        if differ:
-            sys.exit(f"trace_kv.py: {trace} differs from this run in: {_named(differ)}")
-        print(f"{trace} matches this run")
+        _check(record, recorded, args.part, args.folder)
     elif not args.json:
-        print(FULL_RECORD.format(trace))
+        print(FULL_RECORD.format(_shown(os.path.join(args.folder, TRACE))))
+
+
+def _write(record, timing, times, folder):
+    """--write's end: save the records (the times too, if times) and say what was written."""
+    try:
+        written = save_records(record, timing, folder, times)
+    except (OSError, ValueError) as e:
+        sys.exit(f"trace_kv.py: error: {e}")
+    where = "" if folder == LAB else f" in {_shown(folder)}"
+    print(f"wrote {', '.join(written[:-1])} and {written[-1]}{where}; "
+          + ("the times are this machine's now: keep them only from an idle machine "
+             "(CONTRIBUTING.md)" if times else
+             f"{TIMES} and the time figures kept as they were (--write --times records "
+             f"this machine's, on an idle machine)"))
+
+
+def _check(record, recorded, part, folder):
+    """--check's end: exit non-zero naming the keys where the run and the record differ."""
+    trace = _shown(os.path.join(folder, TRACE))
+    differ = differing_keys(record, {key: recorded.get(key) for key in record}
+                            if part != PARTS else recorded)
+    if differ:
+        sys.exit(f"trace_kv.py: {trace} differs from this run in: {_named(differ)}")
+    print(f"{trace} matches this run")
 
 
 if __name__ == "__main__":
