@@ -2,6 +2,7 @@
 mark naming nothing is found in a moment, before python3 trace_kv.py --write runs the lab,
 and that what is drawn by running the lab's code comes from the folder written. (That
 every document's marks are what the record gives is test_readme's.)"""
+import ast
 import json
 import os
 import re
@@ -141,6 +142,54 @@ class ConflictMarkers(unittest.TestCase):
             self.assertEqual(conflict_markers(folder), ["x.md line 2: <<<<<<<",
                                                         "x.md line 4: =======",
                                                         "x.md line 6: >>>>>>>"])
+
+
+
+def docstring_problems(source, name):
+    """Where the module source (file name) strays from the style guide's docstrings: each
+    public function and class opens with one line, a sentence saying what it does, then a
+    blank line before any details; a method may have none, leaning on its class's."""
+    problems = []
+
+    def look(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if not isinstance(child, (ast.FunctionDef, ast.ClassDef)) or child.name[0] == "_":
+                continue
+            where, doc = f"{name} line {child.lineno}, {prefix}{child.name}", ast.get_docstring(child)
+            if doc is None:
+                if not prefix:
+                    problems.append(f"{where}: no docstring")
+            elif "\n" in doc.split("\n\n")[0] or not doc.split("\n")[0].endswith("."):
+                problems.append(f"{where}: its first line is not a sentence of its own "
+                                f"({doc.split(chr(10))[0]!r})")
+            if isinstance(child, ast.ClassDef):
+                look(child, f"{child.name}.")
+    look(ast.parse(source), "")
+    return problems
+
+
+class Docstrings(unittest.TestCase):
+
+    def test_each_public_function_and_class_opens_with_one_line_that_says_what_it_does(self):
+        problems = []
+        for name in sorted(os.listdir(HERE)):
+            if name.endswith(".py") and not name.startswith("test_"):
+                problems += docstring_problems(lab_file(name), name)
+        if problems:
+            self.fail(f"{len(problems)} docstrings do not open with one line that says what "
+                      f"the function or class does, then a blank line, then the details:\n"
+                      + "\n".join(problems[:10]))
+
+    def test_a_docstring_that_opens_with_two_lines_or_none_is_found(self):
+        source = ('def f():\n    """Does one thing.\n\n    Then details."""\n'
+                  'def g():\n    """Does\n    two lines."""\n'
+                  'def h():\n    pass\n'
+                  'class C:\n    """A thing."""\n    def m(self):\n        """no stop"""\n'
+                  '    def n(self):\n        pass\n')
+        self.assertEqual(docstring_problems(source, "x.py"), [
+            "x.py line 5, g: its first line is not a sentence of its own ('Does')",
+            "x.py line 8, h: no docstring",
+            "x.py line 12, C.m: its first line is not a sentence of its own ('no stop')"])
 
 
 if __name__ == "__main__":
