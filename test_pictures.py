@@ -7,10 +7,13 @@ import contextlib
 import copy
 import json
 import math
+import os
 import random
 import re
+import shutil
 import signal
 import sys
+import tempfile
 import types
 import unittest
 import xml.etree.ElementTree as ET
@@ -24,7 +27,6 @@ import lossy
 import quantization
 import support
 import svg
-import trace_kv
 from instruments import is_call_of, plant, replacing
 from support import lab_file
 
@@ -295,30 +297,32 @@ class Pictures(unittest.TestCase):
             batched.stories_picture(record, None)
 
     def test_every_stage_that_keeps_less_is_drawn_side_by_side(self):
-        """A new stage whose module declares side_by_side, added to trace_kv.STAGES, is
-        drawn in section 19's picture with the others, in its own series; with the stages
-        listed (planted in lossy.keeping_less) it is left out, and found."""
+        """A new module of the lab that declares side_by_side is drawn in section 19's
+        picture with the others, in its own series; with the modules listed (planted in
+        lossy.keeping_less) it is left out, and found."""
         new = types.ModuleType("largest_values")
         rung = {**self.record["eviction"]["rungs"][0], "cache": "largest values, 8 kept"}
         new.side_by_side = lambda record: [lossy.Series("positions_kept", "largest values",
                                                         [rung], False)]
-
-        def experiment(lab):   # the new stage's function, in the new module
-            return {}
-        experiment.__module__ = new.__name__
         listed = replacing(lambda node: isinstance(node, ast.Return), lambda node: ast.parse(
             "return [sys.modules[name] for name in ('lossy', 'eviction', 'quantization')]").body[0])
         before = sum(map(len, legends(self.drawn["kv-ladder-side-by-side.svg"])))
-        for found, keeping_less in ((True, lossy.keeping_less),
-                                    (False, plant(lossy, "keeping_less", listed))):
-            with self.subTest(found=found), \
-                    mock.patch.dict(sys.modules, {new.__name__: new}), \
-                    mock.patch.object(trace_kv, "STAGES", trace_kv.STAGES + (
-                        trace_kv.Stage(3, "largest_values", experiment),)), \
-                    mock.patch.object(lossy, "keeping_less", keeping_less):
-                drawn = lossy.side_by_side_picture(self.record, None)
-                self.assertEqual(("largest values, 8 kept: " in drawn,
-                                  sum(map(len, legends(drawn)))), (found, before + found))
+        with tempfile.TemporaryDirectory() as folder:
+            for name in os.listdir(support.HERE):   # the lab's modules, and the new one
+                if name.endswith(".py"):
+                    shutil.copy(os.path.join(support.HERE, name), folder)
+            with open(os.path.join(folder, "largest_values.py"), "w", encoding="utf-8") as f:
+                f.write('"""Keep the largest values."""\n\n\ndef side_by_side(record):\n'
+                        '    return []\n')
+            for found, keeping_less in ((True, lossy.keeping_less),
+                                        (False, plant(lossy, "keeping_less", listed))):
+                with self.subTest(found=found), \
+                        mock.patch.dict(sys.modules, {new.__name__: new}), \
+                        mock.patch.object(lossy, "keeping_less",
+                                          lambda: keeping_less(folder)):
+                    drawn = lossy.side_by_side_picture(self.record, None)
+                    self.assertEqual(("largest values, 8 kept: " in drawn,
+                                      sum(map(len, legends(drawn)))), (found, before + found))
 
     def test_the_batch_bars_are_as_high_as_their_counts(self):
         requests = self.record["batched_decode"]["requests"]
