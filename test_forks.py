@@ -30,12 +30,12 @@ tearDownModule = support.tear_down
 def quick_check():
     """Forked continuations are generate's for their seeds, and share the prompt's blocks.
 
-    Three continuations (seeds 0, 1, 2) of the fifth test opening (14 tokens: 3 full
-    blocks and 2 positions) forked from one prefill in a pool of 48 blocks of 4: None if
+    Three continuations (seeds 0, 1, 3: three different stories) of the fifth test opening
+    (14 tokens: 3 full blocks and 2 positions) forked from one prefill in a pool of 48 blocks of 4: None if
     each is generate_cached's for its seed, the prompt's rows are computed once, the
     blocks held at the end are the prompt's full blocks once and each continuation's own,
     and every block is back in the pool; else a Wrong naming the seed and the quantity."""
-    pool, prompt, seeds = paged.BlockPool(PARAMS, 48, 4), OPENINGS[4], (0, 1, 2)
+    pool, prompt, seeds = paged.BlockPool(PARAMS, 48, 4), OPENINGS[4], (0, 1, 3)
     prompt_tokens, where = len(TOK.encode(prompt)), f"forks of {OPENINGS[4]!r}"
     step(f"{where}: sampling seeds {seeds} (forks.sample_from_forks)")
     with recording(kv_cache, "forward_step") as rows:
@@ -82,6 +82,9 @@ class QuickCheckTeeth(unittest.TestCase):
          swapping("generate.generate_with(next_logits, tok, list(ids), 60, 1.0, None, seed)",
                   "generate.generate_with(next_logits, tok, list(ids), 60, 1.0, None, seeds[0])"),
          r"^forks of .*: the continuation of seed 1, at new token"),
+        ("the seeds taken in another order", forks, "sample_from_forks",
+         swapping("zip(seeds, forks)", "zip(sorted(seeds, reverse=True), forks)"),
+         r"^forks of .*: the continuation of seed 0, at new token"),
         ("every fork the parent itself, not a copy", forks, "sample_from_forks",
          swapping("seq.copy()", "seq"), r"^forks of .*: (the continuation of seed 0|.*raised)"),
         ("the parent sequence kept until the end, so the last fork copies its block too",
@@ -102,7 +105,7 @@ class Forks(unittest.TestCase):
         full blocks are held once for all the continuations, its partly filled last block
         is copied by every fork but the last to write, and each continuation is
         generate's for its seed."""
-        pool, prompt, seeds = paged.BlockPool(PARAMS, 48, 4), OPENINGS[4], (0, 1, 2)
+        pool, prompt, seeds = paged.BlockPool(PARAMS, 48, 4), OPENINGS[4], (0, 1, 3)
         prompt_tokens = len(TOK.encode(prompt))   # 14: 3 full blocks and 2 positions
         with recording(kv_cache, "forward_step") as rows:
             results, held = forks.sample_from_forks(PARAMS, TOK, prompt, seeds, pool)
