@@ -30,11 +30,12 @@ tearDownModule = support.tear_down
 def quick_check():
     """Forked continuations are generate's for their seeds, and share the prompt's blocks.
 
-    Three continuations (seeds 0, 1, 3: three different stories) of the fifth test opening
-    (14 tokens: 3 full blocks and 2 positions) forked from one prefill in a pool of 48 blocks of 4: None if
-    each is generate_cached's for its seed, the prompt's rows are computed once, the
-    blocks held at the end are the prompt's full blocks once and each continuation's own,
-    and every block is back in the pool; else a Wrong naming the seed and the quantity."""
+    Three continuations (seeds 0, 1, 3: three different stories) of the fifth test
+    opening (14 tokens: 3 full blocks and 2 positions) forked from one prefill in a pool of
+    48 blocks of 4: None if each is generate_cached's for its seed, the prompt's rows are
+    computed once, the blocks held at the end are the prompt's full blocks once and each
+    continuation's own, and every block is back in the pool; else a Wrong naming the seed
+    and the quantity."""
     pool, prompt, seeds = paged.BlockPool(PARAMS, 48, 4), OPENINGS[4], (0, 1, 3)
     prompt_tokens, where = len(TOK.encode(prompt)), f"forks of {OPENINGS[4]!r}"
     step(f"{where}: sampling seeds {seeds} (forks.sample_from_forks)")

@@ -110,22 +110,23 @@ def quick_check():
                                       f"({window}, {sinks})")
         if why:
             return why
-    return where_measure_differs()
+    return next(filter(None, (where_measure_differs(*case) for case in MEASURED)), None)
 
 
-MEASURED = (2, 0)      # lossy.measure's check: the test openings it measures, and
-MEASURED_WINDOW = 28   # the window: the largest gap in the first, the second unchanged
+# lossy.measure's check: (the test openings it measures, the window): in the first, the
+# largest gap in the first opening, the second unchanged; in the second, the opening
+# changes its first chosen token alone (the prompt's last row)
+MEASURED = (((2, 0), 28), ((9,), 14))
 
 
-def where_measure_differs():
-    """None if lossy.measure of a WindowCache of MEASURED_WINDOW positions on the test
-    openings MEASURED (by index) gives the figures worked out plainly here
+def where_measure_differs(measured_openings, window):
+    """None if lossy.measure of a WindowCache of window positions on the test openings
+    measured_openings (by index) gives the figures worked out plainly here
     (each greedy story fed through a new cache; each sampled one generated again through
     one by generate_cached), tells each_story what it fed, and returns the last story's
     cache; else a Wrong naming the figure or the opening, with both values."""
-    prompts = [OPENINGS[index] for index in MEASURED]
-    where = (f"lossy.measure of a window of {MEASURED_WINDOW} positions on test openings "
-             f"{MEASURED}")
+    prompts = [OPENINGS[index] for index in measured_openings]
+    where = f"lossy.measure of a window of {window} positions on test openings {measured_openings}"
     step(f"{where}: the exact greedy and sampled stories (generate_cached) and their rows")
     greedy = [generate_cached(PARAMS, TOK, prompt) for prompt in prompts]
     sampled = [generate_cached(PARAMS, TOK, prompt, temperature=1.0, seed=index)
@@ -135,7 +136,7 @@ def where_measure_differs():
                            greedy_rows=[cached_rows(PARAMS, ids[:-1]) for ids in stories])
 
     def make(prompt_tokens):
-        return lossy.WindowCache(PARAMS, MEASURED_WINDOW)
+        return lossy.WindowCache(PARAMS, window)
     told = []
     step(f"{where}: measuring")
     measured, last = lossy.measure(SimpleNamespace(params=PARAMS, tok=TOK, prompts=prompts),
@@ -229,6 +230,9 @@ MISTAKES = [
      r"^lossy\.measure of a window .*: its largest_logit_gap is \S+, \S+ worked out plainly"),
     ("each row's best token met with the token fed there, not the next", lossy, "measure",
      swapping("ids[p + 1]", "ids[p]"),
+     r"^lossy\.measure .*: its greedy_stories_changed is \d+, \d+ worked out plainly"),
+    ("the prompt's last row, the first that chooses, left out", lossy, "measure",
+     swapping("range(prompt_tokens - 1, len(fed))", "range(prompt_tokens, len(fed))"),
      r"^lossy\.measure .*: its greedy_stories_changed is \d+, \d+ worked out plainly"),
     ("each sampled story met with the first opening's", lossy, "measure",
      swapping("runs.sampled[index]", "runs.sampled[0]"),
