@@ -1,7 +1,8 @@
 """The deeper model's shapes and parameters (deep_params.py): every parameter init_params
 makes has the shape its docstring gives, worked out plainly here, its gains 1.0 and its
 biases 0.0; check_params takes what init_params makes and refuses a parameter one row or
-entry short; shapes too large to build are refused at once."""
+entry short, or holding nan; shapes too large to build are refused at once."""
+import math
 import time
 import unittest
 
@@ -71,14 +72,25 @@ def in_words(dims):
     return " x ".join(map(str, dims))
 
 
-def one_short(params, name):
-    """params with the parameter name (as held names it) one row or entry short."""
+def changed(params, name, change):
+    """params with the parameter name (as held names it) replaced by change(its value)."""
     if not name.startswith("blocks"):
-        return dict(params, **{name: params[name][:-1]})
+        return dict(params, **{name: change(params[name])})
     layer, key = int(name[7:name.index("]")]), name[name.index("['") + 2:-2]
     blocks = list(params["blocks"])
-    blocks[layer] = dict(blocks[layer], **{key: blocks[layer][key][:-1]})
+    blocks[layer] = dict(blocks[layer], **{key: change(blocks[layer][key])})
     return dict(params, blocks=blocks)
+
+
+def one_short(value):
+    """A parameter one row or entry short."""
+    return value[:-1]
+
+
+def not_a_number_first(value):
+    """A parameter whose first number is nan."""
+    return ([[math.nan, *value[0][1:]], *value[1:]] if isinstance(value[0], list)
+            else [math.nan, *value[1:]])
 
 
 def quick_check():
@@ -87,7 +99,7 @@ def quick_check():
     For each shape of TRIED: every parameter deep_params.init_params makes has the
     (rows, columns) worked_out gives, none more or fewer, each gain is 1.0 and each bias
     0.0; check_params takes the params, and refuses each parameter of the first one row or
-    entry short, naming it. Then a million layers are refused by check_model_shape. None if all holds,
+    entry short, or holding nan, naming it. Then a million layers are refused by check_model_shape. None if all holds,
     else a Wrong naming the model, the parameter and both shapes or values."""
     for args in TRIED:
         step(f"deep_params.init_params{args}")
@@ -111,16 +123,17 @@ def quick_check():
         step(f"{where}: check_params of the params init_params made")
         deep_params.check_params(params)
         for name in sorted(values) if args == TRIED[0] else ():   # one model's will do
-            step(f"{where}: check_params of the params with {name} one short")
-            try:
-                deep_params.check_params(one_short(params, name))
-            except ValueError as refusal:
-                if name.split("[")[-1].strip("']") not in str(refusal):
-                    return Wrong(f"{where}: check_params refused {name} one short without "
-                                 f"naming it: {refusal}")
-            else:
-                return Wrong(f"{where}: check_params took {name} one short (of "
-                             f"{in_words(wanted[name])}), where it should refuse it")
+            for change, what in ((one_short, "one short"), (not_a_number_first, "holding nan")):
+                step(f"{where}: check_params of the params with {name} {what}")
+                try:
+                    deep_params.check_params(changed(params, name, change))
+                except ValueError as refusal:
+                    if name.split("[")[-1].strip("']") not in str(refusal):
+                        return Wrong(f"{where}: check_params refused {name} {what} without "
+                                     f"naming it: {refusal}")
+                else:
+                    return Wrong(f"{where}: check_params took {name} {what} (of "
+                                 f"{in_words(wanted[name])}), where it should refuse it")
     step("deep_params.check_model_shape of a million layers")
     try:
         deep_params.check_model_shape(10 ** 6, 4, 4, 16, "learned", None, 0)
@@ -159,6 +172,10 @@ class QuickCheckTeeth(unittest.TestCase):
         ("a block's shapes not checked", deep_params, "check_params",
          swapping("check_shape(block[name], wanted_dims, where)", "pass"),
          r": check_params took blocks\[0\]\['\w+'\] one short"),
+        ("a block's values not checked", deep_params, "check_params",
+         swapping("check_values(where, block[name] if len(wanted_dims) == 2 else [block[name]])",
+                  "pass"),
+         r": check_params took blocks\[0\]\['\w+'\] holding nan"),
         ("the numbers of one layer counted, not of every layer", deep_params,
          "check_model_shape", swapping("layers * sum(map(math.prod, one.pop('blocks')[0].values()))",
                                        "sum(map(math.prod, one.pop('blocks')[0].values()))"),
