@@ -250,10 +250,10 @@ def _starts_at(module, name):
 def code_lines(texts):
     """{Part: lines of code}: the lab's code each Part adds or is first to name.
 
-    The lines of the modules it adds, each to its experiment (read_whole), and the source
-    lines (inspect) of every other function and class of the lab it names in backticks, as
-    `name`, `name(...)` or `module.name` (a bare name is the one in the module linked or
-    named last before it that defines one), each counted once, in the first Part that names it."""
+    The lines of the modules it adds, each to its experiment (read_whole), and the source lines
+    (inspect) of every other function and class of the lab it names in backticks, as `name`,
+    `name(...)` or `module.name` (a bare name is the one in the module linked or named last
+    before it that defines one), each counted once, in the first Part that names it."""
     counted, lines = set(), {}
     for part in course(texts):
         whole = read_whole(part)

@@ -137,10 +137,10 @@ def write_atomically(path, text):
 def write_together(folder, texts):
     """Write the files texts names ({file name: text}) in folder as one set.
 
-    Whatever interrupts it, and whatever other save runs at once, they are then all old or
-    all new. Under folder's lock (LOCK), every temporary file is written first, then a journal of
-    the renames (JOURNAL), then the renames; a save stopped between the journal and its
-    last rename (killed outright) is finished by the next one, before anything else."""
+    Whatever interrupts it, and whatever other save runs at once, they are then all old or all
+    new. Under folder's lock (LOCK), every temporary file is written first, then a journal of
+    the renames (JOURNAL), then the renames; a save stopped between the journal and its last
+    rename (killed outright) is finished by the next one, before anything else."""
     for name in texts:   # all checked before any is written
         if os.path.basename(name) != name or name in ("", ".", ".."):
             raise ValueError(f"{name!r}: a file name in {folder} is needed, not a path")

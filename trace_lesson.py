@@ -35,12 +35,11 @@ KINDS = ("greedy", "sampled")
 def both_generators(lab, index):
     """Both generators on opening index, greedy and sampled (temperature 1.0, seed = index).
 
-    For each, the uncached result, whether the cached one is identical, how many
-    positions the cached path computed on the same input as the uncached path's last full
-    pass and the largest gap between their logits, that full pass's rows and attention
-    weights; and the greedy seconds of each path. The sampled uncached run is given the
-    greedy run's full passes on the tokens both chose (reusing), not the same computed
-    again."""
+    For each, the uncached result, whether the cached one is identical, how many positions
+    the cached path computed on the same input as the uncached path's last full pass and
+    the largest gap between their logits, that full pass's rows and attention weights; and
+    the greedy seconds of each path. The sampled uncached run is given the greedy run's
+    full passes on the tokens both chose (reusing), not the same computed again."""
     params, tok, prompt = lab.params, lab.tok, lab.prompts[index]
     one, greedy_passes = {}, {}
     for kind, settings in zip(KINDS, ({}, {"temperature": 1.0, "seed": index})):
