@@ -176,6 +176,7 @@ def _check_tables(vocab, merges):
 
 
 def main(argv=None):
+    """Retrain tokenizer.json from the command line, or check it (--check)."""
     parser = argparse.ArgumentParser(description="Retrain tokenizer.json from corpus.txt.")
     parser.add_argument("--check", action="store_true",
                         help="exit non-zero if retraining would change tokenizer.json")

@@ -10,8 +10,9 @@ overrides them.
 
 
 class ListRoom:
-    """The room of caches that keep their positions in lists of their own: always there
-    (forward_step refuses positions past the model's 64)."""
+    """The room of caches that keep their positions in lists of their own.
+
+    It is always there (forward_step refuses positions past the model's 64)."""
 
     def room_for(self, demands):
         return True
@@ -21,8 +22,9 @@ class ListRoom:
 
 
 class CacheProtocol:
-    """What every cache of the lesson's model offers (a KVCache, a paged sequence, a
-    QuantizedCache, a WindowCache), and all that code using a cache relies on:
+    """What every cache of the lesson's model offers, and all that code using a cache relies on.
+
+    A KVCache, a paged sequence, a QuantizedCache and a WindowCache each offer:
       params, columns       the model it was made for; its matrices, ready for linear()
       tokens                the token ID of every position held, in order
       keys, values          what attention reads: a key and a value per position kept

@@ -42,20 +42,23 @@ SHOWN = ("diff", "table", "diagram", "picture")   # in the order the map lists t
 # ---- the figure marks: a cell of the map, or an opening's minutes --------------------
 
 def prose(record, timing, part, folder=LAB):
-    """The map's prose cell for the Part whose row links the file part:
-    "2,842 words, about 22 minutes"."""
+    """The map's prose cell for the Part whose row links the file part.
+
+    As "2,842 words, about 22 minutes"."""
     return _figures_of(part, folder)["prose"]
 
 
 def minutes(record, timing, part, folder=LAB):
-    """The minutes the Part in the file part takes with its code: "85 to 105 minutes"
-    (its opening says them, and its row of the map)."""
+    """The minutes the Part in the file part takes with its code.
+
+    As "85 to 105 minutes" (its opening says them, and its row of the map)."""
     return _figures_of(part, folder)["minutes"]
 
 
 def with_code(record, timing, part, folder=LAB):
-    """The map's last cell for the Part in the file part: its minutes, its lines and what
-    it shows, "80 to 135 minutes, about 550 lines, 3 tables, a diagram and 2 exercises"."""
+    """The map's last cell for the Part in the file part: its minutes, lines and contents.
+
+    As "80 to 135 minutes, about 550 lines, 3 tables, a diagram and 2 exercises"."""
     return _figures_of(part, folder)["with_code"]
 
 
@@ -113,9 +116,10 @@ def _counted(n, kind):
 # ---- the documents' Parts, their prose and what they show ----------------------------
 
 def parts(texts):
-    """Each row of the README's map of the course, in order: its name, its file, and its
-    text (the whole file; for a row that links a heading, from that heading on), with the
-    row's prose and time cells."""
+    """Each row of the README's map of the course, in order.
+
+    A row gives its name, its file, and its text (the whole file; for a row that links a
+    heading, from that heading on), with the row's prose and time cells."""
     found = []
     for name, file, heading, words, time in MAP_ROW.findall(texts[README]):
         text = texts[file or README]
@@ -135,9 +139,11 @@ def opening(part):
 
 
 def prose_words(text, start=None, end=None):
-    """The words of the prose of text (from the heading start, up to the heading end:
-    regular expressions), without code blocks, tables, indented formula blocks, comments
-    and link targets; a marked figure counts as one word, whatever a run writes there."""
+    """The words of the prose of text, from the heading start up to the heading end.
+
+    start and end are regular expressions. Left out: code blocks, tables, indented formula
+    blocks, comments and link targets; a marked figure counts as one word, whatever a run
+    writes there."""
     if start:
         text = text[re.compile(start, re.M).search(text).start():]
     if end:
@@ -151,15 +157,18 @@ def prose_words(text, start=None, end=None):
 
 
 def anchor(heading):
-    """GitHub's anchor of a heading: lowercase, punctuation dropped but hyphens and
-    spaces, spaces to hyphens (a link's target kept, its address dropped)."""
+    """GitHub's anchor of a heading.
+
+    Lowercase, punctuation dropped but hyphens and spaces, spaces to hyphens (a link's
+    target kept, its address dropped)."""
     heading = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip())
     return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
 
 
 def heading_offsets(text):
-    """{anchor: where its heading starts} for every heading of text outside code blocks;
-    a repeated anchor gets -1, -2 ... as on GitHub."""
+    """{anchor: where its heading starts} for every heading of text outside code blocks.
+
+    A repeated anchor gets -1, -2 ... as on GitHub."""
     plain = re.sub(r"^```.*?^```$", lambda f: " " * len(f[0]), text, flags=re.M | re.S)
     found = {}
     for heading in re.finditer(r"^#+ (.*)$", plain, re.M):
@@ -182,9 +191,11 @@ Exercise = collections.namedtuple("Exercise", "part file line title edit answer"
 
 
 def exercises(texts):
-    """Every exercise of every Part: its Part, its file and line, its title, its edit of
-    the code if it asks for one ((file, old, new): "in FILE.py, change `OLD` to `NEW`")
-    and the text of its answer (its <details> block)."""
+    """Every exercise of every Part.
+
+    Each gives its Part, its file and line, its title, its edit of the code if it asks for
+    one ((file, old, new): "in FILE.py, change `OLD` to `NEW`") and the text of its answer
+    (its <details> block)."""
     found = []
     for part in course(texts):
         at = part.offset + re.search(EXERCISES, part.text, re.M).start()
@@ -215,8 +226,9 @@ def _lab_object(module, name):
 
 
 def read_whole(part):
-    """{module: its lines from its top to the rule that opens its experiment} for the
-    modules a Part's opening says it adds (a paragraph "The modules it adds ...")."""
+    """{module: its lines from its top to the rule that opens its experiment}.
+
+    For the modules a Part's opening says it adds (a paragraph "The modules it adds ...")."""
     said = re.search(r"^The modules it adds.*?(?=\n\n)", opening(part), re.M | re.S)
     found = {}
     for module in re.findall(r"\]\((\w+)\.py\)", said[0] if said else ""):
@@ -236,11 +248,12 @@ def _starts_at(module, name):
 
 
 def code_lines(texts):
-    """{Part: lines of code}: the lines of the modules it adds, each to its experiment
-    (read_whole), and the source lines (inspect) of every other function and class of the
-    lab it names in backticks, as `name`, `name(...)` or `module.name` (a bare name is the
-    one in the module linked or named last before it that defines one), each counted
-    once, in the first Part that names it."""
+    """{Part: lines of code}: the lab's code each Part adds or is first to name.
+
+    The lines of the modules it adds, each to its experiment (read_whole), and the source lines
+    (inspect) of every other function and class of the lab it names in backticks, as `name`,
+    `name(...)` or `module.name` (a bare name is the one in the module linked or named last
+    before it that defines one), each counted once, in the first Part that names it."""
     counted, lines = set(), {}
     for part in course(texts):
         whole = read_whole(part)

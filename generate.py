@@ -26,8 +26,9 @@ PROMPT_HELP = ("the opening to continue, in lowercase letters, spaces, commas an
 
 
 def load_trained(folder=lab_files.LAB):
-    """The shipped model from folder's tokenizer.json, corpus.txt and best.json:
-    (params, tokenizer), refusing a checkpoint of other data."""
+    """The shipped model from folder's tokenizer.json, corpus.txt and best.json.
+
+    Gives (params, tokenizer), refusing a checkpoint of other data."""
     tokenizer, corpus, best = (lab_files.lab_file(folder, name)
                                for name in ("tokenizer.json", "corpus.txt", "best.json"))
     tok = Tokenizer.load(tokenizer)
@@ -37,8 +38,9 @@ def load_trained(folder=lab_files.LAB):
 
 
 def check_settings(temperature, top_k, vocab_size):
-    """Raise ValueError unless temperature is a finite number >= 0 and top_k is None or
-    an int from 1 to vocab_size."""
+    """Raise ValueError unless temperature and top_k are settings generation can use.
+
+    temperature must be a finite number >= 0, top_k None or an int from 1 to vocab_size."""
     if not (model.is_int(temperature) or isinstance(temperature, float)) \
             or abs(temperature) > sys.float_info.max or not math.isfinite(temperature) \
             or temperature < 0:
@@ -49,8 +51,10 @@ def check_settings(temperature, top_k, vocab_size):
 
 
 def next_token_probs(logits, temperature, top_k):
-    """Probabilities for the next token: greedy (1.0 at the first highest score) at
-    temperature 0, else the softmax of logits / temperature over the top_k highest."""
+    """Probabilities for the next token, greedy or sampled, from its logits.
+
+    Greedy (1.0 at the first highest score) at temperature 0, else the softmax of
+    logits / temperature over the top_k highest."""
     check_settings(temperature, top_k, len(logits))
     if temperature == 0:
         best = logits.index(max(logits))
@@ -81,8 +85,10 @@ def check_seed(seed, name="seed"):
 
 
 def check_seeds(seeds):
-    """Refuse seeds that are not a list, a tuple or a range of ints (an iterator is used
-    up by one pass over it), naming the first that is not an int."""
+    """Refuse seeds that are not a list, a tuple or a range of ints.
+
+    An iterator is refused since one pass over it uses it up; the message names the first
+    seed that is not an int."""
     if not isinstance(seeds, (list, tuple, range)):
         raise ValueError(f"seeds must be a list, a tuple or a range of ints, one a "
                          f"continuation, got {type(seeds).__name__}")
@@ -109,9 +115,10 @@ def check_request(tok, prompt, max_new_tokens, temperature, top_k, seed):
 
 
 class Generation:
-    """One generation in progress, from the prompt's token IDs (checked by check_request):
-    the token IDs so far (ids), the chosen steps, its own random numbers, and why it
-    stopped (stopped: None while it goes on). Whoever computes the logits for the token
+    """One generation in progress, from the prompt's token IDs (checked by check_request).
+
+    It holds the token IDs so far (ids), the chosen steps, its own random numbers, and why
+    it stopped (stopped: None while it goes on). Whoever computes the logits for the token
     after ids hands them to choose()."""
 
     def __init__(self, tok, ids, max_new_tokens, temperature, top_k, seed):
@@ -146,6 +153,7 @@ class Generation:
 
 def generate_with(next_logits, tok, ids, max_new_tokens, temperature, top_k, seed):
     """The generation loop, given next_logits(ids): the logits for the token after ids.
+
     generate and kv_cache.generate_cached differ only in the next_logits they pass."""
     generation = Generation(tok, ids, max_new_tokens, temperature, top_k, seed)
     while not generation.stopped:
@@ -186,6 +194,7 @@ def add_generation_flags(parser):
 
 
 def main(argv=None):
+    """Continue a story from the command line, without a cache."""
     parser = argparse.ArgumentParser(description="Continue a story with the trained model "
                                                  "(no cache: the full model every step).")
     add_generation_flags(parser)

@@ -45,11 +45,12 @@ def replaced(module, name, stand_in):
 
 @contextlib.contextmanager
 def recording(module, *names):
-    """Inside this block, every call of module.name (for each of names) is appended, as it
-    returns, to the list the block yields, as a Call: what the code really computed, seen
-    without running it again. A call that raises is not recorded. Calls that another
-    function makes through the module's global name are seen too (kv_cache.feed calls
-    forward_step so)."""
+    """Inside this block, record every call of module.name, for each of names, as a Call.
+
+    Each call is appended, as it returns, to the list the block yields: what the code
+    really computed, seen without running it again. A call that raises is not recorded.
+    Calls that another function makes through the module's global name are seen too
+    (kv_cache.feed calls forward_step so)."""
     calls = []
 
     def keeping(name):
@@ -73,11 +74,12 @@ def results(calls):
 
 
 def reusing(params, passes):
-    """Inside this block (a context manager), model.forward on params and token IDs that
-    passes holds (a tuple of token IDs -> forward's result) gives that result instead of
-    computing it again; with passes empty, nothing changes. forward's result depends on
-    its arguments alone (test_model), so the sampled run, wherever its story has chosen
-    the greedy one's tokens so far, is given the very full passes the greedy run made."""
+    """Inside this block, model.forward gives the results passes holds instead of computing them.
+
+    A context manager. passes maps a tuple of token IDs to forward's result on params and
+    those IDs; with passes empty, nothing changes. forward's result depends on its
+    arguments alone (test_model), so the sampled run, wherever its story has chosen the
+    greedy one's tokens so far, is given the very full passes the greedy run made."""
     if not passes:
         return contextlib.nullcontext()
 
@@ -90,15 +92,18 @@ def reusing(params, passes):
 
 
 def passes_by_input(story, full_passes):
-    """The recorded full passes of one uncached generation of story (its token IDs), by
-    the token IDs each read (reusing's passes): pass n, the prompt and n chosen tokens."""
+    """The recorded full passes of one uncached generation of story, by the token IDs each read.
+
+    story is its token IDs; the result is reusing's passes: pass n read the prompt and n
+    chosen tokens."""
     return {tuple(story[:len(story) - len(full_passes) + n]): call.result
             for n, call in enumerate(full_passes)}
 
 
 def largest_gap(rows, other_rows):
-    """The largest difference between corresponding logits of two lists of rows, which
-    must be equally long."""
+    """The largest difference between corresponding logits of two lists of rows.
+
+    The two lists must be equally long."""
     if len(rows) != len(other_rows):
         raise ValueError(f"{len(rows)} rows cannot be compared with {len(other_rows)}")
     return max((abs(a - b) for row, other in zip(rows, other_rows) for a, b in zip(row, other)),
@@ -106,17 +111,20 @@ def largest_gap(rows, other_rows):
 
 
 def sums_in_another_order():
-    """Inside this block (a context manager) the model adds its terms one by one, last
-    term first, instead of with one correctly rounded fsum: the same numbers, summed in
-    another order."""
+    """Inside this block the model adds its terms one by one, last term first.
+
+    A context manager; the terms are added so instead of with one correctly rounded fsum:
+    the same numbers, summed in another order."""
     return replaced(model, "fsum", lambda exact: lambda terms: functools.reduce(
         operator.add, reversed(list(terms)), 0.0))
 
 
 def chosen_rows(calls):
-    """For recorded calls of generate.Generation.choose: (the generation, the position of
-    the row whose logits chose the token, those logits), in order. The k-th choice of a
-    generation is made by the row of position (prompt tokens - 1) + k."""
+    """The rows that chose each token, from recorded calls of generate.Generation.choose.
+
+    Each is (the generation, the position of the row whose logits chose the token, those
+    logits), in order. The k-th choice of a generation is made by the row of position
+    (prompt tokens - 1) + k."""
     made = {}
     chosen = []
     for call in calls:
@@ -128,12 +136,13 @@ def chosen_rows(calls):
 
 
 def plant(owner, name, mistake):
-    """owner.name (a module's function, or a class's method that does not call super())
-    compiled again from its real source with a mistake planted in its syntax tree, reading
-    its module's own globals, as an edit of the file would; None if the spot is gone (an
-    edit removed it). mistake(tree) changes the tree and returns how many places it
-    changed, so comments, blank lines, formatting and most renamings leave planting
-    intact. Patch it in (unittest.mock.patch.object(owner, name, planted)) to try it."""
+    """owner.name compiled again from its real source with a mistake planted in its syntax tree.
+
+    owner.name is a module's function, or a class's method that does not call super(); it
+    reads its module's own globals, as an edit of the file would. None if the spot is gone
+    (an edit removed it). mistake(tree) changes the tree and returns how many places it
+    changed, so comments, blank lines, formatting and most renamings leave planting intact.
+    Patch it in (unittest.mock.patch.object(owner, name, planted)) to try it."""
     real = getattr(owner, name)
     lines, first_line = inspect.getsourcelines(real)
     tree = ast.parse(textwrap.dedent("".join(lines)))
@@ -150,8 +159,9 @@ def plant(owner, name, mistake):
 
 
 def replacing(matches, replacement):
-    """A mistake for plant: every node for which matches(node) holds becomes
-    replacement(node)."""
+    """A mistake for plant that replaces nodes.
+
+    Every node for which matches(node) holds becomes replacement(node)."""
     def mistake(tree):
         changed = 0
 
@@ -169,8 +179,9 @@ def replacing(matches, replacement):
 
 
 def is_call_of(node, name, arguments=None):
-    """Whether node (of a syntax tree) is a call of the function name, name(...), with
-    that many positional arguments if arguments is given: what plantings look for."""
+    """Whether node (of a syntax tree) is a call of the function name, name(...).
+
+    With that many positional arguments if arguments is given: what plantings look for."""
     return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
             and node.func.id == name and (arguments is None or len(node.args) == arguments))
 
@@ -208,11 +219,13 @@ class _Watched(list):
 
 
 def count_reads(step, *holders):
-    """The number of distinct entries that step() reads from the vectors (lists of
-    floats) found inside holders (dicts and lists, walked), each read once however often
-    it is read, as a kernel that loads it once would: the numbers a step takes from
-    memory. Every vector is replaced in place by one that watches its reads, and stays
-    so: pass what only this count uses (a model and a cache made for it)."""
+    """The number of distinct entries that step() reads from the vectors inside holders.
+
+    Vectors are lists of floats, found by walking holders (dicts and lists); each entry
+    counts once however often it is read, as a kernel that loads it once would: the numbers
+    a step takes from memory. Every vector is replaced in place by one that watches its
+    reads, and stays so: pass what only this count uses (a model and a cache made for
+    it)."""
     touched = {}
 
     def watch(holder):
@@ -233,8 +246,9 @@ LAB = os.path.dirname(os.path.abspath(__file__))
 
 
 def where_raised(error):
-    """The last three lines of the lab's own modules (not its tests) that an exception
-    came through, as " (in serving.py line 136, admit; ...)", or "" if none."""
+    """The last three lines of the lab's own modules (not its tests) an exception came through.
+
+    As " (in serving.py line 136, admit; ...)", or "" if none."""
     frames = [f"{os.path.basename(frame.filename)} line {frame.lineno}, {frame.name}"
               for frame in traceback.extract_tb(error.__traceback__)
               if os.path.dirname(os.path.abspath(frame.filename)) == LAB

@@ -29,10 +29,11 @@ from model import SCALE, add, dot, layernorm, linear, relu, softmax_row
 
 
 class KVCache(CacheProtocol):
-    """The keys and values of one sequence so far, for the very params it was made for:
-    forward_step appends a key and a value a position and reads them all back. That is
-    all the lesson asks of it; what Parts 2 to 5 ask of every cache, this one included,
-    is written once, in cache_protocol.py."""
+    """The keys and values of one sequence so far, for the very params it was made for.
+
+    forward_step appends a key and a value a position and reads them all back: all the
+    lesson asks of it. What Parts 2 to 5 ask of every cache, this one included, is written
+    once, in cache_protocol.py."""
 
     def __init__(self, params):
         self._belong_to(params)
@@ -59,8 +60,9 @@ class KVCache(CacheProtocol):
         self.values += values
 
     def copy(self):
-        """An independent cache holding the same positions: a fork of this sequence, with
-        copies of the lists it keeps (the rows in them are never changed in place)."""
+        """An independent cache holding the same positions: a fork of this sequence.
+
+        It has copies of the lists this one keeps (the rows in them never change in place)."""
         fork = copy.copy(self)
         for name, kept in vars(self).items():
             if isinstance(kept, list):
@@ -81,8 +83,9 @@ class KVCache(CacheProtocol):
 
 
 def check_cache(cache, params, kernel=None):
-    """Refuse anything but a cache made for these very params (a copy is another model)
-    that takes rows computed by kernel (None: forward_step's arithmetic)."""
+    """Refuse anything but a cache made for these very params that takes kernel's rows.
+
+    A copy of params is another model; kernel None means forward_step's arithmetic."""
     if not isinstance(cache, KVCache):
         raise ValueError(f"cache must be a KVCache, got {type(cache).__name__}; "
                          f"start one with KVCache(params)")
@@ -93,11 +96,10 @@ def check_cache(cache, params, kernel=None):
 
 
 def forward_step(params, cache, token_id, position):
-    """Next-token logits for token_id at position, the next one after the cache's;
-    appends this position's key and value to the cache.
+    """Next-token logits for token_id at position, the next one after the cache's.
 
-    The row is model.forward's, line for line; only the keys and values differ in where
-    they come from: here, the cache."""
+    It appends this position's key and value to the cache. The row is model.forward's, line
+    for line; only the keys and values differ in where they come from: here, the cache."""
     check_cache(cache, params)
     if not model.is_int(position) or position != len(cache):
         raise ValueError(f"expected position {len(cache)}, got {position!r}: the cache holds "
@@ -126,17 +128,20 @@ def forward_step(params, cache, token_id, position):
 
 
 def feed(params, cache, ids):
-    """Feed the tokens of ids that the cache does not hold yet, one forward_step each
-    (positions len(cache) to len(ids) - 1); the logits of each, in order. A refused step
-    leaves the positions fed before it in the cache, each whole."""
+    """Feed the tokens of ids that the cache does not hold yet; the logits of each, in order.
+
+    One forward_step each, positions len(cache) to len(ids) - 1. A refused step leaves the
+    positions fed before it in the cache, each whole."""
     check_cache(cache, params)
     return [forward_step(params, cache, ids[position], position)
             for position in range(held_prefix(cache, ids), len(ids))]
 
 
 def held_prefix(cache, ids):
-    """How many tokens of ids the cache holds, after checking that ids is a list of
-    token IDs and that the cache's tokens are its first."""
+    """How many tokens of ids the cache holds.
+
+    It first checks that ids is a list of token IDs and that the cache's tokens are its
+    first."""
     if not isinstance(ids, (list, tuple)):
         raise ValueError(f"ids must be a list of token IDs, got {type(ids).__name__}")
     held = len(cache)
@@ -147,8 +152,10 @@ def held_prefix(cache, ids):
 
 
 def work(prompt_tokens, generated_tokens):
-    """Rows and attention scores each generator computes for a prompt of prompt_tokens
-    tokens and generated_tokens chosen tokens (one model call per chosen token)."""
+    """Rows and attention scores each generator computes for a prompt and its continuation.
+
+    The prompt has prompt_tokens tokens, the continuation generated_tokens chosen tokens
+    (one model call per chosen token)."""
     model.check_int("prompt_tokens", prompt_tokens, 0)
     model.check_int("generated_tokens", generated_tokens, 0)
     # Without the cache, call s runs the model on all n = prompt_tokens + s tokens in hand:
@@ -170,7 +177,8 @@ def work(prompt_tokens, generated_tokens):
 def generate_cached(params, tok, prompt, max_new_tokens=60, temperature=0.0, top_k=None,
                     seed=0, cache=None):
     """Same arguments and result as generate.generate, computing one new row per step.
-    Given a cache that holds the start of the prompt, starts from a copy of it."""
+
+    Given a cache that holds the start of the prompt, it starts from a copy of it."""
     if cache is None:
         cache = KVCache(params)
     ids = generate.check_request(tok, prompt, max_new_tokens, temperature, top_k, seed)
@@ -189,9 +197,11 @@ def generate_cached(params, tok, prompt, max_new_tokens=60, temperature=0.0, top
 
 
 def fork_for_prompt(params, cache, ids, tok, most=model.CONTEXT):
-    """A copy of cache to continue the prompt ids from, after checking that the cache
-    belongs to params, holds a prefix of ids, and has room for as many as most positions
-    (what the generation may hold), so that a refusal comes before anything changes."""
+    """A copy of cache to continue the prompt ids from, once checked.
+
+    The cache must belong to params, hold a prefix of ids, and have room for as many as
+    most positions (what the generation may hold), so that a refusal comes before anything
+    changes."""
     check_cache(cache, params)
     if len(cache.tokens) != len(cache):
         raise ValueError(f"the cache holds {len(cache)} keys but {len(cache.tokens)} tokens, "
@@ -227,11 +237,13 @@ SHADES = ".:-=+*#%@"   # attention weight, from the least in a row to the most
 
 
 def show_steps(params, tok, prompt, settings):
-    """Print the cached generator's run one forward_step a line: the position and token
-    fed, the keys and values the new row attends to, the rows each generator computes for
-    that step, the token chosen, and the new row's attention weights over the held
-    positions, one character each. It sees forward_step only through its arguments and
-    its one call of softmax_row (the attention weights), never through its local names."""
+    """Print the cached generator's run one forward_step a line.
+
+    A line gives the position and token fed, the keys and values the new row attends to,
+    the rows each generator computes for that step, the token chosen, and the new row's
+    attention weights over the held positions, one character each. It sees forward_step
+    only through its arguments and its one call of softmax_row (the attention weights),
+    never through its local names."""
     with recording(sys.modules[__name__], "forward_step", "softmax_row") as calls:
         result = generate_cached(params, tok, prompt, *settings)
     first_choice = len(tok.encode(prompt)) - 1    # the last prompt position chooses first
@@ -273,6 +285,7 @@ def show_steps(params, tok, prompt, settings):
 
 
 def main(argv=None):
+    """Continue a story from the command line with and without the cache, or show its steps."""
     parser = argparse.ArgumentParser(description="Continue a story with and without the KV "
                                                  "cache, and compare the two.")
     generate.add_generation_flags(parser)

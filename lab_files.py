@@ -28,8 +28,10 @@ RESTORE = ("restore the shipped best.json (git checkout -- best.json, or downloa
 
 
 def lab_file(folder, name):
-    """The path of the lab's file name in folder, or a FileNotFoundError that says how to
-    get it back (a lost best.json can be restored or retrained)."""
+    """The path of the lab's file name in folder.
+
+    A missing file raises a FileNotFoundError that says how to get it back (a lost
+    best.json can be restored or retrained)."""
     path = os.path.join(folder, name)
     if not os.path.exists(path):
         where = "" if folder == LAB else " (or leave out --folder to use the lab's own folder)"
@@ -55,17 +57,20 @@ def positive_int(text):
 
 
 def ctrl_c_in_one_line():
-    """Make a Ctrl-C that comes before run_command (while the command's modules load)
-    end in one line too: a command calls this first, before its other imports."""
+    """Make a Ctrl-C that comes before run_command end in one line too.
+
+    Such a Ctrl-C comes while the command's modules load: a command calls this first,
+    before its other imports."""
     sys.excepthook = lambda kind, *rest: (
         print(f"{os.path.basename(sys.argv[0])}: interrupted", file=sys.stderr)
         if issubclass(kind, KeyboardInterrupt) else sys.__excepthook__(kind, *rest))
 
 
 def run_command(main):
-    """Run a command's main(): Ctrl-C ends it with one line and exit code 130, and a
-    closed pipe (as in python3 trace_kv.py | head) ends it silently with 141, the codes a
-    shell gives a program stopped by those signals."""
+    """Run a command's main(), ending it in one line on Ctrl-C and silently on a closed pipe.
+
+    Ctrl-C gives exit code 130, a closed pipe (as in python3 trace_kv.py | head) 141: the
+    codes a shell gives a program stopped by those signals."""
     name = os.path.basename(sys.argv[0])
     # A termination (kill, a closed terminal) unwinds like Ctrl-C, so that a file being
     # written removes its temporary file; exit code 143, as a shell gives.
@@ -93,8 +98,10 @@ LOCK_SECONDS = 30              # how long a save of a set waits for another to e
 
 
 def file_path(path):
-    """path as a str, refusing what cannot name a file: not a str (a number would be
-    read as a file descriptor), empty, or ending with a folder separator."""
+    """path as a str, refusing what cannot name a file.
+
+    Refused: not a str (a number would be read as a file descriptor), empty, or ending
+    with a folder separator."""
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"a file name is needed (a str), got {path!r}")
     path = os.fspath(path)
@@ -115,8 +122,9 @@ def _target(path):
 
 
 def write_atomically(path, text):
-    """Write text to path through a temporary file beside it and a rename; never a
-    half-written file."""
+    """Write text to path through a temporary file beside it and a rename.
+
+    path is never left half written."""
     tmp = _write_temporary(path, text)
     try:
         os.replace(tmp, path)
@@ -127,11 +135,12 @@ def write_atomically(path, text):
 
 
 def write_together(folder, texts):
-    """Write the files texts names ({file name: text}) in folder as one set: whatever
-    interrupts it, and whatever other save runs at once, they are then all old or all new.
-    Under folder's lock (LOCK), every temporary file is written first, then a journal of
-    the renames (JOURNAL), then the renames; a save stopped between the journal and its
-    last rename (killed outright) is finished by the next one, before anything else."""
+    """Write the files texts names ({file name: text}) in folder as one set.
+
+    Whatever interrupts it, and whatever other save runs at once, they are then all old or all
+    new. Under folder's lock (LOCK), every temporary file is written first, then a journal of
+    the renames (JOURNAL), then the renames; a save stopped between the journal and its last
+    rename (killed outright) is finished by the next one, before anything else."""
     for name in texts:   # all checked before any is written
         if os.path.basename(name) != name or name in ("", ".", ".."):
             raise ValueError(f"{name!r}: a file name in {folder} is needed, not a path")
@@ -155,8 +164,9 @@ def write_together(folder, texts):
 
 
 def finish_saving(folder):
-    """Finish the save of a set in folder that was stopped midway through its renames,
-    if there is one (write_together): its files are then all new."""
+    """Finish the save of a set in folder stopped midway through its renames, if any.
+
+    The set is write_together's; its files are then all new."""
     if os.path.exists(os.path.join(folder, JOURNAL)):
         with _lock(folder):
             _finish_renames(folder)
@@ -317,10 +327,11 @@ def _named(failed, path):
 
 
 def read_json(path, fmt, what):
-    """The JSON object in path, refusing, with the file's name, what is not a regular
-    file (a folder; a named pipe, which would block) or not UTF-8 JSON of format fmt (any
-    object, for fmt None): too large, too deeply nested, or a number beyond Python's
-    limit. A missing file raises FileNotFoundError."""
+    """The JSON object in path, refusing with the file's name what is not a lab file.
+
+    Refused: what is not a regular file (a folder; a named pipe, which would block) or not
+    UTF-8 JSON of format fmt (any object, for fmt None): too large, too deeply nested, or a
+    number beyond Python's limit. A missing file raises FileNotFoundError."""
     path = file_path(path)
     mode = os.stat(path).st_mode
     if not stat.S_ISREG(mode):

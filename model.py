@@ -53,8 +53,9 @@ def check_shapes(params):
 
 
 def check_shape(value, shape, name):
-    """Refuse a parameter that is not a list of lists of this shape, (rows, columns), or
-    a list of this length, (entries,)."""
+    """Refuse a parameter that does not have this shape.
+
+    shape is (rows, columns) for a list of lists, (entries,) for a list."""
     rows = [value] if len(shape) == 1 else value
     if (not isinstance(rows, list) or len(rows) != (1 if len(shape) == 1 else shape[0])
             or not all(isinstance(r, list) and len(r) == shape[-1] for r in rows)):
@@ -62,16 +63,18 @@ def check_shape(value, shape, name):
 
 
 def check_params(params):
-    """Refuse params of the wrong shape, or holding anything but finite floats of at most
-    MAX_WEIGHT in size."""
+    """Refuse params of the wrong shape, or holding anything but floats the rows can sum.
+
+    Each value must be a finite float of at most MAX_WEIGHT in size."""
     check_shapes(params)
     for name in SHAPES:
         check_values(name, _rows(params, name))
 
 
 def check_values(name, rows):
-    """Refuse rows (lists of numbers) holding anything but floats no larger than
-    MAX_WEIGHT: with weights beyond it, a row's sums of products could overflow a float."""
+    """Refuse rows (lists of numbers) holding anything but floats no larger than MAX_WEIGHT.
+
+    With weights beyond it, a row's sums of products could overflow a float."""
     for r in rows:
         if set(map(type, r)) != {float} or not all(abs(v) <= MAX_WEIGHT for v in r):
             bad = next(v for v in r if type(v) is not float or not abs(v) <= MAX_WEIGHT)
@@ -82,8 +85,10 @@ def check_values(name, rows):
 
 
 def init_params(seed):
-    """Fresh parameters from a seed: embeddings random with std 0.5, weight matrices with
-    std 1/sqrt(inputs), layer-norm gains 1, biases 0."""
+    """Fresh parameters from a seed.
+
+    Embeddings random with std 0.5, weight matrices with std 1/sqrt(inputs), layer-norm
+    gains 1, biases 0."""
     rng = random.Random(seed)
     params = {}
     for name, shape in SHAPES.items():
@@ -109,8 +114,9 @@ def columns(params):
 
 
 def linear(x, cols):
-    """The vector x times a matrix given by its columns (x W, a linear layer without a
-    bias): one dot product per column."""
+    """The vector x times a matrix given by its columns: one dot product per column.
+
+    That is x W, a linear layer without a bias."""
     return [fsum(map(mul, x, col)) for col in cols]   # dot(x, col), inlined: the hot loop
 
 
@@ -134,9 +140,10 @@ def layernorm(x, g, b):
 
 
 def layernorm_forward(rows, g, b):
-    """Layer norm of each row: (the normalized rows, the input rows). The backward pass
-    (_layernorm_backward) recomputes each row's mean and spread from its input row, so the
-    inputs are all it keeps."""
+    """Layer norm of each row: (the normalized rows, the input rows).
+
+    The backward pass (_layernorm_backward) recomputes each row's mean and spread from its
+    input row, so the inputs are all it keeps."""
     return [layernorm(x, g, b) for x in rows], rows
 
 
@@ -154,8 +161,9 @@ def softmax_row(scores):
 # ---- checks every entry point shares ------------------------------------------------
 
 def excerpt(value):
-    """value as a message quotes it: short, however large it is (an int of 400 digits, a
-    list nested a thousand deep)."""
+    """value as a message quotes it: short, however large it is.
+
+    As for an int of 400 digits, or a list nested a thousand deep."""
     if is_int(value) and value.bit_length() > 160:   # Python refuses to print 4,300 digits
         return f"an int of about {int(value.bit_length() * math.log10(2)) + 1} digits"
     return reprlib.repr(value)
@@ -167,8 +175,10 @@ def is_int(value):
 
 
 def check_int(name, value, low, high=None, why=""):
-    """Refuse anything but an int from low to high (or at least low, without high), saying
-    "{name} must be an int ..., got {value!r}"; why, if given, follows the range."""
+    """Refuse anything but an int from low to high (or at least low, without high).
+
+    The message says "{name} must be an int ..., got {value!r}"; why, if given, follows
+    the range."""
     if not is_int(value) or value < low or (high is not None and value > high):
         span = f">= {low}" if high is None else f"from {low} to {high}"
         raise ValueError(f"{name} must be an int {span}{why}, got {excerpt(value)}")
@@ -206,8 +216,10 @@ def causal(i):
 
 
 def band(window, sinks=0):
-    """A mask of another shape: position i attends to the first sinks positions and to
-    the last window ones, i-window+1..i (what lossy.WindowCache keeps)."""
+    """A mask of another shape: the first sinks positions and the last window ones.
+
+    Position i attends to those: the sinks and i-window+1..i (what lossy.WindowCache
+    keeps)."""
     check_int("window", window, 1)
     check_int("sinks", sinks, 0, window - 1, " (window - 1)")
 
@@ -217,10 +229,12 @@ def band(window, sinks=0):
 
 
 def check_mask(mask, positions, start=0):
-    """Refuse a mask that is not a function of a position, or that gives a position (from
-    start to positions - 1) nothing to attend to, or anything but positions it can attend
-    to: mask(i) must be a non-empty list (or range) of ints from 0 to i. The causal mask
-    is 0..i itself, so it is not looked at."""
+    """Refuse a mask that does not give each position some positions it can attend to.
+
+    Refused: not a function of a position, or one that gives a position (from start to
+    positions - 1) nothing to attend to, or anything but positions it can attend to:
+    mask(i) must be a non-empty list (or range) of ints from 0 to i. The causal mask is
+    0..i itself, so it is not looked at."""
     if not callable(mask):
         raise ValueError(f"mask must be a function of a position, such as model.causal or "
                          f"model.band(8), got {excerpt(mask)}")
@@ -236,9 +250,10 @@ def check_mask(mask, positions, start=0):
 
 
 def refusing_overflow(forward):
-    """forward, refusing by name the weights that overflow a float on the way (fsum's
-    "intermediate overflow" or "-inf + inf", from deep inside a row): the check runs only
-    then, so the rows pay nothing for it."""
+    """forward, refusing by name the weights that overflow a float on the way.
+
+    The overflow is fsum's "intermediate overflow" or "-inf + inf", from deep inside a
+    row; the check runs only then, so the rows pay nothing for it."""
     @functools.wraps(forward)
     def checked(params, *args, **kwargs):
         try:

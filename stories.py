@@ -44,7 +44,7 @@ def _words(text):
 
 
 def corpus_rules(text):
-    """What story_agreement checks a story against, all read from the corpus text:
+    """What story_agreement checks a story against, all read from the corpus text.
 
     - "names": each name and its gender ("he" or "she"): a name is a word that opens
       stories, and the first he/she/his/her/him after it has the same gender in every
@@ -71,8 +71,9 @@ def corpus_rules(text):
 
 
 def story_agreement(story, rules):
-    """Score a story's continuation (the text after its opening, the first sentence)
-    against the corpus's rules (from corpus_rules):
+    """Score a story's continuation against the corpus's rules (from corpus_rules).
+
+    The continuation is the text after its opening (the first sentence). The rules:
 
     - a he, she, his, her or him in the continuation refers to the name when the story's
       first word is a name, except a he or she that opens a sentence right after one
@@ -116,21 +117,24 @@ def story_agreement(story, rules):
 
 
 def story_ids(tok, prompt, result):
-    """The token IDs of a generated story: the prompt's, then each chosen token's (the
-    text itself may encode differently: BPE can merge across what was chosen)."""
+    """The token IDs of a generated story: the prompt's, then each chosen token's.
+
+    The text itself may encode differently: BPE can merge across what was chosen."""
     return tok.encode(prompt) + [tok.ids[step["token"]] for step in result["steps"]]
 
 
 def common_start(ids, other_ids):
-    """How many positions two lists of token IDs share from the start (the last token
-    chosen is never fed, so at most one less than the shorter)."""
+    """How many positions two lists of token IDs share from the start.
+
+    The last token chosen is never fed, so at most one less than the shorter."""
     fed = min(len(ids), len(other_ids)) - 1
     return next((i for i in range(fed) if ids[i] != other_ids[i]), fed)
 
 
 def story_quality(tok, corpus, prompts, results):
-    """How well the greedy and the sampled stories keep the corpus's rules
-    (story_agreement): pronouns that refer to the opening's name and agree with its
+    """How well the greedy and the sampled stories keep the corpus's rules (story_agreement).
+
+    Counted: pronouns that refer to the opening's name and agree with its
     gender, also split by whether the opening holds a pronoun too or only the name tells
     the gender; pronouns that refer to a person word (sister, dad) and agree with it;
     stories whose continuation uses only words of the corpus; the stories with a wrong
@@ -175,11 +179,13 @@ def _count(pronouns):
 
 
 def attention_on_the_name(tok, ids, scores, weights):
-    """At each pronoun that refers to a story's name (scores: each story's
-    story_agreement), the attention weight that the position choosing it (the one
-    before it) put on the name's tokens, and the share an even spread over the positions
-    it attends would give them; each averaged over the pronouns that agree with the name
-    and over those that do not. ids: each story's token IDs as the model saw them;
+    """How much attention the model put on a story's name where it chose its pronouns.
+
+    At each pronoun that refers to a story's name (scores: each story's story_agreement),
+    the attention weight that the position choosing it (the one before it) put on the
+    name's tokens, and the share an even spread over the positions it attends would give
+    them; each averaged over the pronouns that agree with the name and over those that do
+    not. ids: each story's token IDs as the model saw them;
     weights: each story's rows of attention weights, from a full pass over them."""
     found = {True: [], False: []}
     for story_tokens, score, rows in zip(ids, scores, weights):
@@ -202,6 +208,7 @@ def rounded_mean(values):
 # ---- what the Reference shows of it (documents.py fills its marks) -------------------
 
 def quality_table(record, timing):
+    """The table of how well the greedy and the sampled stories keep the corpus's rules."""
     greedy, sampled = record["story_quality"]["greedy"], record["story_quality"]["sampled"]
 
     def both(pick):
@@ -224,6 +231,7 @@ def quality_table(record, timing):
 
 
 def attention_table(record, timing):
+    """The table of the attention put on the name where the pronouns were chosen."""
     rows = []
     for key, label, strong in (("agreeing", "pronouns that agree", True),
                                ("wrong", "pronouns with the wrong gender", False)):
@@ -239,9 +247,11 @@ def attention_table(record, timing):
 
 
 def stories_with_a_wrong_pronoun(record, timing):
+    """The greedy stories with a pronoun of the wrong gender, indented."""
     return indented(record["story_quality"]["greedy"]["stories_with_a_wrong_pronoun"])
 
 
 def right_where_only_the_name_tells(record, timing):
+    """The first three greedy stories that keep every rule where only the name tells."""
     return indented(record["story_quality"]["greedy"]
                     ["first_three_right_where_only_the_name_tells"])

@@ -1,11 +1,9 @@
-"""What the test modules share, as CPython's test.support does: the trained model and the
-test stories; comparisons that name the first number that differs instead of printing
-thousands; loops over many cases that fail once, naming the case (a random one by its
-seed, with the command that reruns it alone); and running from another folder. The
-layers of the lab, their quick checks' vocabulary and the skips they decide are
-verdicts.py's. No test module imports another; they import these two (verdicts.py alone
-imports a test module, for its layer's quick_check).
-"""
+"""What the test modules share, as CPython's test.support does: the trained model and the test
+stories; comparisons that name the first number that differs, not thousands; loops over many
+cases that fail once, naming the case (a random one by its seed, with the command that reruns
+it alone); running from another folder. The layers of the lab, their quick checks' vocabulary
+and the skips they decide are verdicts.py's. No test module imports another; they import these
+two (verdicts.py alone imports a test module, for its layer's quick_check)."""
 import ast
 import contextlib
 import functools
@@ -49,9 +47,9 @@ def _the_record():
 
 
 def recorded(name):
-    """The entry name of the recorded run (kv-trace.json), for a Part's claims about its
-    record: test_whole_trace proves that the file is what python3 trace_kv.py records now,
-    so what holds of the file holds of the run. A missing entry says what to add."""
+    """The entry name of the recorded run (kv-trace.json), for a Part's claims about its record.
+
+    test_whole_trace proves the file is trace_kv.py's run now; a missing entry says what to add."""
     record = _the_record()
     if name not in record:
         raise AssertionError(
@@ -72,8 +70,7 @@ def filled_cache(ids, params=PARAMS):
 
 
 def stored_in_reverse(ids, params=PARAMS):
-    """A new cache holding the keys and values of ids, stored last position first: its
-    tokens, keys and values reversed together (each key and value keeps its position)."""
+    """A new cache of ids stored last position first (each key and value keeps its position)."""
     cache = filled_cache(ids, params)
     for kept in (cache.tokens, cache.keys, cache.values):
         kept.reverse()
@@ -86,8 +83,7 @@ def cached_rows(params, ids):
 
 
 def chunked_rows(params, ids, size, cache=None):
-    """The logits of every position of ids, prefilled size tokens at a time, through a
-    new cache unless one is given."""
+    """The logits of each position of ids, prefilled size tokens at a time (cache or a new one)."""
     import prefill
     return prefill.prefill_in_chunks(params, KVCache(params) if cache is None else cache,
                                      ids, size)
@@ -106,17 +102,19 @@ def deep_snapshot(cache):
 
 
 def pool_snapshot(pool):
-    """What a pool holds: each block's positions, count and index key, the prefix index,
-    the free list in order, and the counts of hits and evictions."""
+    """What a pool holds: its blocks, prefix index, free list in order, hits and evictions.
+
+    A block as its positions, count and index key."""
     return ([(b.tokens, b.keys, b.values, b.ref_count, b.prefix) for b in pool.blocks],
             {key: list(ids) for key, ids in pool.prefix_index.items()}, list(pool.free_list),
             pool.prefix_hits, pool.evictions)
 
 
 def first_gap(got, expected, within=None, where=()):
-    """Where two nested lists (or tuples) of numbers first differ (given within, by more
-    than that), as (indices, got's number, expected's, True), or where two of their lists
-    differ in length, as (indices, both lengths in words, False); None if nowhere."""
+    """Where two nested lists (or tuples) of numbers first differ, or None if nowhere.
+
+    Given within, by more than that: (indices, got's number, expected's, True); or where two
+    of their lists differ in length: (indices, both lengths in words, False)."""
     if isinstance(got, (list, tuple)) and isinstance(expected, (list, tuple)):
         if len(got) != len(expected):
             return where, f"{len(got)} items", f"{len(expected)} items", False
@@ -130,8 +128,9 @@ def first_gap(got, expected, within=None, where=()):
 
 
 def first_difference(got, expected, where=""):
-    """Where two nested lists (or tuples, numbers) first differ (first_gap), as (where,
-    got, expected) in a few words ("[3][5]", "0.25", "0.5"), or None if they are equal."""
+    """Where two nested lists (or tuples, numbers) first differ (first_gap), or None if equal.
+
+    As (where, got, expected) in a few words: ("[3][5]", "0.25", "0.5")."""
     found = first_gap(got, expected)
     if found is None:
         return None
@@ -164,14 +163,12 @@ def assert_changed(test, got, unchanged, what):
 
 # ---- the lesson's row, value by value -----------------------------------------------
 
-# The values of one position's row, in the order the README's section 5 computes them.
 ROW = ("x0", "h1", "q", "k", "v", "scores", "weights", "mixed", "x1", "h2", "a", "x2", "hf",
-       "logits")
+       "logits")   # one position's row, in the order the README's section 5 computes it
 
 
 def assert_each_refused(test, refusals, state):
-    """Each (call, message fragment) of refusals raises a ValueError with that fragment
-    and leaves state() as it was before the first."""
+    """Each (call, fragment) of refusals raises a ValueError with it, leaving state() as before."""
     before = state()
     for call, fragment in refusals:
         with test.subTest(fragment=fragment):
@@ -182,10 +179,9 @@ def assert_each_refused(test, refusals, state):
 
 @contextlib.contextmanager
 def locals_of(function):
-    """For a failure message only: inside this block, every call of function is recorded
-    as it ends, as a dict of its local variables and "returned". It names the row's values
-    as the function spells them, so a value renamed by an edit is left out of the message
-    (no test depends on the spelling). sys.settrace watches; the function is unchanged."""
+    """Inside this block, record each call of function as it ends: its locals and "returned".
+
+    For failure messages only (renamed values are left out); sys.settrace watches, not a patch."""
     code, calls = function.__code__, []
 
     def on_return(frame, event, returned):
@@ -204,9 +200,9 @@ def locals_of(function):
 
 
 def where_rows_differ(params, ids):
-    """None if every position of ids fed through a new cache gives the very values of
-    model.forward's row; else one line naming the first position and the first value of
-    its row (x0, h1, q, ..., logits) that differs, with both numbers."""
+    """None if each position of ids fed through a new cache gives model.forward's very row.
+
+    Else a line: the first position and value (x0, ..., logits) that differ, with both numbers."""
     with recording(model, "softmax_row") as scores:   # the full pass: once per position
         logits, saved = model.forward(params, ids)
     if cached_rows(params, ids) == logits:
@@ -236,18 +232,19 @@ def where_rows_differ(params, ids):
 
 
 def assert_every_row_equal(test, params, ids, label="the input"):
-    """The lab's comparison: every row fed through a new cache == model.forward's row;
-    a failure names the position and the first value of its row that differs."""
+    """The lab's comparison: every row fed through a new cache == model.forward's row.
+
+    A failure names the position and the first value of its row that differs."""
     why = described(where_rows_differ, params, ids)
     if why:
         test.fail(f"{label}: {why}")
 
 
 def generation_difference(params, prompt, settings, cached, uncached):
-    """Why a cached generator gave another result than generate, in a few lines: where
-    the two stories part, and the first value of a row that differs. New token 1 is the
-    first token generated, chosen by the row at the prompt's last position (positions
-    count from 0), as everywhere in the lab."""
+    """Why a cached generator gave another result than generate, in a few lines.
+
+    Where the stories part, and the first value of a row that differs. New token 1, the
+    first generated, is chosen by the row at the prompt's last position (from 0), as always."""
     last_prompt_position = len(TOK.encode(prompt)) - 1
     for number, (mine, theirs) in enumerate(zip(cached["steps"], uncached["steps"]), 1):
         if mine != theirs:
@@ -268,9 +265,9 @@ def generation_difference(params, prompt, settings, cached, uncached):
 
 def assert_same_generation(test, params, prompt, settings, generator=None, uncached=None,
                            **cached_only):
-    """kv_cache.generate_cached(...) (or another generator) == generate(...) for these
-    settings (uncached: generate's result, if already at hand), or a failure saying where
-    the stories part and which value of which row differs."""
+    """kv_cache.generate_cached(...) (or generator) == generate(...), or a failure saying why.
+
+    uncached: generate's, if at hand. A failure: where the stories part, which row differs."""
     uncached = uncached or generate.generate(params, TOK, prompt, **settings)
     generator = generator or kv_cache.generate_cached   # looked up now: a test may patch it
     cached = generator(params, TOK, prompt, **settings, **cached_only)
@@ -282,8 +279,9 @@ def assert_same_generation(test, params, prompt, settings, generator=None, uncac
 # ---- many cases, one failure --------------------------------------------------------
 
 def described(check, *args):
-    """check(*args): None, or why it fails in a line; an exception it raises (but a
-    skip) is a failure too, named with the lines of the lab's code it came through."""
+    """check(*args): None, or why it fails, in a line.
+
+    An exception it raises (but a skip) fails too, named with the lab's lines it came through."""
     try:
         return check(*args)
     except unittest.SkipTest:
@@ -293,8 +291,7 @@ def described(check, *args):
 
 
 def raised(error):
-    """An exception in words that never end at its name: KeyError names the key it missed,
-    one with no message says so."""
+    """An exception in words that never end at its name: a KeyError's key, or "with no message"."""
     if isinstance(error, KeyError) and len(error.args) == 1:
         return f"KeyError: no entry for the key {reprlib.repr(error.args[0])}"
     return f"{type(error).__name__}: {error}" if str(error) else \
@@ -302,8 +299,9 @@ def raised(error):
 
 
 def check_every_case(test, cases, check):
-    """Run check(case) on every (label, case) in cases (it returns None, or why the case
-    fails) and fail once, naming the first failing case and how many failed."""
+    """Run check(case) on every (label, case) in cases, and fail once if any fails.
+
+    check returns None, or why the case fails; the failure names the first and how many."""
     failed, first, count = 0, None, 0
     for label, case in cases:
         count += 1
@@ -325,8 +323,9 @@ def _whole_number(name, least):
 
 
 def case_numbers(default):
-    """The cases a seeded random test runs: 0 to default - 1, or as many as
-    KV_LAB_RANDOM_CASES asks for, if more; only case n if KV_LAB_CASE=n."""
+    """The cases a seeded random test runs: 0 to default - 1, or what the environment asks.
+
+    As many as KV_LAB_RANDOM_CASES asks for, if more; only case n if KV_LAB_CASE=n."""
     alone = _whole_number("KV_LAB_CASE", 0)
     if alone is not None:
         return [alone]
@@ -334,10 +333,10 @@ def case_numbers(default):
 
 
 def check_random_cases(test, default, check):
-    """check(n) for every case number of case_numbers(default) (case n draws all it needs
-    from random.Random(n); check returns None or why it fails); the numbers it ran. Fails
-    once, naming the first failing case, how many failed, and the command that reruns
-    that case alone."""
+    """check(n) for every case number of case_numbers(default); the numbers it ran.
+
+    Case n draws all from random.Random(n); check returns None or why. It fails once, naming
+    the first failing case, how many failed, and the command that reruns it alone."""
     numbers = case_numbers(default)
     failed = [(n, why) for n in numbers for why in [described(check, n)] if why]
     if failed:
@@ -358,9 +357,9 @@ LONG_EVERY = 20         # cases 0, 20, 40, ...: a long prompt, run until the con
 
 
 def random_model(rng, scale, embedding_scale):
-    """Params of the lab's shapes: matrices uniform with std scale / sqrt(inputs),
-    embeddings with std embedding_scale, layer-norm gains uniform in [-3, 3] and biases
-    uniform in [-scale, scale]."""
+    """Uniform random params of the lab's shapes from rng: matrices with std scale / sqrt(inputs).
+
+    Embeddings with std embedding_scale, layer-norm gains in [-3, 3], biases in [-scale, scale]."""
     def matrix(rows, cols, std):
         half_width = std * math.sqrt(3)   # a uniform on [-w, w] has std w / sqrt(3)
         return [[rng.uniform(-half_width, half_width) for _ in range(cols)]
@@ -385,9 +384,9 @@ def random_tokens(count, seed=0):
 
 
 def random_prompt(rng, fewest, most):
-    """The text of random token IDs, re-drawn until it encodes to fewest..most tokens
-    (encoding the decoded text may merge the pieces differently: only its text counts)
-    and holds a letter (generate refuses a prompt without one)."""
+    """The text of random token IDs, re-drawn until it encodes to fewest..most tokens.
+
+    Its text alone counts (encoding may merge otherwise); it holds a letter, as generate needs."""
     while True:
         ids = [rng.randrange(model.VOCAB_SIZE) for _ in range(rng.randint(fewest, most))]
         prompt = TOK.decode(ids)
@@ -396,8 +395,7 @@ def random_prompt(rng, fewest, most):
 
 
 def random_case(index):
-    """Random case index, all drawn from random.Random(index): (params, prompt, settings
-    for generate, a label naming the case)."""
+    """Random case index, all from random.Random(index): (params, prompt, settings, a label)."""
     rng = random.Random(index)
     scale, embedding_scale = rng.choice(SCALES), rng.choice(EMBEDDING_SCALES)
     params = random_model(rng, scale, embedding_scale)
@@ -416,9 +414,10 @@ def random_case(index):
 
 
 def swapping(source, new_source):
-    """A mistake for instruments.plant: each node whose source is source (ast.unparse's
-    spelling) becomes new_source's node, a statement for a statement ("pass" drops it),
-    else an expression."""
+    """A mistake for instruments.plant: each node of source becomes new_source's node.
+
+    source is in ast.unparse's spelling; a statement for a statement ("pass" drops it), else
+    an expression."""
     new = ast.parse(new_source).body[0]
     statement = not isinstance(new, ast.Expr) or ast.unparse(new) != new_source.strip()
     return replacing(lambda node: (isinstance(node, ast.stmt) == statement
@@ -430,9 +429,10 @@ UNCHANGED = lambda tree: 1   # a planting for instruments.plant: the real functi
 
 
 def assert_each_mistake_is_caught(test, module, name, mistakes, difference):
-    """Plant each of mistakes (what it is -> a planting for instruments.plant) in turn in
-    the real module.name, and assert that difference(), None when nothing differs, finds
-    one while it stands; a mistake whose planting site an edit removed is skipped, named."""
+    """Assert difference() finds each of mistakes planted in turn in the real module.name.
+
+    mistakes: what it is -> a planting for instruments.plant; difference() is None when
+    nothing differs. A mistake whose planting site an edit removed is skipped, named."""
     for mistake, planting in mistakes.items():
         planted = plant(module, name, planting)
         with test.subTest(mistake=mistake):
@@ -446,8 +446,9 @@ def assert_each_mistake_is_caught(test, module, name, mistakes, difference):
 # ---- another folder -------------------------------------------------------------
 
 class InAFolder(unittest.TestCase):
-    """Each test in a new empty folder of its own (self.folder, removed after it), with
-    the path of a best.json there (self.path) and fresh params (self.params)."""
+    """Each test in a new empty folder of its own (self.folder, removed after it).
+
+    With the path of a best.json there (self.path) and fresh params (self.params)."""
 
     def setUp(self):
         folder = tempfile.TemporaryDirectory()
@@ -470,7 +471,6 @@ def enter_another_folder():
 
 
 def tear_down():
-    """A module's tear-down after enter_another_folder (or verdicts.set_up): back to the
-    lab's folder."""
+    """Back to the lab's folder: the tear-down after enter_another_folder or verdicts.set_up."""
     os.chdir(HERE)
     _elsewhere.pop().cleanup()

@@ -82,6 +82,7 @@ level) or None (only later stages read it)."""
 
 
 def each_opening(lab):
+    """The cases of a stage run once per test opening: each opening's index."""
     return range(len(lab.prompts))
 
 
@@ -222,8 +223,7 @@ Lab = namedtuple("Lab", "params tok corpus test prompts")
 
 
 def _load(folder, stories=None):
-    """Load the model, the tokenizer and the test openings (the first stories of them,
-    if given) from folder into _LAB."""
+    """Load folder's model, tokenizer and test openings (the first stories, if given) into _LAB."""
     global _LAB
     params, tok = load_trained(folder)
     with open(os.path.join(folder, "corpus.txt"), encoding="utf-8") as f:
@@ -274,12 +274,11 @@ def _dumps(data):
 
 
 def save_records(record, timing, folder=LAB, times=True):
-    """Write kv-trace.json in folder, and every document there (its marked figures and
-    blocks, and the pictures it marks), as one set (lab_files.write_together).
+    """Write kv-trace.json and every document in folder as one set (lab_files.write_together).
 
-    All are drawn before any is written; the time figures come from timing, which goes to
-    kv-time.json too if times (else it is the timing kv-time.json holds, left as it is).
-    Returns the names of what it wrote."""
+    Every document's marked figures and blocks, and the pictures it marks, are drawn before any
+    file is written; the time figures come from timing, written to kv-time.json too if times
+    (else timing is what kv-time.json holds, kept). Returns the names of what it wrote."""
     texts, drawn = {}, {}
     for name in documents.documents(folder):
         with open(os.path.join(folder, name), encoding="utf-8") as f:
@@ -297,8 +296,9 @@ def save_records(record, timing, folder=LAB, times=True):
 
 
 def unknown_names(folder=LAB):
-    """A line for each mark of folder's documents that names nothing: checked in a moment,
-    before --write's long run (documents.unknown_names)."""
+    """A line for each mark of folder's documents that names nothing (documents.unknown_names).
+
+    Checked in a moment, before --write's long run."""
     try:
         recorded = read_json(os.path.join(folder, TRACE), None, "a record of trace_kv.py")
     except (OSError, ValueError):
@@ -328,9 +328,8 @@ def differing_keys(record, recorded):
 
 
 def _named(keys, most=10):
-    """Keys (a tampered record's, perhaps) in one printable, bounded line: each as Python
-    writes it if it holds what a terminal would act on, cut at 200 characters; the first
-    most of them, and how many more."""
+    """Keys (a tampered record's, perhaps) in one printable, bounded line: the first most, and
+    how many more; each as repr gives it if a terminal would act on it, cut at 200 characters."""
     shown = [key if key.isprintable() else repr(key) for key in keys[:most]]
     return (", ".join(text if len(text) <= 200 else text[:197] + "..." for text in shown)
             + (f" and {len(keys) - most:,} more" if len(keys) > most else ""))
@@ -345,8 +344,9 @@ def _shown(path):
 
 
 def last_duration(folder=LAB):
-    """How long the whole run took when it was last recorded (kv-time.json), in words for
-    the progress line, as the README quotes it; nothing if there is no such record."""
+    """How long the whole run took when it was last recorded (kv-time.json), in words.
+
+    For the progress line, as the README quotes it; nothing if there is no such record."""
     try:
         timing = read_json(os.path.join(folder, TIMES), None, "a timing of trace_kv.py")
         return (f" ({timing['run_seconds']:.0f} s in {timing['workers']} processes when it "
@@ -356,8 +356,7 @@ def last_duration(folder=LAB):
 
 
 def show_progress(stage, done, total):
-    """Progress on stderr: on a terminal, one line rewritten as each stage is done;
-    elsewhere (a log file), one line a stage."""
+    """Progress on stderr: on a terminal, one line rewritten per stage; in a log, one a stage."""
     line = f"  {done} of {total} stages done (the last: {stage})"
     if sys.stderr.isatty():
         print(f"\r{line:<72}", end="\n" if done == total else "", file=sys.stderr, flush=True)
@@ -396,9 +395,10 @@ def _parser():
 
 
 def kept_times(folder=LAB):
-    """The timing folder's kv-time.json holds, which --write keeps; None if there is none
-    (a new folder, whose first --write records this machine's times). A ValueError says
-    how to record it again if it cannot be read."""
+    """The timing folder's kv-time.json holds, which --write keeps; None if there is none.
+
+    None for a new folder, whose first --write records this machine's times. A ValueError
+    says how to record it again if it cannot be read."""
     path = os.path.join(folder, TIMES)
     if not os.path.lexists(path):
         return None

@@ -33,13 +33,13 @@ KINDS = ("greedy", "sampled")
 
 
 def both_generators(lab, index):
-    """Both generators on opening index, greedy and sampled (temperature 1.0, seed =
-    index): for each, the uncached result, whether the cached one is identical, how many
-    positions the cached path computed on the same input as the uncached path's last full
-    pass and the largest gap between their logits, that full pass's rows and attention
-    weights; and the greedy seconds of each path. The sampled uncached run is given the
-    greedy run's full passes on the tokens both chose (reusing), not the same computed
-    again."""
+    """Both generators on opening index, greedy and sampled (temperature 1.0, seed = index).
+
+    For each, the uncached result, whether the cached one is identical, how many positions
+    the cached path computed on the same input as the uncached path's last full pass and
+    the largest gap between their logits, that full pass's rows and attention weights; and
+    the greedy seconds of each path. The sampled uncached run is given the greedy run's
+    full passes on the tokens both chose (reusing), not the same computed again."""
     params, tok, prompt = lab.params, lab.tok, lab.prompts[index]
     one, greedy_passes = {}, {}
     for kind, settings in zip(KINDS, ({}, {"temperature": 1.0, "seed": index})):
@@ -115,17 +115,19 @@ def lesson_figures(lab, runs):
 
 
 def attention_to_position_0(weights):
-    """The mean attention weight position 0 gets from every later position of the 60
-    greedy stories (weights: each story's rows of attention weights), against what an
-    even share, 1 / (i + 1) at position i, would give it."""
+    """The mean attention weight position 0 gets from every later position, against an even share.
+
+    Over the 60 greedy stories (weights: each story's rows of attention weights); an even
+    share gives it 1 / (i + 1) at position i."""
     later = [row for story in weights for row in story[1:]]
     return {"mean_weight": rounded_mean([row[0] for row in later]),
             "even_share": rounded_mean([1 / len(row) for row in later])}
 
 
 def share_prefixes(lab, runs):
-    """Prefill each opening once and continue it three ways (greedy, sampled, top-k 3)
-    from that cache; each must equal the run without a shared cache."""
+    """Prefill each opening once and continue it three ways from that cache.
+
+    The ways: greedy, sampled, top-k 3; each must equal the run without a shared cache."""
     params, tok = lab.params, lab.tok
     identical, without, shared = 0, 0, 0
     for index, prompt in enumerate(lab.prompts):
@@ -145,9 +147,10 @@ def share_prefixes(lab, runs):
 
 
 def reordered_sums(lab):
-    """Every sum added term by term, last term first, instead of with one fsum, on the
-    first test story: the largest logit gap in the cached path alone, and in both paths.
-    (The ladder, lossy.py, does the cached path alone on every story.)"""
+    """The largest logit gap when every sum is added term by term, last term first.
+
+    Instead of with one fsum, on the first test story: in the cached path alone, and in
+    both paths. (The ladder, lossy.py, does the cached path alone on every story.)"""
     params, first_story = lab.params, lab.tok.encode(lab.test[0])
     full, _ = model.forward(params, first_story)
     with sums_in_another_order():
@@ -161,8 +164,10 @@ def reordered_sums(lab):
 # ---- what --write also times, in this process alone (kv-time.json) ------------------
 
 def timings(lab, runs):
-    """What --write also times, in this process alone: a row's share of fsum, each
-    length's seconds, and the bytes CPython uses for the cache and Part 5's caches."""
+    """What --write also times, in this process alone.
+
+    A row's share of fsum, each length's seconds, and the bytes CPython uses for the cache
+    and Part 5's caches."""
     params, tok = lab.params, lab.tok
     fed = [story_ids(tok, prompt, r)[:-1]              # the last chosen token is never fed
            for prompt, r in zip(lab.prompts, runs.greedy)]
@@ -180,9 +185,10 @@ def timings(lab, runs):
 
 
 def seconds_by_length(params, tok, repeats=2):
-    """Seconds of both generators from a one-token prompt ("mia") to 8, 16, 32 and 64
-    positions, with a copy of the model that never ends a story: the faster of repeats
-    runs of each, taken in turns, so that a busy moment of the machine counts less."""
+    """Seconds of both generators from a one-token prompt ("mia") to 8, 16, 32 and 64 positions.
+
+    With a copy of the model that never ends a story: the faster of repeats runs of each,
+    taken in turns, so that a busy moment of the machine counts less."""
     never_ends = generate.never_ending(params, tok)
     seconds = []
     for length in LENGTHS:
@@ -201,9 +207,11 @@ def seconds_by_length(params, tok, repeats=2):
 
 
 def fsum_share(params, stories):
-    """Seconds for forward_step over every position of the stories (lists of token IDs),
-    and for only the math.fsum calls those steps make, on the same terms: each story is
-    first run once to record its calls' terms, then both are timed, story by story."""
+    """Seconds for forward_step over every position of the stories, and for its fsums alone.
+
+    stories are lists of token IDs. The math.fsum calls those steps make are timed on the
+    same terms: each story is first run once to record its calls' terms, then both are
+    timed, story by story."""
     step_seconds = sum_seconds = 0.0
     for ids in stories:
         calls = []
@@ -280,6 +288,7 @@ def summary_block(record, timing):
 
 
 def work_table(record, timing):
+    """The table of rows and attention scores computed without and with the cache."""
     w = record["work"]
     return table(["", "without the cache", "with the cache", "ratio"], [
         ["rows (positions run through the model)", shown(w["uncached_rows"]),
@@ -289,6 +298,7 @@ def work_table(record, timing):
 
 
 def cost_table(record, timing):
+    """The table of rows, scores and seconds to reach each length, without and with the cache."""
     return table(["positions", "rows without", "rows with", "scores without", "scores with",
                   "seconds without", "seconds with", "speed-up", "rows ratio"],
                  [[e["positions"], shown(e["uncached_rows"]), shown(e["cached_rows"]),
@@ -299,6 +309,7 @@ def cost_table(record, timing):
 
 
 def cost_chart(record, timing):
+    """A text chart of the rows computed to reach each length, without and with the cache."""
     lengths, width = record["cost_by_length"], 48   # the longest bar, in characters
     most = max(e["uncached_rows"] for e in lengths)
     lines = ["rows computed to reach each length (# without the cache, = with it)"]
@@ -310,15 +321,18 @@ def cost_chart(record, timing):
 
 
 def greedy_examples(record, timing):
+    """The first three greedy stories, indented."""
     return indented(record["greedy_examples"])
 
 
 def rows_saved_by_sharing(record, timing):
+    """How many prompt rows prefilling each opening once for its three runs saves."""
     sharing = record["prefix_sharing"]
     return sharing["prompt_rows_without_sharing"] - sharing["prompt_rows_with_sharing"]
 
 
 def cpython_over_8_byte_floats(record, timing):
+    """How many times the bytes of 8-byte floats CPython uses for a full context's cache."""
     return round(timing["cache_bytes_full_context"] / timing["cache_bytes_as_8_byte_floats"], 1)
 
 
@@ -341,15 +355,17 @@ def _the_row_side_by_side():
 
 
 def the_row_side_by_side(record=None, timing=None):
-    """model.forward's two loops over positions against kv_cache.forward_step after its
-    checks, as a diff generated from their real source (not from the record): the lines
-    they share, and those that differ (what each keeps, where keys and values come from)."""
+    """model.forward's two loops over positions against kv_cache.forward_step after its checks.
+
+    A diff generated from their real source (not from the record): the lines they share,
+    and those that differ (what each keeps, where keys and values come from)."""
     return list(_the_row_side_by_side())
 
 
 def rows_picture(record, timing):
-    """Section 8: rows and attention scores computed to reach each length, with and
-    without the cache (the record's cost_by_length)."""
+    """Section 8's picture: rows and attention scores computed to reach each length.
+
+    With and without the cache (the record's cost_by_length)."""
     lengths = svg.checked(record, {"cost_by_length": [{
         "positions": (1, svg.LARGEST), **dict.fromkeys(
             ("uncached_rows", "cached_rows", "uncached_scores", "cached_scores"), svg.COUNT)

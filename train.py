@@ -93,9 +93,11 @@ def average_grads(grads_list):
 
 
 def train(tok, text, out_path, log=print, epochs=None):
-    """Train from scratch on text's training stories for epochs (CONFIG["epochs"] unless
-    given); write the checkpoint with the lowest validation loss to out_path once the last
-    epoch is done. Interrupted (KeyboardInterrupt), it writes nothing and says so."""
+    """Train from scratch on text's training stories, writing the best checkpoint to out_path.
+
+    It runs for epochs (CONFIG["epochs"] unless given) and writes the checkpoint with the
+    lowest validation loss once the last epoch is done. Interrupted (KeyboardInterrupt),
+    it writes nothing and says so."""
     config = CONFIG if epochs is None else dict(CONFIG, epochs=epochs)
     train_set, val_set, _ = split_stories(text)
     train_ids = [tok.encode(s) for s in train_set]
@@ -149,6 +151,7 @@ def _untouched(path):
 
 
 def main(argv=None):
+    """Retrain the model from the command line and write its checkpoint."""
     parser = argparse.ArgumentParser(
         description="Retrain the model from scratch on corpus.txt and write best.json (about "
                     "10 minutes on 2 cores). Nothing is written until the last epoch, so "

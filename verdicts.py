@@ -38,10 +38,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 class Layer(namedtuple("Layer", "name title builds_on shown_by module check",
                        defaults=("", "", None))):
-    """One layer of the lab, as its test module declares it: its name, what it is (with
-    its module), the layers its tests build on, and the class of tests that shows why it
-    is wrong (shown_by; all the module's tests if ""). Discovery adds the declaring test
-    module; check is its quick check if given here, else quick_check() in that module."""
+    """One layer of the lab, as its test module declares it.
+
+    Its name, what it is (with its module), the layers its tests build on, and the class of
+    tests that shows why it is wrong (shown_by; all the module's tests if ""). Discovery
+    adds the declaring test module; check is its quick check if given here, else
+    quick_check() in that module."""
 
     @property
     def command(self):
@@ -84,8 +86,9 @@ _found = {}
 
 
 def layers():
-    """Every layer the test modules beside this file declare, by name (found once); and
-    "every Part", built on all of them, shown by the whole suite."""
+    """Every layer the test modules beside this file declare, by name (found once).
+
+    Also "every Part", built on all of them, shown by the whole suite."""
     if not _found:
         for path in sorted(glob.glob(os.path.join(HERE, "test_*.py"))):
             declared = _declared(path)
@@ -112,8 +115,10 @@ def layer(name):
 
 
 def check_of(name):
-    """Layer name's quick check: the one its Layer gives, else quick_check() in its test
-    module, imported now (a Part that cannot be imported fails here, as its verdict)."""
+    """Layer name's quick check: the one its Layer gives, else quick_check() in its test module.
+
+    That module is imported now (a Part that cannot be imported fails here, as its
+    verdict)."""
     if layer(name).check:
         return layer(name).check
     module = importlib.import_module(layer(name).module)
@@ -133,8 +138,10 @@ def verdict(name):
 
 
 def checked(check):
-    """check(): None, or why it fails; an exception it raises is its failure, named with
-    the step it was at (step) and the lab's lines it came through."""
+    """check(): None, or why it fails.
+
+    An exception it raises is its failure, named with the step it was at (step) and the
+    lab's lines it came through."""
     STEPS.clear()
     why = described(check)
     if why and not isinstance(why, Wrong) and STEPS:
@@ -170,9 +177,11 @@ def skip_unless_sound(name):
 
 
 def set_up(name):
-    """A layer's own test module's set-up: skip if a layer under it is wrong; if it is
-    wrong itself, skip every test of the module but its QuickCheck, which says why; then
-    run from another folder, as a learner might run the commands."""
+    """A layer's own test module's set-up.
+
+    Skip if a layer under it is wrong; if it is wrong itself, skip every test of the module
+    but its QuickCheck, which says why; then run from another folder, as a learner might
+    run the commands."""
     wrong = wrong_below(name)
     if wrong:
         _wait_for(wrong)
@@ -192,8 +201,9 @@ def _skip(reason):
 
 
 def quick_check_case(name, module):
-    """The TestCase class QuickCheck of layer name's own test module (named module): it
-    runs the layer's quick check, and fails with its verdict and its detail. A test
+    """The TestCase class QuickCheck of layer name's own test module (named module).
+
+    It runs the layer's quick check, and fails with its verdict and its detail. A test
     module that does not declare its layer fails here, at its import, naming the line to
     write."""
     declared = layer(name)
@@ -215,11 +225,13 @@ def quick_check_case(name, module):
 
 
 def assert_verdicts(test, name, mistakes):
-    """Plant each of mistakes, (what it is, the class or module and the function it is
-    planted in, the planting for instruments.plant, a pattern), in the real code in turn,
-    and assert that layer name's quick check then fails with a line that matches the
-    pattern: the quantity that differs and where. First, that it holds with none planted.
-    A mistake whose planting site an edit removed is skipped, named."""
+    """Assert that layer name's quick check names each of mistakes, planted in turn.
+
+    A mistake is (what it is, the class or module and the function it is planted in, the
+    planting for instruments.plant, a pattern): planted in the real code, the quick check
+    then fails with a line that matches the pattern: the quantity that differs and where.
+    First, that it holds with none planted. A mistake whose planting site an edit removed
+    is skipped, named."""
     test.assertIsNone(verdict(name), "the check fails with no mistake planted")
     check = check_of(name)
     for what, owner, function, planting, pattern in mistakes:
@@ -236,9 +248,10 @@ def assert_verdicts(test, name, mistakes):
 # ---- what quick checks share ----------------------------------------------------
 
 class Wrong(str):
-    """A check's verdict when it fails: one line (the str itself), naming the quantity that
-    differs and where; and its detail, for the layer's own QuickCheck: what was fed, and
-    both values."""
+    """A check's verdict when it fails: one line, the str itself.
+
+    The line names the quantity that differs and where; its detail, for the layer's own
+    QuickCheck: what was fed, and both values."""
 
     def __new__(cls, line, detail=""):
         wrong = super().__new__(cls, line)
@@ -250,8 +263,9 @@ STEPS = []   # what the running check is doing now (step), so that an exception 
 
 
 def step(what):
-    """Say what the running check does next ("finding the prefix again"): an exception it
-    raises from here on is named with it."""
+    """Say what the running check does next ("finding the prefix again").
+
+    An exception it raises from here on is named with it."""
     STEPS[:] = [what]
 
 
@@ -262,8 +276,10 @@ def excerpt(values, width=100):
 
 
 def differ(what, got, expected, source, names=("position", "logit"), fed="", within=None):
-    """None if got == expected (given within, if each number of got is within that of
-    expected's), else a Wrong naming the first number that differs by its indices (names:
+    """None if got == expected, else a Wrong naming the first number that differs.
+
+    Given within, got need only have each number within that of expected's. The Wrong
+    names the number by its indices (names:
     what each level of nesting counts, "position 9, logit 3"), with both numbers; its
     detail shows what was fed and the two vectors that hold the difference."""
     if got == expected:
@@ -292,8 +308,9 @@ def strayed(what, got, expected, source, names=("position", "logit"), fed=""):
 
 
 def where_cache_differs(label, cache, reference, source):
-    """None if cache holds the tokens, keys and values reference holds, else a Wrong
-    naming the first part and position that differ, with both numbers."""
+    """None if cache holds the tokens, keys and values reference holds, else a Wrong.
+
+    The Wrong names the first part and position that differ, with both numbers."""
     for part in ("tokens", "keys", "values"):
         why = differ(f"{label}: its {part}", list(getattr(cache, part)),
                      list(getattr(reference, part)), source,
@@ -309,8 +326,10 @@ def story_name(index):
 
 
 def deep_label(params):
-    """A deep_model model's shape in words: "the 2-layer grouped-query model (4 heads,
-    2 kv heads, rotary positions)", with its latent and rotary key if it has them."""
+    """A deep_model model's shape in words.
+
+    As "the 2-layer grouped-query model (4 heads, 2 kv heads, rotary positions)", with its
+    latent and rotary key if it has them."""
     shape = params["shape"]
     heads, kv_heads = shape["heads"], shape["kv_heads"]
     kind = ("latent" if shape["latent"] else "multi-head" if kv_heads == heads
@@ -330,9 +349,11 @@ def cut(params, layers):
 
 
 def by_layer(params, compare):
-    """compare(params), None or a Wrong, for a deep_model model; if it fails, again for
-    the model cut after each layer in turn, so as to name the first layer whose rows go
-    wrong: a Wrong that names the model and that layer, then the cut model's line."""
+    """compare(params), None or a Wrong, for a deep_model model, naming the first wrong layer.
+
+    If it fails, compare runs again for the model cut after each layer in turn, so as to
+    name the first layer whose rows go wrong: a Wrong that names the model and that layer,
+    then the cut model's line."""
     why = compare(params)
     if why is None:
         return None
@@ -349,8 +370,9 @@ def by_layer(params, compare):
 
 
 def stepped_rows(label, step_function, weights, cache, ids):
-    """The rows of step_function(weights, cache, token_id, position) for each of ids in
-    turn, each call a step (step), so that an exception names the model and the position."""
+    """The rows of step_function(weights, cache, token_id, position) for each of ids in turn.
+
+    Each call is a step (step), so that an exception names the model and the position."""
     rows = []
     for position, token_id in enumerate(ids):
         step(f"{label}: {step_function.__name__} of token {token_id} at position {position}, "
@@ -360,9 +382,10 @@ def stepped_rows(label, step_function, weights, cache, ids):
 
 
 def deep_rows(params, ids, mask=None, label=None):
-    """The rows of a deep_model fed ids one token at a time through a new cache (with
-    mask, causal unless given), and the cache; each step named with label (the model's
-    deep_label unless given)."""
+    """The rows of a deep_model fed ids one token at a time through a new cache, and the cache.
+
+    With mask (causal unless given); each step is named with label (the model's deep_label
+    unless given)."""
     import deep_model
     cache = deep_model.DeepCache(params, mask or deep_model.causal)
     return stepped_rows(label or deep_label(params), deep_model.forward_step, params, cache,
@@ -370,10 +393,11 @@ def deep_rows(params, ids, mask=None, label=None):
 
 
 def where_deep_rows_differ(params, ids, mask=None):
-    """None if every row of a deep_model fed ids through its cache (deep_rows) equals its
-    full pass's, else a Wrong naming the model, the first layer whose rows differ, the
-    position and the logit, with both numbers (by_layer); mask may be a list, a mask a
-    layer."""
+    """None if every row of a deep_model fed ids through its cache equals its full pass's.
+
+    The rows are deep_rows', else a Wrong naming the model, the first layer whose rows
+    differ, the position and the logit, with both numbers (by_layer); mask may be a list, a
+    mask a layer."""
     import deep_model
     mask = mask or deep_model.causal
     rebuilt = " (its keys and values rebuilt from the cached latents)"

@@ -8,9 +8,10 @@ STOP_SECONDS = 5   # how long a terminated worker has to end before it is killed
 
 
 class Shipped:
-    """A stage's result on its way to the workers: pickled once here, and unpickled once
-    in each worker however many cases need it (the runs' rows and weights, about 3 MB,
-    would cost some 20 ms a case)."""
+    """A stage's result on its way to the workers, pickled once here.
+
+    Each worker unpickles it once, however many cases need it (the runs' rows and weights,
+    about 3 MB, would cost some 20 ms a case)."""
     received = {}   # in a worker (which serves one run): each result by its stage's name
 
     def __init__(self, name, value):
@@ -23,8 +24,9 @@ class Shipped:
 
 
 class Here:
-    """Runs every task in this process as it is submitted, on the lab already loaded,
-    as a process pool would (--workers 1)."""
+    """Runs every task in this process as it is submitted (--workers 1).
+
+    It answers as a process pool would, on the lab already loaded."""
 
     def submit(self, function, *args):
         future = Future()
@@ -36,8 +38,10 @@ class Here:
 
 
 def stop(pool):
-    """End a pool at once, its running stages too: cancel what has not started, terminate
-    its workers, and kill any still alive a few seconds later (never wait for ever)."""
+    """End a pool at once, its running stages too.
+
+    Cancel what has not started, terminate its workers, and kill any still alive a few
+    seconds later (never wait for ever)."""
     workers = list((getattr(pool, "_processes", None) or {}).values())   # public in 3.14
     for worker in workers:
         worker.terminate()
