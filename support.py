@@ -54,8 +54,8 @@ def recorded(name):
     if name not in record:
         raise AssertionError(
             f"kv-trace.json has no entry {name!r}: no stage of trace_kv.STAGES records it. "
-            f"A new Part's stage needs its line there, for instance\n"
-            f"    Stage(PART, {name!r}, MODULE.experiment, (\"runs\",)),\n"
+            f"A new Part's stage needs its line there (its module imported in trace_kv.py), e.g.\n"
+            f"    Stage(PART, {name!r}, MODULE.experiment, (\"runs\",)),   # or cases=, gather=\n"
             f"then python3 trace_kv.py --write records it")
     return record[name]
 
