@@ -152,8 +152,6 @@ class Refusals(unittest.TestCase):
                     paged.BlockPool(PARAMS, blocks, size)
 
 
-
-
 def _pools_holding_sequences(test, rng, story, whole):
     """Two small pools drawn from rng, and the sequences of story (whole: a KVCache fed it)
     left in them by six random steps: new ones, found by their prefix, forked, cropped,
