@@ -58,6 +58,50 @@ def saved_and_loaded(params, cache, path, label):
 TAMPERED = 3   # the position whose value _cache_files changes in a file, signed again
 
 
+def where_another_model_s_file_loads(path):
+    """None if load_cache, given the trained weights, refuses the file at path (another
+    model's cache of the first opening) as computed with other weights; else a Wrong."""
+    step("loading another model's file with the trained weights (expected: refused, as "
+         "computed with other weights)")
+    try:
+        cache_files.load_cache(PARAMS, path)
+        return Wrong("another model's file (random weights) of the first opening loaded "
+                     "with the trained weights, where load_cache must refuse it")
+    except ValueError as refused:
+        if "other weights" not in str(refused):
+            return Wrong(f"another model's file (random weights) of the first opening was "
+                         f"refused by the trained weights, but not as computed with other "
+                         f"weights: {refusal(refused, path)}")
+    return None
+
+
+def where_a_tampered_file_loads(story_file, tampered_file):
+    """None if load_cache refuses, naming position TAMPERED, the first test story's file
+    (story_file) with the value of that position changed in its last bit and signed again
+    (written to tampered_file); else a Wrong."""
+    step(f"the first test story's file with the value of position {TAMPERED} changed and "
+         f"signed again (expected: refused, naming position {TAMPERED})")
+    with open(story_file, encoding="utf-8") as f:
+        record = json.load(f)
+    value = record["values"][TAMPERED]
+    value[0] = math.nextafter(value[0], math.inf)
+    record["content"] = cache_files.content_signature(record["tokens"], record["keys"],
+                                                      record["values"])
+    with open(tampered_file, "w", encoding="utf-8") as f:
+        json.dump(record, f)
+    try:
+        cache_files.load_cache(PARAMS, tampered_file)
+        return Wrong(f"the first test story's file with the value of position {TAMPERED} "
+                     f"changed in its last bit and signed again loaded, where load_cache "
+                     f"must refuse it (it computes every key and value again)")
+    except ValueError as refused:
+        if f"position {TAMPERED}" not in str(refused):
+            return Wrong(f"the first test story's file with the value of position "
+                         f"{TAMPERED} changed and signed again was refused without naming "
+                         f"position {TAMPERED}: {refusal(refused, tampered_file)}")
+    return None
+
+
 def quick_check():
     """Caches saved to a file and loaded: the first test story's KVCache, a paged sequence
     (blocks of 4) of a whole context (the test stories' first 64 tokens), another model's
@@ -87,38 +131,9 @@ def quick_check():
             _, why = saved_and_loaded(params, cache, file, label)
             if why:
                 return why
-        step("loading another model's file with the trained weights (expected: refused, as "
-             "computed with other weights)")
-        try:
-            cache_files.load_cache(PARAMS, other_file)
-            return Wrong("another model's file (random weights) of the first opening loaded "
-                         "with the trained weights, where load_cache must refuse it")
-        except ValueError as refused:
-            if "other weights" not in str(refused):
-                return Wrong(f"another model's file (random weights) of the first opening was "
-                             f"refused by the trained weights, but not as computed with other "
-                             f"weights: {refusal(refused, other_file)}")
-        step(f"the first test story's file with the value of position {TAMPERED} changed and "
-             f"signed again (expected: refused, naming position {TAMPERED})")
-        with open(story_file, encoding="utf-8") as f:
-            record = json.load(f)
-        value = record["values"][TAMPERED]
-        value[0] = math.nextafter(value[0], math.inf)
-        record["content"] = cache_files.content_signature(record["tokens"], record["keys"],
-                                                          record["values"])
-        with open(tampered_file, "w", encoding="utf-8") as f:
-            json.dump(record, f)
-        try:
-            cache_files.load_cache(PARAMS, tampered_file)
-            return Wrong(f"the first test story's file with the value of position {TAMPERED} "
-                         f"changed in its last bit and signed again loaded, where load_cache "
-                         f"must refuse it (it computes every key and value again)")
-        except ValueError as refused:
-            if f"position {TAMPERED}" not in str(refused):
-                return Wrong(f"the first test story's file with the value of position "
-                             f"{TAMPERED} changed and signed again was refused without naming "
-                             f"position {TAMPERED}: {refusal(refused, tampered_file)}")
-    return None
+        why = (where_another_model_s_file_loads(other_file)
+               or where_a_tampered_file_loads(story_file, tampered_file))
+    return why
 
 
 QuickCheck = verdicts.quick_check_case("cache_files", __name__)

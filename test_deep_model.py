@@ -472,6 +472,43 @@ class Window(unittest.TestCase):
                                  "changes, with a window of 8")
 
 
+def refused_params(good, lesson):
+    """Params that deep_model refuses, each with what its refusal says: the lesson's, or
+    good's (1 layer, 4 heads, 2 kv heads) changed in shape or holding what is not a weight."""
+    three_heads = copy.deepcopy(good)
+    three_heads["shape"]["heads"] = 3
+    short_key = copy.deepcopy(good)
+    short_key["blocks"][0]["Wk"].pop()
+    one_layer_short = dict(good, shape=dict(good["shape"], layers=2))
+    rotary = deep_model.init_params(1, 4, 2, 16, 0, "rotary")
+    without_positions = dict(good, shape={name: value for name, value in good["shape"].items()
+                                          if name != "positions"})
+    holding = {}   # params holding a value that is not a weight the lab takes
+    for label, bad in (("nan", float("nan")), ("True", True), ("'x'", "x"), ("1e+308", 1e308)):
+        holding[label] = copy.deepcopy(good)
+        holding[label]["blocks"][0]["Wq"][3][1] = bad
+    holding["tok_emb"] = copy.deepcopy(good)
+    holding["tok_emb"]["tok_emb"][5][0] = float("inf")
+    return ((lesson, "params must be deep_model.init_params"),
+            (None, "params must be deep_model.init_params"),
+            (without_positions, "params must be deep_model.init_params"),
+            (dict(rotary, pos_emb=good["pos_emb"]), "a rotary model has no pos_emb"),
+            (dict(good, shape=dict(good["shape"], positions="rotary")),
+             "a rotary model has no pos_emb"),
+            (dict(rotary, shape=dict(rotary["shape"], positions="learned")),
+             "learned positions needs its pos_emb table"),
+            (dict(rotary, shape=dict(rotary["shape"], positions=None)),
+             "positions must be .* got None"),
+            (three_heads, "width 16 must be a multiple of heads 3"),
+            (short_key, r"blocks\[0\]\['Wk'\] must have shape 16 x 8"),
+            (one_layer_short, "blocks must be a list of 2 blocks"),
+            (holding["nan"], r"blocks\[0\]\['Wq'\] holds nan, not a finite"),
+            (holding["True"], r"blocks\[0\]\['Wq'\] holds True, not a "),
+            (holding["'x'"], r"blocks\[0\]\['Wq'\] holds 'x', not a "),
+            (holding["1e+308"], r"holds 1e\+308, larger than 1e\+30"),
+            (holding["tok_emb"], "tok_emb holds inf, not a finite float"))
+
+
 class Refusals(unittest.TestCase):
 
     def test_bad_shapes_and_misuse_are_refused(self):
@@ -502,40 +539,7 @@ class Refusals(unittest.TestCase):
     def test_params_of_another_shape_or_model_and_bad_ids_are_refused(self):
         lesson, _ = load_trained()
         good = deep_model.init_params(1, 4, 2, 16, 0)
-        three_heads = copy.deepcopy(good)
-        three_heads["shape"]["heads"] = 3
-        short_key = copy.deepcopy(good)
-        short_key["blocks"][0]["Wk"].pop()
-        one_layer_short = dict(good, shape=dict(good["shape"], layers=2))
-        rotary = deep_model.init_params(1, 4, 2, 16, 0, "rotary")
-        without_positions = dict(good, shape={name: value for name, value in good["shape"].items()
-                                              if name != "positions"})
-        holding = {}   # params holding a value that is not a weight the lab takes
-        for label, bad in (("nan", float("nan")), ("True", True), ("'x'", "x"),
-                           ("1e+308", 1e308)):
-            holding[label] = copy.deepcopy(good)
-            holding[label]["blocks"][0]["Wq"][3][1] = bad
-        holding["tok_emb"] = copy.deepcopy(good)
-        holding["tok_emb"]["tok_emb"][5][0] = float("inf")
-        for params, fragment in ((lesson, "params must be deep_model.init_params"),
-                                 (None, "params must be deep_model.init_params"),
-                                 (without_positions, "params must be deep_model.init_params"),
-                                 (dict(rotary, pos_emb=good["pos_emb"]),
-                                  "a rotary model has no pos_emb"),
-                                 (dict(good, shape=dict(good["shape"], positions="rotary")),
-                                  "a rotary model has no pos_emb"),
-                                 (dict(rotary, shape=dict(rotary["shape"], positions="learned")),
-                                  "learned positions needs its pos_emb table"),
-                                 (dict(rotary, shape=dict(rotary["shape"], positions=None)),
-                                  "positions must be .* got None"),
-                                 (three_heads, "width 16 must be a multiple of heads 3"),
-                                 (short_key, r"blocks\[0\]\['Wk'\] must have shape 16 x 8"),
-                                 (one_layer_short, "blocks must be a list of 2 blocks"),
-                                 (holding["nan"], r"blocks\[0\]\['Wq'\] holds nan, not a finite"),
-                                 (holding["True"], r"blocks\[0\]\['Wq'\] holds True, not a "),
-                                 (holding["'x'"], r"blocks\[0\]\['Wq'\] holds 'x', not a "),
-                                 (holding["1e+308"], r"holds 1e\+308, larger than 1e\+30"),
-                                 (holding["tok_emb"], "tok_emb holds inf, not a finite float")):
+        for params, fragment in refused_params(good, lesson):
             with self.subTest(fragment=fragment):
                 for attempt in (lambda: deep_model.forward(params, [1, 2]),
                                 lambda: deep_model.DeepCache(params)):

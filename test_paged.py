@@ -59,6 +59,52 @@ def where_sequence_differs(label, seq, tokens):
     return None
 
 
+def _write(seq, tokens):
+    """Writes seq on, one forward_step a position, until it holds tokens; seq."""
+    for token_id in tokens[len(seq):]:
+        kv_cache.forward_step(PARAMS, seq, token_id, len(seq))
+    return seq
+
+
+def _new_sequence(pool, label, tokens, hits):
+    """A new sequence of pool for tokens, written; a LookupError if it finds another number
+    of cached blocks than hits, or then holds other than a KVCache fed tokens holds."""
+    step(f"starting {label} with pool.sequence({tokens})")
+    seq = pool.sequence(tokens)
+    if len(seq.table) != hits:
+        raise LookupError(f"{label} found {len(seq.table)} cached block"
+                          f"{'s' * (len(seq.table) != 1)} (table {seq.table}), where "
+                          f"{hits} hold its first tokens")
+    step(f"writing {label}, one forward_step a position")
+    why = where_sequence_differs(label, _write(seq, tokens), tokens)
+    if why:
+        raise LookupError(why)
+    return seq
+
+
+def _where_sequences_differ(sequences):
+    """None if each sequence (label: (seq, tokens)) holds what a KVCache fed its tokens
+    holds; else the first one's Wrong (where_sequence_differs)."""
+    for label, (seq, tokens) in sequences.items():
+        why = where_sequence_differs(label, seq, tokens)
+        if why:
+            return why
+    return None
+
+
+def _where_a_block_miscounts(pool, live):
+    """None if each block of pool counts the tables of the live sequences (label: (seq,
+    tokens)) that hold it; else a Wrong naming the block and the tables."""
+    for block_id, block in enumerate(pool.blocks):
+        held = [label for label, (seq, _) in live.items() if block_id in seq.table]
+        if block.ref_count != len(held):
+            return Wrong(f"block {block_id} counts {block.ref_count} tables holding it, where "
+                         f"{len(held)} do ({', '.join(held) or 'none'})",
+                         "  " + "\n  ".join(f"{label}: block table {seq.table}"
+                                            for label, (seq, _) in live.items()))
+    return None
+
+
 def quick_check():
     """Sequences of one pool (blocks of 4) written one forward_step at a time: a parent of
     10 positions; its fork, writing into the partly filled block they share; the parent
@@ -73,73 +119,45 @@ def quick_check():
     the sequence, the position and the block."""
     ids = TOK.encode(OPENINGS[0] + " she was")
     pool = paged.BlockPool(PARAMS, 16, 4)
-
-    def write(seq, tokens):
-        for token_id in tokens[len(seq):]:
-            kv_cache.forward_step(PARAMS, seq, token_id, len(seq))
-        return seq
-
-    def new(label, tokens, hits):
-        step(f"starting {label} with pool.sequence({tokens})")
-        seq = pool.sequence(tokens)
-        if len(seq.table) != hits:
-            raise LookupError(f"{label} found {len(seq.table)} cached block"
-                              f"{'s' * (len(seq.table) != 1)} (table {seq.table}), where "
-                              f"{hits} hold its first tokens")
-        step(f"writing {label}, one forward_step a position")
-        why = where_sequence_differs(label, write(seq, tokens), tokens)
-        if why:
-            raise LookupError(why)
-        return seq
     moved = ids[4:8] + ids[:4]
     try:
-        parent = new("the parent", ids[:10], 0)                   # blocks of 4, 4 and 2
+        parent = _new_sequence(pool, "the parent", ids[:10], 0)   # blocks of 4, 4 and 2
         step("forking the parent, and writing the fork into the block they share")
-        fork = write(parent.copy(), ids[:12])
+        fork = _write(parent.copy(), ids[:12])
         step("writing the parent on, after its fork wrote")
-        write(parent, ids[:10] + TOK.encode(" tom"))
+        _write(parent, ids[:10] + TOK.encode(" tom"))
         step("cropping the fork to 6 positions (into its second block, shared), and "
              "writing it on to 12 again")
         fork.crop(6)
-        write(fork, ids[:12])
-        live = {"the prefix hit": (new("the prefix hit", ids[:10], 2), ids[:10]),
+        _write(fork, ids[:12])
+        live = {"the prefix hit": (_new_sequence(pool, "the prefix hit", ids[:10], 2), ids[:10]),
                 "the sequence opening with the second block's tokens": (
-                    new("the sequence opening with the second block's tokens", moved, 0), moved)}
-        for label, seq, tokens in (("the parent", parent, ids[:10] + TOK.encode(" tom")),
-                                   ("the fork", fork, ids[:12])):
-            why = where_sequence_differs(label, seq, tokens)
-            if why:
-                return why
+                    _new_sequence(pool, "the sequence opening with the second block's tokens",
+                                  moved, 0), moved)}
+        why = _where_sequences_differ({"the parent": (parent, ids[:10] + TOK.encode(" tom")),
+                                       "the fork": (fork, ids[:12])})
+        if why:
+            return why
         step("freeing the parent and the fork")
         parent.free()
         fork.free()
         tokens = ids[:10] + TOK.encode(" tom")
-        live["the readmitted parent"] = (new("the readmitted parent", tokens, 3), tokens)
+        live["the readmitted parent"] = (_new_sequence(pool, "the readmitted parent", tokens, 3),
+                                         tokens)
         other = list(reversed(ids)) * 4   # tokens no cached block holds from position 0
         other = other[:pool.block_size * pool.free_blocks()]
         label = "a sequence taking every free block (the cached ones evicted)"
-        taking = new(label, other, 0)
+        taking = _new_sequence(pool, label, other, 0)
         step(f"freeing {label}")
         taking.free()
-        live["the fork's tokens after its own block was evicted"] = (
-            new("the fork's tokens after its own block was evicted", ids[:12], 2), ids[:12])
+        label = "the fork's tokens after its own block was evicted"
+        live[label] = (_new_sequence(pool, label, ids[:12], 2), ids[:12])
     except LookupError as wrong:                     # a wrong hit, or a wrong slot
         why = wrong.args[0]
         return why if isinstance(why, Wrong) else Wrong(why, f"  while {STEPS[-1]}")
     except ValueError as refused:                   # the pool's own guards
         return Wrong(f"{STEPS[-1]}: {refused}")
-    for label, (seq, tokens) in live.items():
-        why = where_sequence_differs(label, seq, tokens)
-        if why:
-            return why
-    for block_id, block in enumerate(pool.blocks):
-        held = [label for label, (seq, _) in live.items() if block_id in seq.table]
-        if block.ref_count != len(held):
-            return Wrong(f"block {block_id} counts {block.ref_count} tables holding it, where "
-                         f"{len(held)} do ({', '.join(held) or 'none'})",
-                         "  " + "\n  ".join(f"{label}: block table {seq.table}"
-                                            for label, (seq, _) in live.items()))
-    return None
+    return _where_sequences_differ(live) or _where_a_block_miscounts(pool, live)
 
 
 QuickCheck = verdicts.quick_check_case("paged", __name__)

@@ -152,6 +152,91 @@ class Refusals(unittest.TestCase):
                     paged.BlockPool(PARAMS, blocks, size)
 
 
+def _pools_holding_sequences(test, rng, story, whole):
+    """Two small pools drawn from rng, and the sequences of story (whole: a KVCache fed it)
+    left in them by six random steps: new ones, found by their prefix, forked, cropped,
+    freed. A refusal on the way is only for want of blocks."""
+    pools = [paged.BlockPool(PARAMS, rng.randint(1, 8), rng.choice((1, 2, 3, 4)))
+             for _ in range(2)]
+    live = []
+    for _ in range(6):
+        try:
+            if live and rng.random() < 0.3:
+                live.append(rng.choice(live).copy())
+            else:
+                live.append(rng.choice(pools).sequence(story[:rng.randint(0, 12)]))
+                for p in range(len(live[-1]), rng.randint(len(live[-1]), 16)):
+                    live[-1].append(story[p], whole.keys[p], whole.values[p])   # as fed
+            if rng.random() < 0.3:
+                live[-1].crop(rng.randint(0, len(live[-1])))
+            if rng.random() < 0.2:
+                live.pop().free()
+        except ValueError as refused:
+            test.assertIn("out of blocks", str(refused))
+    return pools, live
+
+
+def _assert_a_sequence_s_room_is_what_extend_does(test, rng, label, live, story, whole):
+    """For each live sequence and a random number of more positions of story, its room_for
+    and its pool's are whether extending it by them succeeds; a refusal changes nothing."""
+    for seq in live:
+        held = len(seq)
+        more = rng.randint(0, min(6, len(story) - held))
+        answer = seq.pool.room_for([(seq, more)])
+        test.assertEqual(seq.room_for(more), answer, label)
+        before = support.pool_snapshot(seq.pool), snapshot(seq)
+        try:
+            seq.extend(story[held:held + more], whole.keys[held:held + more],
+                       whole.values[held:held + more])
+            test.assertTrue(answer, f"{label}: room_for said no, extend took them")
+        except ValueError as refused:
+            test.assertFalse(answer, f"{label}: room_for said yes, extend: {refused}")
+            assert_equal(test, (support.pool_snapshot(seq.pool), snapshot(seq)), before, label)
+
+
+def _assert_the_pools_room_is_what_forward_rows_does(test, rng, label, pools, live, story):
+    """room_for of each pool is whether forward_rows takes a random batch of positions of
+    story for live sequences of both pools and a KVCache; a refusal changes nothing."""
+    batch = [seq for seq in live if rng.random() < 0.7 and len(seq) < len(story)]
+    items = [(seq, story[p], p) for seq in batch
+             for p in range(len(seq), min(len(seq) + rng.randint(1, 3), len(story)))]
+    items.append((filled_cache(story[:3]), story[3], 3))
+    answer = all(pool.room_for([(seq, sum(s is seq for s, _, _ in items))
+                                for seq in batch if seq.pool is pool])
+                 for pool in pools)
+    before = [support.pool_snapshot(pool) for pool in pools], [snapshot(s) for s in batch]
+    try:
+        batched.forward_rows(PARAMS, items)
+        test.assertTrue(answer, f"{label}: room_for said no, forward_rows took them")
+    except ValueError as refused:
+        test.assertFalse(answer, f"{label}: room_for said yes, forward_rows: {refused}")
+        assert_equal(test, ([support.pool_snapshot(pool) for pool in pools],
+                            [snapshot(s) for s in batch]), before, label)
+
+
+def _holds(test, new, ids):
+    """Whether the new sequence takes ids (it is then freed); a refusal is only for want
+    of blocks."""
+    try:
+        feed(PARAMS, new, ids)
+        return True
+    except ValueError as refused:
+        test.assertIn("out of blocks", str(refused))
+        return False
+    finally:
+        new.free()
+
+
+def _assert_room_for_a_new_sequence_is_what_it_holds(test, rng, label, pool, story):
+    """room_for_sequence (from a random start of story) and could_hold of pool, for a random
+    number of positions, are whether a new sequence then holds so many of story's."""
+    ids = story[:rng.randint(0, 12)]
+    positions = rng.randint(len(ids), len(story))
+    test.assertEqual(pool.room_for_sequence(ids, positions),
+                     _holds(test, pool.sequence(ids), story[:positions]),
+                     f"{label}: room_for_sequence({len(ids)} ids, {positions})")
+    test.assertEqual(pool.could_hold(positions), _holds(test, pool.sequence(), story[:positions]),
+                     f"{label}: could_hold({positions})")
 
 
 class RoomHasOneOwner(unittest.TestCase):
@@ -171,71 +256,14 @@ class RoomHasOneOwner(unittest.TestCase):
 
         def trial(number):
             rng = random.Random(number)
-            pools = [paged.BlockPool(PARAMS, rng.randint(1, 8), rng.choice((1, 2, 3, 4)))
-                     for _ in range(2)]
-            live = []
-            for _ in range(6):
-                try:
-                    if live and rng.random() < 0.3:
-                        live.append(rng.choice(live).copy())
-                    else:
-                        live.append(rng.choice(pools).sequence(story[:rng.randint(0, 12)]))
-                        for p in range(len(live[-1]), rng.randint(len(live[-1]), 16)):
-                            live[-1].append(story[p], whole.keys[p], whole.values[p])   # as fed
-                    if rng.random() < 0.3:
-                        live[-1].crop(rng.randint(0, len(live[-1])))
-                    if rng.random() < 0.2:
-                        live.pop().free()
-                except ValueError as refused:
-                    self.assertIn("out of blocks", str(refused))
+            pools, live = _pools_holding_sequences(self, rng, story, whole)
             label = f"trial {number}"
-            for seq in live:
-                held = len(seq)
-                more = rng.randint(0, min(6, len(story) - held))
-                answer = seq.pool.room_for([(seq, more)])
-                self.assertEqual(seq.room_for(more), answer, label)
-                before = support.pool_snapshot(seq.pool), snapshot(seq)
-                try:
-                    seq.extend(story[held:held + more], whole.keys[held:held + more],
-                               whole.values[held:held + more])
-                    self.assertTrue(answer, f"{label}: room_for said no, extend took them")
-                except ValueError as refused:
-                    self.assertFalse(answer, f"{label}: room_for said yes, extend: {refused}")
-                    assert_equal(self, (support.pool_snapshot(seq.pool), snapshot(seq)), before, label)
-            batch = [seq for seq in live if rng.random() < 0.7 and len(seq) < len(story)]
-            items = [(seq, story[p], p) for seq in batch
-                     for p in range(len(seq), min(len(seq) + rng.randint(1, 3), len(story)))]
-            items.append((filled_cache(story[:3]), story[3], 3))
-            answer = all(pool.room_for([(seq, sum(s is seq for s, _, _ in items))
-                                        for seq in batch if seq.pool is pool])
-                         for pool in pools)
-            before = [support.pool_snapshot(pool) for pool in pools], [snapshot(s) for s in batch]
-            try:
-                batched.forward_rows(PARAMS, items)
-                self.assertTrue(answer, f"{label}: room_for said no, forward_rows took them")
-            except ValueError as refused:
-                self.assertFalse(answer, f"{label}: room_for said yes, forward_rows: {refused}")
-                assert_equal(self, ([support.pool_snapshot(pool) for pool in pools],
-                                    [snapshot(s) for s in batch]), before, label)
+            _assert_a_sequence_s_room_is_what_extend_does(self, rng, label, live, story, whole)
+            _assert_the_pools_room_is_what_forward_rows_does(self, rng, label, pools, live,
+                                                             story)
             for seq in live:
                 seq.free()
-            pool, ids = pools[0], story[:rng.randint(0, 12)]
-            positions = rng.randint(len(ids), len(story))
-
-            def holds(new):
-                """Whether the new sequence takes the story's first positions (then freed)."""
-                try:
-                    feed(PARAMS, new, story[:positions])
-                    return True
-                except ValueError as refused:
-                    self.assertIn("out of blocks", str(refused))
-                    return False
-                finally:
-                    new.free()
-            self.assertEqual(pool.room_for_sequence(ids, positions), holds(pool.sequence(ids)),
-                             f"{label}: room_for_sequence({len(ids)} ids, {positions})")
-            self.assertEqual(pool.could_hold(positions), holds(pool.sequence()),
-                             f"{label}: could_hold({positions})")
+            _assert_room_for_a_new_sequence_is_what_it_holds(self, rng, label, pools[0], story)
         support.check_random_cases(self, 60, trial)
 
 

@@ -147,6 +147,71 @@ class ServingTeeth(unittest.TestCase):
             for mistake in self.MISTAKES])
 
 
+PRODUCTS = (batched.exact, batched.by_batch, batched.by_batch_float32, batched.batch_invariant)
+
+
+def where_hand_feeding_strays(rng, pool, prompt):
+    """None if a sequence of pool made for a product drawn from rng, fed the start of
+    prompt by hand in random chunks of forward_rows with that product or (one time in
+    three) another, keeps its own product's rows only (an exact one's being forward_step's)
+    and refuses another's with the sequence and the pool as they were; else why not. One
+    time in two, the sequence is then freed."""
+    made = rng.choice(PRODUCTS)
+    ids = TOK.encode(prompt)[:rng.randint(1, len(TOK.encode(prompt)))]
+    seq = pool.sequence(ids, batched.computed_by(made))
+    product = made if rng.random() < 2 / 3 else rng.choice(PRODUCTS)
+    while len(seq) < len(ids):
+        chunk = range(len(seq), min(len(ids), len(seq) + rng.randint(1, 5)))
+        before = support.snapshot(seq), support.pool_snapshot(pool)
+        try:
+            rows = batched.forward_rows(PARAMS, [(seq, ids[i], i) for i in chunk], product)
+        except ValueError as refused:
+            if product is made or "this paged sequence is for rows computed by" \
+                    not in str(refused):
+                return f"{product.__name__} rows refused by a {made.__name__} " \
+                       f"sequence: {refused}"
+            if (support.snapshot(seq), support.pool_snapshot(pool)) != before:
+                return f"a refusal of {product.__name__} rows changed the pool"
+            break
+        if product is not made:
+            return f"{product.__name__} rows kept by a {made.__name__} sequence"
+        if made is batched.exact and rows != cached_rows(PARAMS, ids)[chunk.start:chunk.stop]:
+            return f"exact rows of {prompt!r} at {chunk} are not forward_step's"
+    if rng.random() < 0.5:
+        seq.free()
+    return None
+
+
+def where_an_exact_block_differs(pool, size):
+    """None if every full block of pool (blocks of size) that its index gives exact serves
+    holds forward_step's keys and values; else why not."""
+    for block in pool.blocks:
+        if block.prefix is not None and block.computed_by is None:
+            fresh = filled_cache(list(block.prefix))
+            if [block.keys, block.values] != [fresh.keys[-size:], fresh.values[-size:]]:
+                return f"a block of {block.prefix} indexed as exact holds other keys"
+    return None
+
+
+def where_a_serve_differs(rng, pool, prompts, size):
+    """None if, on pool, an exact serve of requests of prompts drawn from rng gives
+    generate's results, and a batch-invariant serve those it gives on a fresh pool; else
+    why not."""
+    requests = [{"prompt": prompt, "max_new_tokens": rng.randint(0, 6),
+                 "temperature": rng.choice((0.0, 1.0)), "seed": rng.randrange(100)}
+                for prompt in prompts]
+    for product, expected in (
+            (batched.exact, [generate_cached(PARAMS, TOK, **r) for r in requests]),
+            (batched.batch_invariant, serving.serve(
+                PARAMS, TOK, requests, paged.BlockPool(PARAMS, pool.free_blocks(), size),
+                len(requests), product=batched.batch_invariant)[0])):
+        results, _ = serving.serve(PARAMS, TOK, requests, pool, rng.randint(1, 4),
+                                   product=product)
+        if results != expected:
+            return f"a {product.__name__} serve after hand-fed sequences differs"
+    return None
+
+
 class Serve(unittest.TestCase):
     """Many requests from one pool: continuous batching and preemption by recompute give
     every request exactly generate.generate's result."""
@@ -260,58 +325,17 @@ class Serve(unittest.TestCase):
         forward_step's keys and values; and on that pool an exact serve of the openings
         gives generate's results, and a batch-invariant serve those it gives on
         a fresh pool: no serve finds a block another kernel computed."""
-        products = (batched.exact, batched.by_batch, batched.by_batch_float32,
-                    batched.batch_invariant)
-
         def check(index):
             rng = random.Random(index)
             size, prompts = rng.randint(2, 8), rng.sample(OPENINGS[:12], rng.randint(1, 4))
             pool = paged.BlockPool(PARAMS, (len(prompts) + 4) * math.ceil(model.CONTEXT / size),
                                    size)
             for prompt in prompts:
-                made = rng.choice(products)
-                ids = TOK.encode(prompt)[:rng.randint(1, len(TOK.encode(prompt)))]
-                seq = pool.sequence(ids, batched.computed_by(made))
-                product = made if rng.random() < 2 / 3 else rng.choice(products)
-                while len(seq) < len(ids):
-                    chunk = range(len(seq), min(len(ids), len(seq) + rng.randint(1, 5)))
-                    before = support.snapshot(seq), support.pool_snapshot(pool)
-                    try:
-                        rows = batched.forward_rows(PARAMS, [(seq, ids[i], i) for i in chunk],
-                                                    product)
-                    except ValueError as refused:
-                        if product is made or "this paged sequence is for rows computed by" \
-                                not in str(refused):
-                            return f"{product.__name__} rows refused by a {made.__name__} " \
-                                   f"sequence: {refused}"
-                        if (support.snapshot(seq), support.pool_snapshot(pool)) != before:
-                            return f"a refusal of {product.__name__} rows changed the pool"
-                        break
-                    if product is not made:
-                        return f"{product.__name__} rows kept by a {made.__name__} sequence"
-                    if made is batched.exact and rows != cached_rows(PARAMS, ids)[chunk.start:
-                                                                                 chunk.stop]:
-                        return f"exact rows of {prompt!r} at {chunk} are not forward_step's"
-                if rng.random() < 0.5:
-                    seq.free()
-            for block in pool.blocks:   # every full block the index gives exact serves
-                if block.prefix is not None and block.computed_by is None:
-                    fresh = filled_cache(list(block.prefix))
-                    if [block.keys, block.values] != [fresh.keys[-size:], fresh.values[-size:]]:
-                        return f"a block of {block.prefix} indexed as exact holds other keys"
-            requests = [{"prompt": prompt, "max_new_tokens": rng.randint(0, 6),
-                         "temperature": rng.choice((0.0, 1.0)), "seed": rng.randrange(100)}
-                        for prompt in prompts]
-            for product, expected in (
-                    (batched.exact, [generate_cached(PARAMS, TOK, **r) for r in requests]),
-                    (batched.batch_invariant, serving.serve(
-                        PARAMS, TOK, requests, paged.BlockPool(PARAMS, pool.free_blocks(), size),
-                        len(requests), product=batched.batch_invariant)[0])):
-                results, _ = serving.serve(PARAMS, TOK, requests, pool, rng.randint(1, 4),
-                                           product=product)
-                if results != expected:
-                    return f"a {product.__name__} serve after hand-fed sequences differs"
-            return None
+                why = where_hand_feeding_strays(rng, pool, prompt)
+                if why:
+                    return why
+            return where_an_exact_block_differs(pool, size) or where_a_serve_differs(
+                rng, pool, prompts, size)
         support.check_random_cases(self, 8, check)
 
     def test_preempted_requests_come_back_with_the_same_result(self):

@@ -59,6 +59,83 @@ def _accepted(draft, story):
                 min(len(draft), len(story)))
 
 
+def _story_so_far(calls, story):
+    """After the drafts checked so far (calls, each (start, the token IDs fed)): how many of
+    the last one's drafted tokens generate's story accepts, and the positions its story so
+    far then leaves."""
+    last_start, last_ids = calls[-1]
+    accepted = _accepted(last_ids[1:], story[last_start + 1:])
+    return accepted, last_start + 1 + accepted
+
+
+def _rejects_some(calls, story):
+    """The last draft checked (calls[-1]) has positions generate's story rejects."""
+    last_start, last_ids = calls[-1]
+    return last_start + len(last_ids) > _story_so_far(calls, story)[1]
+
+
+def _where_the_rollback_strays(where, calls, cache, start, story):
+    """None if, after the drafts checked so far (calls), the cache holds as many positions
+    as generate's story so far leaves, and the next draft is checked from there; else a
+    Wrong naming where."""
+    last_start, last_ids = calls[-1]
+    accepted, wanted = _story_so_far(calls, story)
+    if len(cache) != wanted:
+        kept = len(cache) - wanted
+        after = ("the prompt" if len(calls) == 1 else f"draft {len(calls) - 1}, "
+                 f"{accepted} of its {len(last_ids) - 1} tokens accepted")
+        return Wrong(
+            f"{where}: the cache holds {len(cache)} positions, where generate's story so far "
+            f"leaves {wanted} (after {after}): "
+            + (f"{kept} rejected position(s) not rolled back" if kept > 0 else
+               f"{-kept} position(s) of the story rolled back too"),
+            f"  fed: {after.split(',')[0]} checked as {last_ids}, from position "
+            f"{last_start}\n  generate's story: {story}\n  the cache holds: {cache.tokens}")
+    if start != wanted:
+        return Wrong(f"{where}: the draft is checked from position {start}, where "
+                     f"generate's story so far leaves {wanted}")
+    return None
+
+
+def _where_the_fed_tokens_stray(where, cache, token_ids, start, story, lookahead):
+    """None if the cache holds generate's story's tokens, the tokens fed from start open
+    with the story's token there, and (unless lookahead is None: the prompt) no more than
+    lookahead drafted tokens follow it; else a Wrong naming where."""
+    held = first_difference(cache.tokens, story[:len(cache)])
+    if held:
+        position = int(held[0][1:-1])
+        return Wrong(f"{where}: the cache holds token {_token(cache.tokens[position])} at "
+                     f"position {position}, where generate's story has "
+                     f"{_token(story[position])}",
+                     f"  generate's story: {story}\n  the cache holds: {cache.tokens}")
+    if start < len(story) and token_ids[0] != story[start]:
+        return Wrong(
+            f"{where}: the tokens checked start with {_token(token_ids[0])} at "
+            f"position {start} (the token chosen there), where generate's story has "
+            f"{_token(story[start])}",
+            f"  fed: {list(token_ids)} from position {start}\n  generate's story: {story}")
+    if lookahead is not None and len(token_ids) - 1 > lookahead:
+        return Wrong(
+            f"{where}: {len(token_ids) - 1} drafted tokens are checked, more than the "
+            f"lookahead of {lookahead}", f"  fed: {list(token_ids)} from position {start}")
+    return None
+
+
+def _where_the_result_differs(label, prompt, got, expected, story):
+    """None if generate_speculative's result (got) is generate_cached's (expected, whose
+    story is story); else a Wrong naming the run (label) and what differs first."""
+    fed = f"the prompt {prompt!r}, token IDs {TOK.encode(prompt)}"
+    return (differ(f"{label}: the story's token IDs", story_ids(TOK, prompt, got), story,
+                   "generate_speculative", names=("position",), fed=fed)
+            or differ(f"{label}: the chosen tokens and their probabilities",
+                      [[s["token"], s["probability"]] for s in got["steps"]],
+                      [[s["token"], s["probability"]] for s in expected["steps"]],
+                      "generate_speculative", names=("generated token", "entry"), fed=fed)
+            or (None if got == expected else Wrong(
+                f"{label}: the generation stopped for {got['stopped']!r}, where generate's "
+                f"stopped for {expected['stopped']!r}")))
+
+
 def where_speculation_strays(label, prompt, settings, drafter_for, lookahead, max_new_tokens=16):
     """None if generate_speculative(prompt, with settings, the drafter drafter_for(the
     story generate_cached gives) and lookahead) gives
@@ -80,47 +157,13 @@ def where_speculation_strays(label, prompt, settings, drafter_for, lookahead, ma
             nonlocal rolled_back
             draft = f"draft {len(calls)}" if calls else "the prompt"
             where = f"{label}, before {draft} is checked (from position {start})"
-            if calls:
-                last_start, last_ids = calls[-1]
-                accepted = _accepted(last_ids[1:], story[last_start + 1:])
-                wanted = last_start + 1 + accepted
-                if last_start + len(last_ids) > wanted:   # a rejected draft's positions
-                    rolled_back += 1
-                if len(cache) != wanted:
-                    kept = len(cache) - wanted
-                    after = ("the prompt" if len(calls) == 1 else f"draft {len(calls) - 1}, "
-                             f"{accepted} of its {len(last_ids) - 1} tokens accepted")
-                    raise _Strayed(Wrong(
-                        f"{where}: the cache holds {len(cache)} positions, where generate's "
-                        f"story so far leaves {wanted} (after {after}): "
-                        + (f"{kept} rejected position(s) not rolled back" if kept > 0 else
-                           f"{-kept} position(s) of the story rolled back too"),
-                        f"  fed: {after.split(',')[0]} checked as {last_ids}, from position "
-                        f"{last_start}\n  generate's story: "
-                        f"{story}\n  the cache holds: {cache.tokens}"))
-                if start != wanted:
-                    raise _Strayed(Wrong(f"{where}: the draft is checked from position "
-                                         f"{start}, where generate's story so far leaves "
-                                         f"{wanted}"))
-            held = first_difference(cache.tokens, story[:len(cache)])
-            if held:
-                position = int(held[0][1:-1])
-                raise _Strayed(Wrong(f"{where}: the cache holds token "
-                                     f"{_token(cache.tokens[position])} at position {position}, "
-                                     f"where generate's story has {_token(story[position])}",
-                                     f"  generate's story: {story}\n  the cache holds: "
-                                     f"{cache.tokens}"))
-            if start < len(story) and token_ids[0] != story[start]:
-                raise _Strayed(Wrong(
-                    f"{where}: the tokens checked start with {_token(token_ids[0])} at "
-                    f"position {start} (the token chosen there), where generate's story has "
-                    f"{_token(story[start])}",
-                    f"  fed: {list(token_ids)} from position {start}\n  generate's story: "
-                    f"{story}"))
-            if calls and len(token_ids) - 1 > lookahead:
-                raise _Strayed(Wrong(
-                    f"{where}: {len(token_ids) - 1} drafted tokens are checked, more than the "
-                    f"lookahead of {lookahead}", f"  fed: {list(token_ids)} from position {start}"))
+            if calls and _rejects_some(calls, story):   # a rejected draft's positions
+                rolled_back += 1
+            why = _where_the_rollback_strays(where, calls, cache, start, story) if calls else None
+            why = why or _where_the_fed_tokens_stray(where, cache, token_ids, start, story,
+                                                     lookahead if calls else None)
+            if why:
+                raise _Strayed(why)
             calls.append((start, list(token_ids)))
             rows = real(params, cache, token_ids, start)
             step(f"{label}: choosing tokens from the rows of {draft} (positions {start} to "
@@ -137,16 +180,7 @@ def where_speculation_strays(label, prompt, settings, drafter_for, lookahead, ma
                                                    **settings)
     except _Strayed as strayed:
         return strayed.args[0], rolled_back
-    fed = f"the prompt {prompt!r}, token IDs {TOK.encode(prompt)}"
-    return (differ(f"{label}: the story's token IDs", story_ids(TOK, prompt, got), story,
-                   "generate_speculative", names=("position",), fed=fed)
-            or differ(f"{label}: the chosen tokens and their probabilities",
-                      [[s["token"], s["probability"]] for s in got["steps"]],
-                      [[s["token"], s["probability"]] for s in expected["steps"]],
-                      "generate_speculative", names=("generated token", "entry"), fed=fed)
-            or (None if got == expected else Wrong(
-                f"{label}: the generation stopped for {got['stopped']!r}, where generate's "
-                f"stopped for {expected['stopped']!r}"))), rolled_back
+    return _where_the_result_differs(label, prompt, got, expected, story), rolled_back
 
 
 def quick_check():
