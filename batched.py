@@ -37,8 +37,9 @@ def exact(rows, cols):
 
 
 def in_pieces(rows, cols, pieces, bits=16):
-    """rows times the matrix given by its columns as a kernel with split-K computes it:
-    each dot product cut into pieces runs of consecutive terms, each run's sum (an fsum)
+    """Multiply rows by the matrix given by its columns, as a kernel with split-K computes it.
+
+    Each dot product is cut into pieces runs of consecutive terms, each run's sum (an fsum)
     rounded to the nearest float of bits (16 or 32), the runs' total (an fsum of those)
     rounded to it again, and that output, once, to the nearest 16-bit float."""
     if pieces == 1:                        # one run: its sum is the total, rounded once
@@ -94,30 +95,34 @@ def _rounded(numbers, bits):
 
 
 def computed_by(product):
-    """What a paged sequence whose rows product computes is made for (pool.sequence's
-    computed_by): None for exact (forward_step's arithmetic), else the product itself."""
+    """Give what a paged sequence whose rows product computes is made for.
+
+    That is pool.sequence's computed_by: None for exact (forward_step's arithmetic), else
+    the product itself."""
     return None if product is exact else product
 
 
 def exact_attention(q, keys, values, rows=1):
-    """forward_step's attention of q over keys and values: the scores, their softmax and
-    the weighted sums, each one correctly rounded sum (however many rows its step has)."""
+    """Compute forward_step's attention of q over keys and values.
+
+    The scores, their softmax and the weighted sums, each one correctly rounded sum (however
+    many rows its step has)."""
     scores = [dot(q, k_j) * SCALE for k_j in keys]
     weights = softmax_row(scores)
     return [dot(weights, column) for column in zip(*values)]
 
 
 def forward_rows(params, items, product=exact, attention=exact_attention):
-    """Next-token logits for each item (cache, token_id, position), computed together:
-    each weight matrix applied once to every item's row, each row attending to its own
+    """Compute the next-token logits for each item (cache, token_id, position) together.
+
+    Each weight matrix is applied once to every item's row, each row attending to its own
     cache's positions 0..position, the batch's new ones included, as attention(q, keys,
     values, the batch's rows) reads them (blockwise.py has engines' ways to). Items may
     share a cache (a prompt's tokens, in order). Refuses, before anything changes, what
-    forward_step refuses, a paged sequence made for another product's rows (its pool
-    shares blocks only among sequences computed alike) and a batch its caches have no
-    room for; the caches keep the new keys and values only once every row is computed,
-    so a refusal on the way (a key a cache cannot store, a sum a kernel cannot hold)
-    changes nothing either."""
+    forward_step refuses, a paged sequence made for another product's rows (its pool shares
+    blocks only among sequences computed alike) and a batch its caches have no room for; the
+    caches keep the new keys and values only once every row is computed, so a refusal on the
+    way (a key a cache cannot store, a sum a kernel cannot hold) changes nothing either."""
     _check_items(params, items, computed_by(product))
     cols = items[0][0].columns
     x0s = [add(params["tok_emb"][token_id], params["pos_emb"][i]) for _, token_id, i in items]
@@ -185,8 +190,9 @@ def _check_items(params, items, kernel):
 # ---- what Part 4 shows of it (documents.py fills its marks; serving.kernel_run records it)
 
 def kernels_table(record, timing):
-    """Section 22: the 60 sampled openings served with each product kernel, batch by batch
-    (the split-KV attention's runs are section 23's split_kv_table)."""
+    """Section 22's table: the 60 sampled openings served with each product kernel, by batch.
+
+    The split-KV attention's runs are section 23's split_kv_table."""
     k = record["batched_decode"]
     of = f" of {k['requests']}"
     return table(["kernel", "batches of up to", "pool", "steps", "preemptions",
@@ -206,8 +212,9 @@ def kernels_table(record, timing):
 
 
 def split_kv_table(record, timing):
-    """Section 23: the same 60 sampled openings, served with blockwise.heuristic's split
-    of the attention (the product exact), batch by batch."""
+    """Section 23's table: the 60 sampled openings served with split-KV attention, by batch.
+
+    The attention is blockwise.heuristic's split; the product is exact."""
     of = f" of {record['batched_decode']['requests']}"
     return table(["batches of up to", "steps", "choosing rows unlike batches of 1 (same tokens)",
                   "stories as `generate`'s", "largest logit gap against the exact rows"],
@@ -234,12 +241,15 @@ def split_kv_as_generate(record, timing):
 
 
 def split_kv_largest_gap(record, timing):
+    """The largest logit gap against the exact rows of any split-KV run."""
     return max(run["largest_logit_gap_against_exact"] for run in _split_kv_runs(record))
 
 
 def stories_picture(record, timing):
-    """Section 22: for the 60 sampled openings in the ample pool, the stories each kernel
-    makes other than generate's, and other than its own with batches of 1, by batch."""
+    """Draw section 22's picture: the stories each kernel changes, by batch.
+
+    For the 60 sampled openings in the ample pool, the stories each kernel makes other than
+    generate's, and other than its own with batches of 1."""
     decode = svg.checked(record, {"batched_decode": {"requests": svg.COUNT, "runs": [{
         "pool": str, "kernel": str, "max_batch": svg.COUNT,
         "stories_identical_to_generate": svg.COUNT,

@@ -52,10 +52,11 @@ def _check_keys(keys):
 
 
 def online(q, keys, values, rows=1):
-    """One pass, BLOCK positions at a time, never holding more than a block of scores:
-    the output so far (not yet divided by the sum) and the sum are rescaled by
-    exp(old maximum - new maximum) whenever a block raises the maximum. A block whose
-    scores are all -inf (masked) adds nothing, as its zero weights do in softmax_row."""
+    """Read attention in one pass, BLOCK positions at a time, holding at most a block of scores.
+
+    The output so far (not yet divided by the sum) and the sum are rescaled by exp(old
+    maximum - new maximum) whenever a block raises the maximum. A block whose scores are all
+    -inf (masked) adds nothing, as its zero weights do in softmax_row."""
     _check_keys(keys)
     top, total, out = -math.inf, 0.0, [0.0] * len(values[0])
     for first in range(0, len(keys), BLOCK):
@@ -88,8 +89,10 @@ def _summed(sums):
 
 
 def parts_of(length, parts):
-    """The positions of each of at most parts parts of a row of length positions: runs of
-    whole blocks, as even as blocks allow (so a row may get fewer parts than asked)."""
+    """Give the positions of each of at most parts parts of a row of length positions.
+
+    Runs of whole blocks, as even as blocks allow (so a row may get fewer parts than
+    asked)."""
     check_int("length", length, 1)
     check_int("parts", parts, 1)
     per_part = math.ceil(math.ceil(length / BLOCK) / parts) * BLOCK
@@ -108,10 +111,12 @@ def _part(q, keys, values):
 
 
 def split(parts):
-    """The attention of a kernel that splits each row into parts (parts_of) run side by
-    side, and merges them: each part's sum and output brought to the common maximum,
-    times exp(its maximum - the common one), then summed, the output divided by the sum.
-    (A part's log-sum-exp is its maximum + log(its sum): the same merge, in logs.)"""
+    """Give the attention of a kernel that splits each row into parts run side by side.
+
+    The parts are parts_of's; it merges them: each part's sum and output brought to the
+    common maximum, times exp(its maximum - the common one), then summed, the output divided
+    by the sum. (A part's log-sum-exp is its maximum + log(its sum): the same merge, in
+    logs.)"""
     check_int("parts", parts, 1)
 
     def attention(q, keys, values, rows=1):
@@ -129,14 +134,14 @@ def split(parts):
 
 
 def exact_partials(terms):
-    """A few floats whose exact sum is the terms' exact sum, as math.fsum keeps inside
-    (after Shewchuk, 1997), found here with fsum itself: the correctly rounded sum, then
-    the correctly rounded sum of what it missed, and so on until nothing is missed. Each
-    fsum is exact in what it is given, so the floats found so far and the remainder
-    always add up to the terms' sum; a few rounds leave no remainder (each remainder is
-    at most 2**-53 times the last, so never more than MOST_PARTIALS). Terms that sum to
-    NaN or an infinity give just that sum, as fsum does; a sum beyond the largest float
-    is refused."""
+    """Give a few floats whose exact sum is the terms' exact sum, as math.fsum keeps inside.
+
+    After Shewchuk, 1997, found here with fsum itself: the correctly rounded sum, then the
+    correctly rounded sum of what it missed, and so on until nothing is missed. Each fsum is
+    exact in what it is given, so the floats found so far and the remainder always add up to
+    the terms' sum; a few rounds leave no remainder (each remainder is at most 2**-53 times
+    the last, so never more than MOST_PARTIALS). Terms that sum to NaN or an infinity give
+    just that sum, as fsum does; a sum beyond the largest float is refused."""
     terms, partials = list(terms), []
     for _ in range(MOST_PARTIALS):
         try:
@@ -153,11 +158,13 @@ def exact_partials(terms):
 
 
 def exact(parts):
-    """The attention of a kernel whose parts merge to forward_step's bits: the first pass
-    finds each part's maximum (the row's is theirs); the second, each part's exps from the
-    row's maximum, as exact partials of their sum; the third, each part's weights (exp /
-    the row's sum) times its values, as exact partials of each column's sum. fsum of all
-    the parts' partials is the correctly rounded sum of all the terms: forward_step's."""
+    """Give the attention of a kernel whose parts merge to forward_step's bits.
+
+    The first pass finds each part's maximum (the row's is theirs); the second, each part's
+    exps from the row's maximum, as exact partials of their sum; the third, each part's
+    weights (exp / the row's sum) times its values, as exact partials of each column's sum.
+    fsum of all the parts' partials is the correctly rounded sum of all the terms:
+    forward_step's."""
     check_int("parts", parts, 1)
 
     def attention(q, keys, values, rows=1):
@@ -176,8 +183,9 @@ def exact(parts):
 
 
 def split_count(rows, length):
-    """The parts a kernel in FlashAttention-2's manner splits a row of length positions
-    into when its step computes rows rows on PROCESSORS processors: one if the rows alone
+    """Give the parts a kernel in FlashAttention-2's manner splits a row of length positions into.
+
+    That is when its step computes rows rows on PROCESSORS processors: one if the rows alone
     fill 80% of them; else, of the counts up to PROCESSORS and the row's blocks that change
     how many blocks a part gets, the fewest whose waves (rows x parts / PROCESSORS, rounded
     up) are at least 85% as full as the fullest count's."""
@@ -197,8 +205,9 @@ def split_count(rows, length):
 
 
 def heuristic(q, keys, values, rows):
-    """split's attention with split_count(rows, positions) parts: the engines' choice,
-    which makes a row's bits depend on how many rows share its step."""
+    """Read attention as split does, with split_count(rows, positions) parts.
+
+    The engines' choice, which makes a row's bits depend on how many rows share its step."""
     return split(split_count(rows, len(keys)))(q, keys, values, rows)
 
 
@@ -209,12 +218,14 @@ KINDS = {"online": online, **{f"split {parts}": split(parts) for parts in (1, 2,
 
 
 def story_kinds(lab, index, runs):
-    """Opening index's greedy story fed through a paged sequence (blocks of BLOCK) with
+    """Compare every kind of KINDS with forward_step's exact rows along one greedy story.
+
+    Opening index's greedy story is fed through a paged sequence (blocks of BLOCK) with
     forward_step's exact rows; at each row that chooses a token, every kind of KINDS reads
-    the same query, keys and values, and where its mixed values differ, the row is
-    computed again with them (batched.forward_rows): per kind, the largest gap between its
-    logits and the exact ones, and whether the story would change there (its best token
-    is not the story's next)."""
+    the same query, keys and values, and where its mixed values differ, the row is computed
+    again with them (batched.forward_rows): per kind, the largest gap between its logits and
+    the exact ones, and whether the story would change there (its best token is not the
+    story's next)."""
     params, prompt = lab.params, lab.prompts[index]
     found = {name: {"largest_logit_gap": 0.0, "changed": False} for name in KINDS}
     ids = story_ids(lab.tok, prompt, runs.greedy[index])
@@ -269,9 +280,10 @@ def _best(row):
 
 
 def kinds_table(lab, per_story):
-    """Each kind over the 60 greedy stories: the largest logit gap, the stories that
-    change, and the most scores it holds at once in the longest row (a block, a part, or
-    for forward_step the whole row)."""
+    """Sum up each kind over the 60 greedy stories.
+
+    The largest logit gap, the stories that change, and the most scores it holds at once in
+    the longest row (a block, a part, or for forward_step the whole row)."""
     longest = max(story["longest_row"] for story in per_story)
     table = []
     for name in KINDS:
@@ -287,6 +299,7 @@ def kinds_table(lab, per_story):
 # ---- what Part 4 shows of it (documents.py fills its marks) --------------------------
 
 def reads_table(record, timing):
+    """Section 23's table: each attention read's logit gap, stories changed and scores held."""
     b = record["blockwise"]
     return table(["attention read", "parts", "largest logit gap", "greedy stories changed",
                   f"scores held at once, longest row ({b['longest_row']} positions)"],
@@ -302,4 +315,5 @@ def split_counts(record, timing):
 
 
 def stories_changed(record, timing):
+    """The greedy stories changed, summed over every kind of attention read."""
     return sum(k["greedy_stories_changed"] for k in record["blockwise"]["kinds"])

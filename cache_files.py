@@ -28,25 +28,28 @@ CACHE_FORMAT = "kv-lab-cache-2"
 
 
 def weights_signature(params):
-    """A hash of every parameter's floats, written exactly (repr): two params objects
-    have the same signature only if they hold the same weights."""
+    """Hash every parameter's floats, written exactly (repr).
+
+    Two params objects have the same signature only if they hold the same weights."""
     model.check_shapes(params)
     data = json.dumps([params[name] for name in sorted(params)])
     return hashlib.sha256(data.encode("utf-8")).hexdigest()[:16]
 
 
 def content_signature(tokens, keys, values):
-    """A hash of a cache's tokens, keys and values, written exactly: any change to one
-    number or token changes it."""
+    """Hash a cache's tokens, keys and values, written exactly.
+
+    Any change to one number or token changes it."""
     data = json.dumps([tokens, keys, values])
     return hashlib.sha256(data.encode("utf-8")).hexdigest()
 
 
 def save_cache(cache, path):
-    """Write the tokens, keys and values of a cache that stores them exactly (a KVCache,
-    a paged sequence, a float64 QuantizedCache) to path (JSON, floats exact), with the
-    signature of the weights they were computed with and one of their own content,
-    atomically."""
+    """Write the tokens, keys and values of a cache that stores them exactly to path.
+
+    Such a cache: a KVCache, a paged sequence, a float64 QuantizedCache. JSON, floats exact,
+    with the signature of the weights they were computed with and one of their own content,
+    written atomically."""
     if not (isinstance(cache, KVCache) and cache.stores_exactly):
         raise ValueError(f"save_cache saves a cache whose keys and values are exact and "
                          f"complete (stores_exactly), and a {type(cache).__name__}'s are not")
@@ -58,11 +61,12 @@ def save_cache(cache, path):
 
 
 def load_cache(params, path):
-    """A new KVCache for params holding what save_cache wrote to path; refused, naming the
-    file, if it is not a cache file of this lab, was computed with other weights (its
-    keys and values would give stale logits), or is truncated or corrupted (any change to
-    its tokens, keys or values: the file carries a signature of them). And since anyone
-    can compute that signature again, every key and value is computed again from its
+    """Give a new KVCache for params holding what save_cache wrote to path.
+
+    Refused, naming the file, if it is not a cache file of this lab, was computed with other
+    weights (its keys and values would give stale logits), or is truncated or corrupted (any
+    change to its tokens, keys or values: the file carries a signature of them). And since
+    anyone can compute that signature again, every key and value is computed again from its
     token and position and compared with ==: a file that holds anything but what these
     weights compute for its tokens is refused."""
     model.check_shapes(params)
@@ -125,8 +129,9 @@ def _cache_problem(tokens, keys, values):
 # ---- the experiment (a stage of trace_kv.py) ---------------------------------------
 
 def experiment(lab, runs):
-    """The bytes of save_cache's files for the caches of the greedy stories (every
-    position fed), per position: exact floats written as JSON text."""
+    """Measure the bytes per position of save_cache's files for the greedy stories' caches.
+
+    Every position fed; exact floats written as JSON text."""
     params, tok = lab.params, lab.tok
     positions = written = 0
     with tempfile.TemporaryDirectory() as folder:
@@ -142,6 +147,7 @@ def experiment(lab, runs):
 
 
 def main(argv=None):
+    """Save a prompt's cache to a file, or continue a prompt from one (the command line)."""
     parser = argparse.ArgumentParser(
         description="Save the KV cache of a prompt to a file, or continue a prompt from a "
                     "cache file (in this process or another), and compare the story with "

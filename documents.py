@@ -44,8 +44,9 @@ def documents(folder=LAB):
 
 
 def drawing(name):
-    """The function that MODULE.NAME names: a function defined in the lab's module
-    MODULE. A ValueError says what is missing."""
+    """Find the function that MODULE.NAME names, in the lab's module MODULE.
+
+    A ValueError says what is missing."""
     module, _, function = name.rpartition(".")
     if not module or not os.path.isfile(os.path.join(LAB, f"{module}.py")):
         raise ValueError(f"{name} names no module of the lab (MODULE.NAME, MODULE a .py file "
@@ -57,8 +58,10 @@ def drawing(name):
 
 
 def drawn(name, record, timing, folder=LAB, *given):
-    """What MODULE.NAME gives: NAME(record, timing, *given); or, for one drawn by running
-    the lab's code rather than from the record (it takes a folder), from folder's files."""
+    """Give what MODULE.NAME gives: NAME(record, timing, *given).
+
+    For one drawn by running the lab's code rather than from the record (it takes a folder),
+    from folder's files."""
     draw = drawing(name)
     if "folder" in inspect.signature(draw).parameters:
         return draw(record, timing, *given, folder=folder)
@@ -66,9 +69,10 @@ def drawn(name, record, timing, folder=LAB, *given):
 
 
 def entry(path, record, timing, folder=LAB):
-    """The value at PATH (without its :SPEC) in the record or the timing, or the figure
-    MODULE.NAME() or MODULE.NAME(ARG) computes. A KeyError says which key or item is
-    missing."""
+    """Give the value at PATH (without its :SPEC) in the record or the timing.
+
+    Or the figure MODULE.NAME() or MODULE.NAME(ARG) computes. A KeyError says which key or
+    item is missing."""
     computed = COMPUTED.match(path)
     if computed:
         return drawn(f"{computed[1]}.{computed[2]}", record, timing, folder,
@@ -98,8 +102,9 @@ def figure(mark, record, timing, folder=LAB):
 
 
 def rendered(text, record, timing, folder=LAB):
-    """text with every marked figure and block written from the record and the timing
-    (and those drawn by running the lab's code, from folder's files)."""
+    """Write every marked figure and block of text from the record and the timing.
+
+    Those drawn by running the lab's code are drawn from folder's files."""
     text = FIGURE.sub(lambda m: f"<!--fig {m[1]}-->{figure(m[1], record, timing, folder)}"
                                 f"<!--/-->", text)
     return BLOCK.sub(lambda m: "".join(line + "\n" for line in (
@@ -112,13 +117,16 @@ def pictures(text, record, timing, folder=LAB):
 
 
 def line_of(text, at):
+    """Give the number of the line of text that holds the character at index at."""
     return text.count("\n", 0, at) + 1
 
 
 def unknown_names(text, recorded, stages):
-    """A line for each mark of text that names nothing: a function the lab does not have,
-    or a record entry whose first key neither the recorded record (a dict) holds nor a
-    stage of stages (their names) will record. Fast: nothing is run or drawn."""
+    """List a line for each mark of text that names nothing; fast, nothing is run or drawn.
+
+    Names nothing: a function the lab does not have, or a record entry whose first key
+    neither the recorded record (a dict) holds nor a stage of stages (their names) will
+    record."""
     problems = []
     marks = ([(found, COMPUTED.match(found[1].partition(":")[0]))
               for found in FIGURE.finditer(text)]
@@ -142,9 +150,10 @@ def unknown_names(text, recorded, stages):
 # ---- the Markdown helpers the Parts draw with ----------------------------------------
 
 def shown(figure, spec=""):
-    """A figure as the documents print it: with spec, in that format spec; else an int
-    with its thousands separated (20,509), a float to 4 significant digits (0.0 as 0.0),
-    a bool as yes or no, None as a dash."""
+    """Write a figure as the documents print it.
+
+    With spec, in that format spec; else an int with its thousands separated (20,509), a
+    float to 4 significant digits (0.0 as 0.0), a bool as yes or no, None as a dash."""
     if spec:
         return format(figure, spec)
     if isinstance(figure, bool):
@@ -163,6 +172,7 @@ def table(header, rows):
 
 
 def bold(text):
+    """Write text in Markdown's bold."""
     return f"**{text}**"
 
 

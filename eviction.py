@@ -26,11 +26,12 @@ from lossy import Series, declared, measure
 
 
 class EvictingCache(KVCache):
-    """What the three kinds share: the positions kept (kept, in order), their keys,
-    values and scores, and the rows' reads. After each row (for SnapKV, from the end of
-    its prompt on), while it holds budget positions or more, it drops the one whose score
-    is lowest (the earliest of equals) among all but the recent - 1 latest;
-    score(weights) is each kind's own."""
+    """What the three kinds of evicting cache share, each kind scoring positions its own way.
+
+    They share the positions kept (kept, in order), their keys, values and scores, and the
+    rows' reads. After each row (for SnapKV, from the end of its prompt on), while it holds
+    budget positions or more, it drops the one whose score is lowest (the earliest of
+    equals) among all but the recent - 1 latest; score(weights) is each kind's own."""
 
     keeps_every_position = stores_exactly = False
 
@@ -67,8 +68,10 @@ class EvictingCache(KVCache):
         return 0.0
 
     def attended(self, weights):
-        """The newest row read the kept positions with these weights: note its reads,
-        let the kind score them, and evict down to budget - 1 positions."""
+        """Take the weights the newest row read the kept positions with, and evict.
+
+        It notes the row's reads, lets the kind score them, and evicts down to budget - 1
+        positions."""
         if len(weights) != len(self.kept):
             raise ValueError(f"attended got {len(weights)} weights for the {len(self.kept)} "
                              f"positions held")
@@ -90,8 +93,9 @@ class EvictingCache(KVCache):
         del self.kept[index], self._keys[index], self._values[index], self.scores[index]
 
     def crop(self, length):
-        """Forget every position from length on: only all of them (0), or none, since each
-        choice it made depends on every row it has read."""
+        """Forget every position from length on: all of them (0), or none.
+
+        Nothing between, since each choice it made depends on every row it has read."""
         if length not in (0, len(self)):
             raise ValueError(f"crop length must be 0 or {len(self)} (the positions fed), got "
                              f"{length!r}: an evicting cache's choices depend on every row "
@@ -104,9 +108,11 @@ class EvictingCache(KVCache):
 
 
 class HeavyHitterCache(EvictingCache):
-    """H2O: a position's score is the attention it has received, summed over every row
-    so far; the recent - 1 latest positions are kept whatever their score (default: half
-    the budget is a window, as H2O's paper splits it)."""
+    """H2O's cache: a position's score is the attention it has received so far.
+
+    The attention is summed over every row so far; the recent - 1 latest positions are kept
+    whatever their score (default: half the budget is a window, as H2O's paper splits
+    it)."""
 
     def __init__(self, params, budget, recent=None):
         super().__init__(params, budget, budget // 2 if recent is None else recent)
@@ -116,8 +122,9 @@ class HeavyHitterCache(EvictingCache):
 
 
 class KeyNormCache(EvictingCache):
-    """K-norm: a position's score is minus its key's squared norm, so the keys of
-    largest norm go first; the recent - 1 latest positions are kept."""
+    """K-norm's cache: a position's score is minus its key's squared norm.
+
+    So the keys of largest norm go first; the recent - 1 latest positions are kept."""
 
     def __init__(self, params, budget, recent=None):
         super().__init__(params, budget, budget // 2 if recent is None else recent)
@@ -130,12 +137,13 @@ class KeyNormCache(EvictingCache):
 
 
 class SnapKVCache(EvictingCache):
-    """SnapKV: the prompt's rows read every prompt position (prefill). At the end of the
-    prompt (its prompt_tokens-th row), each earlier position is scored by the mean weight
-    the window last rows gave it, averaged with its neighbours (kernel positions, the
-    missing ones at the edges counted as 0, as avg_pool1d does), and the budget - window
-    best are kept for good; the rest of the budget is a window over the latest
-    positions."""
+    """SnapKV's cache: at the end of the prompt it keeps, for good, what the window read most.
+
+    The prompt's rows read every prompt position (prefill). At the end of the prompt (its
+    prompt_tokens-th row), each earlier position is scored by the mean weight the window
+    last rows gave it, averaged with its neighbours (kernel positions, the missing ones at
+    the edges counted as 0, as avg_pool1d does), and the budget - window best are kept for
+    good; the rest of the budget is a window over the latest positions."""
 
     def __init__(self, params, budget, prompt_tokens, window=4, kernel=3):
         super().__init__(params, budget, budget)
@@ -160,8 +168,10 @@ class SnapKVCache(EvictingCache):
 
 
 def snapkv_choice(rows, keep, kernel):
-    """The keep positions before the window (the positions rows, the window's weights,
-    do not end on) that the window attended to most, pooled: sorted."""
+    """Give the keep positions before the window that the window attended to most, sorted.
+
+    Positions before the window: those the rows (the window's weights) do not end on; their
+    weights are pooled over kernel neighbours."""
     before = len(rows[-1]) - len(rows)
     mean = [fsum(row[p] for row in rows) / len(rows) for p in range(before)]
     half = kernel // 2
@@ -180,12 +190,13 @@ RUNGS = tuple((kind, budget) for kind, _ in KINDS
 
 
 def rung(lab, index, runs):
-    """One kind of evicting cache at one budget (RUNGS[index]), measured on every opening
-    as the ladder's rungs are (lossy.measure), with the most positions a row read once
-    its prompt was read. At the kind's smallest budget, where the reads are furthest from
-    the causal mask, every row of every greedy story is also compared with model.forward's
-    over the same tokens with that row's reads as its mask: how many rows, and how many
-    are equal (==)."""
+    """Measure one kind of evicting cache at one budget (RUNGS[index]) on every opening.
+
+    Measured as the ladder's rungs are (lossy.measure), with the most positions a row read
+    once its prompt was read. At the kind's smallest budget, where the reads are furthest
+    from the causal mask, every row of every greedy story is also compared with
+    model.forward's over the same tokens with that row's reads as its mask: how many rows,
+    and how many are equal (==)."""
     name, budget = RUNGS[index]
     kind = dict(KINDS)[name]
     smallest = min(b for n, b in RUNGS if n == name)
@@ -214,8 +225,9 @@ def rung(lab, index, runs):
 # ---- what Part 3 shows of it (documents.py fills its marks) --------------------------
 
 def rows_equal_to_the_masked_pass(record, timing):
-    """The rows compared with the masked full pass and the equal ones, in words: for each
-    kind, or all kinds at once where they agree."""
+    """Say in words how many rows equal the masked full pass, of those compared.
+
+    For each kind, or all kinds at once where they agree."""
     counts = [(name, rung["rows_equal_to_the_masked_pass"],
                rung["rows_compared_with_the_masked_pass"])
               for (name, _), rung in declared(record, "eviction", RUNGS)
@@ -226,7 +238,9 @@ def rows_equal_to_the_masked_pass(record, timing):
 
 
 def rungs_table(record, timing):
-    """Every rung: the most positions a row read after its prompt, the largest logit gap,
+    """Section 18's table of every rung, against the masked full pass.
+
+    For each rung: the most positions a row read after its prompt, the largest logit gap,
     the stories changed, and the rows equal to the masked full pass (of those compared)."""
     stories = record["eviction"]["stories"]
     rows = [[rung["cache"], rung["most_positions_a_row_read_after_the_prompt"],
@@ -243,8 +257,10 @@ def rungs_table(record, timing):
 
 
 def budgets_table(record, timing):
-    """Greedy (and sampled) stories changed, of the openings, at each number of positions
-    kept: by position (the ladder's windows and sinks) and by attention (each kind)."""
+    """Section 18's table of the stories changed at each number of positions kept.
+
+    Greedy (and sampled) stories changed, of the openings: by position (the ladder's windows
+    and sinks) and by attention (each kind)."""
     windows = [rung for rung in record["ladder"]["rungs"] if rung["positions_kept"]]
     by_kind = dict(declared(record, "eviction", RUNGS))
 
@@ -260,8 +276,9 @@ def budgets_table(record, timing):
 
 
 def side_by_side(record):
-    """Each kind's series in section 19's picture (lossy.side_by_side_picture): its
-    budgets, against the positions kept."""
+    """Give each kind's series in section 19's picture (lossy.side_by_side_picture).
+
+    Each its budgets, against the positions kept."""
     kinds = {}
     for (name, _), rung in declared(record, "eviction", RUNGS):
         kinds.setdefault(name, []).append(rung)

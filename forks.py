@@ -17,10 +17,12 @@ FORKED_OPENINGS, FORKS = 3, 4   # the experiment: the first openings, continuati
 
 
 def sample_from_forks(params, tok, prompt, seeds, pool):
-    """Parallel sampling by copy on write: the prompt prefilled once into a sequence of
-    pool, forked once per seed of the list seeds, each continued at temperature 1.0 with
-    its seed from the prompt's last row (computed once): the results, and the blocks the
-    pool had taken when the last ended. On the way out, normally or not, all go back."""
+    """Sample in parallel by copy on write: one prefill, a fork per seed.
+
+    The prompt is prefilled once into a sequence of pool, forked once per seed of the list
+    seeds, each continued at temperature 1.0 with its seed from the prompt's last row
+    (computed once). Gives the results, and the blocks the pool had taken when the last
+    ended. On the way out, normally or not, all go back."""
     ids = generate.check_request(tok, prompt, 60, 1.0, None, 0)
     generate.check_seeds(seeds)
     check_pool(pool, params)
@@ -44,10 +46,11 @@ def sample_from_forks(params, tok, prompt, seeds, pool):
 # ---- the experiment (a stage of trace_kv.py) --------------------------------------
 
 def parallel_sampling(lab):
-    """FORKS sampled continuations (seeds 0 to FORKS - 1) of each of the first
-    FORKED_OPENINGS openings, from forks of one prefill in a pool of blocks of 4, against
-    FORKS caches of their own: the blocks held when all have ended, the prompt rows, and
-    how many continuations are generate.generate's for their seed (instruments.reusing)."""
+    """Sample FORKS continuations of each of the first FORKED_OPENINGS openings from forks.
+
+    Seeds 0 to FORKS - 1, from forks of one prefill in a pool of blocks of 4, against FORKS
+    caches of their own: the blocks held when all have ended, the prompt rows, and how many
+    continuations are generate.generate's for their seed (instruments.reusing)."""
     params, tok = lab.params, lab.tok
     openings = []
     for prompt in lab.prompts[:FORKED_OPENINGS]:
@@ -76,6 +79,7 @@ def parallel_sampling(lab):
 # ---- what Part 2 shows of it (documents.py fills its marks) --------------------------
 
 def forks_table(record, timing):
+    """Section 16's table: forks of one prefill against caches of their own, by opening."""
     p, forks = record["parallel_sampling"], record["parallel_sampling"]["continuations_each"]
     return table(["opening", "prompt tokens", f"distinct continuations (of {forks})",
                   f"blocks held at the end: forks / {forks} caches of their own",

@@ -77,8 +77,9 @@ def _stored_bytes(stored):
 
 
 class QuantizedCache(KVCache):
-    """A cache that stores each key and value compactly, in one of FORMATS, and turns
-    them back into floats when attention reads them: float64 and float32 in arrays,
+    """A cache that stores each key and value compactly, in one of FORMATS.
+
+    It turns them back into floats when attention reads them: float64 and float32 in arrays,
     float16 as IEEE half floats (struct's "e"), int8 and int4 as integer levels with one
     32-bit scale per key or value. The scale maps the largest magnitude to the top level
     (127 or 7); every number goes to the nearest level, ties to the even one, as Python's
@@ -123,11 +124,12 @@ class QuantizedCache(KVCache):
 
 
 class WindowCache(KVCache):
-    """A cache that keeps the keys and values of the first sinks positions and of the
-    last window ones, in buffers of fixed size, as Mistral's rotating cache and
-    StreamingLLM's attention sinks do; position i then attends to those only (model.band
-    is the same mask on the full pass). It keeps every token ID, to check prefixes. Feed
-    it one token at a time: each new position has a window of its own."""
+    """A cache that keeps the keys and values of the first sinks and last window positions.
+
+    It keeps them in buffers of fixed size, as Mistral's rotating cache and StreamingLLM's
+    attention sinks do; position i then attends to those only (model.band is the same mask
+    on the full pass). It keeps every token ID, to check prefixes. Feed it one token at a
+    time: each new position has a window of its own."""
 
     keeps_every_position = stores_exactly = False
 
@@ -171,8 +173,9 @@ class WindowCache(KVCache):
             self.tokens.append(token_id)
 
     def crop(self, length):
-        """Forget every position from length on; refused where the window has already
-        dropped a position that length would need."""
+        """Forget every position from length on, if the window still holds what that needs.
+
+        Refused where the window has already dropped a position that length would need."""
         held = len(self)
         if model.is_int(length) and length < held \
                 and held > self.sinks + self.window and length > self.sinks:
@@ -196,8 +199,9 @@ RUNGS = (("exact lists, sums in another order", "reordered"),
 
 
 def ladder_rung(lab, rung, runs):
-    """One way of keeping the cache (RUNGS[rung]) measured on every opening (measure):
-    with its bytes per position (measured, for the compact formats) or the positions it
+    """Measure one way of keeping the cache (RUNGS[rung]) on every opening (measure).
+
+    With its bytes per position (measured, for the compact formats) or the positions it
     keeps (for a window)."""
     name, kind = RUNGS[rung]
 
@@ -215,17 +219,18 @@ def ladder_rung(lab, rung, runs):
 
 
 def measure(lab, runs, make, each_story=None):
-    """A kind of cache (make() starts one) on every opening: the largest logit gap against
-    the exact rows over every position of the greedy stories (their tokens fed through
-    that cache), and how many greedy and sampled stories change their text (a greedy story
-    changes where a fed row's best token is not the next one; a sampled one is generated
-    again through that cache, with its own random numbers, up to the first token it
-    chooses otherwise). make(prompt_tokens) starts the cache for a prompt of that many
-    tokens. The sampled story goes on from a copy of the greedy one's cache where the two
-    part: before that they feed the same tokens, so their rows are the same rows, computed
-    once. each_story(cache, ids, rows, prompt_tokens), if given, is told each greedy
-    story's cache, the token IDs fed and their rows. Returns (the three figures, the last
-    greedy story's cache)."""
+    """Measure a kind of cache (make() starts one) on every opening against the exact rows.
+
+    Gives the largest logit gap against the exact rows over every position of the greedy
+    stories (their tokens fed through that cache), and how many greedy and sampled stories
+    change their text (a greedy story changes where a fed row's best token is not the next
+    one; a sampled one is generated again through that cache, with its own random numbers,
+    up to the first token it chooses otherwise). make(prompt_tokens) starts the cache for a
+    prompt of that many tokens. The sampled story goes on from a copy of the greedy one's
+    cache where the two part: before that they feed the same tokens, so their rows are the
+    same rows, computed once. each_story(cache, ids, rows, prompt_tokens), if given, is told
+    each greedy story's cache, the token IDs fed and their rows. Returns (the three figures,
+    the last greedy story's cache)."""
     params, tok, prompts = lab.params, lab.tok, lab.prompts
     gap = 0.0
     greedy_changed = sampled_changed = 0
@@ -266,14 +271,16 @@ def _strays(params, cache, generation, story, rows):
 
 
 def ladder(lab, rungs):
-    """A ladder's record (this one's, or eviction.py's): every rung, and on how many
-    openings."""
+    """Give a ladder's record: every rung, and on how many openings.
+
+    The ladder: this one's, or eviction.py's."""
     return {"stories": len(lab.prompts), "rungs": rungs}
 
 
 # ---- what Part 3 shows of it (documents.py fills its marks) --------------------------
 
 def ladder_table(record, timing):
+    """Section 17's table: every rung of the ladder beside the exact lists, and what it costs."""
     rows = [["exact, in lists (the reference)",
              f"{timing['cache_bytes_per_position']:,} as CPython objects", "all", "0.0", 0, 0]]
     rows += [[rung["cache"], shown(rung["bytes_per_position"], "g")
@@ -291,10 +298,11 @@ FLOOR = 1e-16   # where the picture's log scale of gaps starts: a gap of 0.0 has
 
 
 def ladder_picture(record, timing):
-    """Section 17: each rung of the ladder, as in its table, with the bytes it holds for a
-    full context of 64 positions (its measured bytes a position, or the positions it keeps
-    as the exact lists' 8-byte numbers) and the largest logit gap it gives (a log scale);
-    red where it changed a greedy story."""
+    """Draw section 17's picture: each rung of the ladder, its memory and its largest logit gap.
+
+    As in its table: the bytes it holds for a full context of 64 positions (its measured
+    bytes a position, or the positions it keeps as the exact lists' 8-byte numbers) and the
+    largest logit gap it gives (a log scale); red where it changed a greedy story."""
     svg.checked(record, {"cache_floats_per_position": (1, svg.LARGEST), "ladder": {
         "stories": svg.COUNT, "rungs": [{
             "cache": str, "bytes_per_position": (*svg.COUNT, None),
@@ -337,10 +345,11 @@ RUNG_SHAPE = {"cache": str, "positions_kept": (*svg.COUNT, None),   # what the p
 
 
 def declared(record, stage, declarations, key="rungs"):
-    """The rungs of record[stage][key] (checked as RUNG_SHAPE says), each beside the
-    declaration it was measured from (declarations: the stage's, in its cases' order), so
-    that no code reads a rung's kind back from its label; refused, naming the key, if the
-    record holds another number of rungs than the stage declares."""
+    """Give the rungs of record[stage][key], each beside the declaration it was measured from.
+
+    The rungs are checked as RUNG_SHAPE says; declarations: the stage's, in its cases'
+    order, so that no code reads a rung's kind back from its label. Refused, naming the key,
+    if the record holds another number of rungs than the stage declares."""
     rungs = svg.checked(record, {stage: {key: [RUNG_SHAPE]}})[stage][key]
     if len(rungs) != len(declarations):
         raise ValueError(f"the record's {stage}.{key} holds {len(rungs)} rungs, and the stage "
@@ -350,9 +359,10 @@ def declared(record, stage, declarations, key="rungs"):
 
 
 def side_by_side(record):
-    """The ladder's series in section 19's picture: its windows by their sinks, against the
-    positions kept, and its compact formats (one scale a vector) against the bytes, both
-    dashed."""
+    """Give the ladder's series in section 19's picture, both dashed.
+
+    Its windows by their sinks, against the positions kept, and its compact formats (one
+    scale a vector) against the bytes."""
     kept, formats = {}, []
     for (_, kind), rung in declared(record, "ladder", RUNGS):
         if isinstance(kind, tuple):   # (window, sinks)
@@ -379,13 +389,14 @@ def keeping_less(folder=os.path.dirname(os.path.abspath(__file__))):
 
 
 def side_by_side_picture(record, timing):
-    """Section 19, every rung that keeps less side by side, from every stage that keeps
-    less (keeping_less): the greedy stories changed against the positions kept (the
-    windows, without and with 4 sinks, and each evicting kind of eviction.py), and against
-    the bytes a position takes in a full context of 64, its exact positions included (the
-    formats, and quantization.py's RotatedCaches and GroupedCaches by kind). Each series
-    has a colour and a marker of its own, and is drawn SHIFT pixels right of the one before
-    it."""
+    """Draw section 19's picture: every rung that keeps less, side by side.
+
+    From every stage that keeps less (keeping_less): the greedy stories changed against the
+    positions kept (the windows, without and with 4 sinks, and each evicting kind of
+    eviction.py), and against the bytes a position takes in a full context of 64, its exact
+    positions included (the formats, and quantization.py's RotatedCaches and GroupedCaches
+    by kind). Each series has a colour and a marker of its own, and is drawn SHIFT pixels
+    right of the one before it."""
     stories = svg.checked(record, {"ladder": {"stories": svg.COUNT}})["ladder"]["stories"]
     series = [line for module in keeping_less() for line in module.side_by_side(record)]
     by_kept, by_bytes = ([line for line in series if line.axis == axis]

@@ -18,11 +18,13 @@ MAX_BLOCKS = 100_000       # a pool makes its blocks at once: a billion would fi
 
 
 class Block:
-    """One block of a pool: the tokens, keys and values of up to block_size positions; how
-    many block tables hold it; once full, its key in the prefix index: the tokens of every
-    position from 0 to its end (a deeper model's keys depend on them all); and computed_by:
-    None for the lab's exact arithmetic, else the product of the engine's kernel that
-    computed it (it rounds otherwise), so that only a sequence computed alike finds it."""
+    """One block of a pool, holding the tokens, keys and values of up to block_size positions.
+
+    It counts how many block tables hold it. Once full, it has a key in the prefix index:
+    the tokens of every position from 0 to its end (a deeper model's keys depend on them
+    all). And computed_by: None for the lab's exact arithmetic, else the product of the
+    engine's kernel that computed it (it rounds otherwise), so that only a sequence computed
+    alike finds it."""
 
     def __init__(self):
         self.tokens, self.keys, self.values = [], [], []
@@ -30,15 +32,16 @@ class Block:
 
 
 class BlockPool:
-    """Room for the keys and values of a fixed number of blocks of block_size positions
-    each, shared by the sequences made from it (each holds a block table: the blocks of its
-    positions, in order) and asked by them: it alone takes, shares and releases blocks,
-    counts the tables holding each, and keeps the prefix index, where a full block is found
-    again by the tokens of every position up to its end. A full block nobody holds stays
-    there, on the free list, until a new block is needed: the least recently released goes
-    first (a prefix cache that outlives requests). It alone says whether blocks are there:
-    for several sequences at once (room_for), for a new sequence (room_for_sequence), for
-    one of so many positions (could_hold)."""
+    """Keep the keys and values of a fixed number of blocks, each of block_size positions.
+
+    The blocks are shared by the sequences made from the pool (each holds a block table: the
+    blocks of its positions, in order), which ask it: it alone takes, shares and releases
+    blocks, counts the tables holding each, and keeps the prefix index, where a full block
+    is found again by the tokens of every position up to its end. A full block nobody holds
+    stays there, on the free list, until a new block is needed: the least recently released
+    goes first (a prefix cache that outlives requests). It alone says whether blocks are
+    there: for several sequences at once (room_for), for a new sequence (room_for_sequence),
+    for one of so many positions (could_hold)."""
 
     def __init__(self, params, blocks, block_size):
         model.check_shapes(params)
@@ -62,10 +65,12 @@ class BlockPool:
         return len(self.free_list)
 
     def sequence(self, ids=(), computed_by=None):
-        """A new sequence starting with the longest run of full blocks in the pool that
-        hold the first tokens of ids and were computed as it will be (prefix reuse): feed
-        it the rest of ids. computed_by: None for the lab's exact arithmetic (forward_step,
-        prefill, batched.exact), or the product of the kernel that will compute its rows."""
+        """Start a new sequence on the pool's longest cached prefix of ids.
+
+        The prefix is the longest run of full blocks in the pool that hold the first tokens
+        of ids and were computed as the sequence will be (prefix reuse): feed it the rest of
+        ids. computed_by: None for the lab's exact arithmetic (forward_step, prefill,
+        batched.exact), or the product of the kernel that will compute its rows."""
         if not isinstance(ids, (list, tuple)):
             raise ValueError(f"ids must be a list of token IDs, got {type(ids).__name__}")
         if ids:
@@ -79,8 +84,10 @@ class BlockPool:
         return seq
 
     def find(self, ids, computed_by=None):
-        """The longest run of cached full blocks holding the first tokens of ids, computed
-        by computed_by (another kernel's keys round otherwise: never mixed in)."""
+        """Give the longest run of cached full blocks holding the first tokens of ids.
+
+        Only blocks computed by computed_by count (another kernel's keys round otherwise:
+        never mixed in)."""
         found = []
         for end in range(self.block_size, len(ids) + 1, self.block_size):
             holders = [block_id for block_id in self.prefix_index.get(tuple(ids[:end]), ())
@@ -93,8 +100,10 @@ class BlockPool:
         return found
 
     def room_for(self, demands):
-        """Whether the free blocks hold what demands, a list of (sequence, more positions),
-        need together: each sequence's blocks_needed (a copy on write counts), summed."""
+        """Say whether the free blocks hold what demands need together.
+
+        demands is a list of (sequence, more positions); the need is each sequence's
+        blocks_needed (a copy on write counts), summed."""
         return self._blocks_for(demands) <= self.free_blocks()
 
     def check_room(self, demands):
@@ -111,17 +120,19 @@ class BlockPool:
                              f"{blocks} more are needed; free a sequence or make a larger pool")
 
     def room_for_sequence(self, ids, positions, computed_by=None):
-        """Whether a new sequence for ids (pool.sequence(ids, computed_by)) could then hold
-        that many positions: the blocks past its cached prefix, out of the free blocks that
-        prefix would not take back."""
+        """Say whether a new sequence for ids could then hold that many positions.
+
+        The sequence is pool.sequence(ids, computed_by); it needs the blocks past its cached
+        prefix, out of the free blocks that prefix would not take back."""
         cached = self.find(ids, computed_by)
         taken_back = sum(self.blocks[block_id].ref_count == 0 for block_id in cached)
         needed = self.blocks_to_hold(positions) - len(cached)
         return needed <= self.free_blocks() - taken_back
 
     def could_hold(self, positions):
-        """Whether a new sequence of that many positions fits in the blocks free now
-        (cached ones count: they are taken back when needed)."""
+        """Say whether a new sequence of that many positions fits in the blocks free now.
+
+        Cached blocks count: they are taken back when needed."""
         return self.blocks_to_hold(positions) <= self.free_blocks()
 
     def blocks_to_hold(self, positions):
@@ -134,9 +145,10 @@ class BlockPool:
         return self.blocks[block_id]
 
     def take(self, tokens=(), keys=(), values=(), computed_by=None):
-        """A free block for one table, holding copies of the given positions (at most
-        block_size), computed by computed_by; a cached block taken for it leaves the prefix
-        index (it is evicted)."""
+        """Give a free block for one table, holding copies of the given positions.
+
+        At most block_size positions, computed by computed_by; a cached block taken for it
+        leaves the prefix index (it is evicted)."""
         if not len(tokens) == len(keys) == len(values) <= self.block_size:
             raise ValueError(f"a block holds up to {self.block_size} positions, one token, "
                              f"key and value each; got {len(tokens)} tokens, {len(keys)} "
@@ -161,8 +173,10 @@ class BlockPool:
         block.ref_count += 1
 
     def release(self, block_id):
-        """One table less holds the block. When none does, a full block stays findable at
-        the back of the free list; any other is emptied and goes to its front."""
+        """Let one table less hold the block.
+
+        When none does, a full block stays findable at the back of the free list; any other
+        is emptied and goes to its front."""
         block = self.block(block_id)
         if block.ref_count == 0:
             raise ValueError(f"block {block_id} is held by no table: release a block once "
@@ -175,8 +189,10 @@ class BlockPool:
                 self.free_list.move_to_end(block_id, last=False)
 
     def append(self, block_id, token_id, k, v, prefix):
-        """One more position in a block that one table holds; prefix: the tokens of its
-        sequence so far, under which the block is indexed when it fills up."""
+        """Write one more position into a block that one table holds.
+
+        prefix: the tokens of its sequence so far, under which the block is indexed when it
+        fills up."""
         block = self.block(block_id)
         slot = len(block.tokens)
         if slot == self.block_size or block.ref_count != 1:
@@ -215,11 +231,13 @@ def check_pool(pool, params):
 
 
 class PagedSequence(KVCache):
-    """One sequence whose positions live in a BlockPool's blocks. To forward_step and
-    prefill it is a cache like any other: tokens, keys and values read as lists over its
-    positions, and new positions go into its last block or into new ones. A fork shares
-    every block, the partly filled last one too, until one of them writes there: then the
-    writer first takes a copy of it (copy on write). Its room is its pool's (room_owner)."""
+    """One sequence whose positions live in a BlockPool's blocks.
+
+    To forward_step and prefill it is a cache like any other: tokens, keys and values read
+    as lists over its positions, and new positions go into its last block or into new ones.
+    A fork shares every block, the partly filled last one too, until one of them writes
+    there: then the writer first takes a copy of it (copy on write). Its room is its pool's
+    (room_owner)."""
 
     def __init__(self, pool, computed_by=None):
         self.pool, self.params, self.columns = pool, pool.params, pool.columns
@@ -284,11 +302,12 @@ class PagedSequence(KVCache):
                 f"pool")
 
     def extend(self, token_ids, keys, values):
-        """Keep several more positions: the last block first, then new blocks; a block
-        that fills up joins the prefix index. Before writing into its last block the
-        sequence makes it its own: a copy if another table holds it too, or cut to its
-        own positions if a crop left it longer. Refused, with nothing changed, when the
-        pool lacks the blocks."""
+        """Keep several more positions: the last block first, then new blocks.
+
+        A block that fills up joins the prefix index. Before writing into its last block the
+        sequence makes it its own: a copy if another table holds it too, or cut to its own
+        positions if a crop left it longer. Refused, with nothing changed, when the pool
+        lacks the blocks."""
         pool = self.pool
         pool.check_room([(self, len(token_ids))])
         if token_ids and self._room_in_last_block():
@@ -327,8 +346,10 @@ class PagedSequence(KVCache):
         self.table, self.length = self.table[:kept_blocks], length
 
     def free(self):
-        """End the sequence: its blocks go back to the pool unless another table holds
-        them (the last block first). Freeing it again does nothing."""
+        """End the sequence, giving its blocks back to the pool.
+
+        A block goes back unless another table holds it (the last block first). Freeing it
+        again does nothing."""
         if not self.freed:
             self._forget_from(0)
             self.freed = True
@@ -337,9 +358,11 @@ class PagedSequence(KVCache):
 # ---- the experiment (a stage of trace_kv.py) --------------------------------------
 
 def experiment(lab, runs):
-    """Slots a cache reserves for the 60 greedy stories: one per position held, a whole
-    context per story (a static cache), or whole blocks; then the openings prefilled into
-    one pool of blocks of 4, sharing full blocks of common prefixes, continued greedily."""
+    """Count the slots a cache reserves for the 60 greedy stories, and share prefixes.
+
+    Slots: one per position held, a whole context per story (a static cache), or whole
+    blocks; then the openings prefilled into one pool of blocks of 4, sharing full blocks of
+    common prefixes, continued greedily."""
     params, tok, prompts = lab.params, lab.tok, lab.prompts
     # A story's cache holds every position but the last chosen token, never fed back.
     held = [len(story_ids(tok, p, r)) - 1 for p, r in zip(prompts, runs.greedy)]
@@ -366,6 +389,7 @@ def experiment(lab, runs):
 # ---- what Part 2 shows of it (documents.py fills its marks) --------------------------
 
 def slots_table(record, timing):
+    """Section 16's table: the slots each way of reserving memory takes, and its waste."""
     labels, p = {"static, 64 per story": "a whole 64-position context per story (a static "
                                          "cache)"}, record["paged"]
     return table(["how the cache reserves memory", "slots reserved", "wasted"],
@@ -374,8 +398,10 @@ def slots_table(record, timing):
 
 
 def block_tables(record=None, timing=None, folder=LAB):
-    """Section 16's picture, from a real pool of blocks of 4 (not from the record) and
-    folder's model: one prompt fed, then a second that begins like it."""
+    """Draw section 16's picture of block tables from a real pool of blocks of 4.
+
+    Not from the record: from folder's model, with one prompt fed, then a second that begins
+    like it."""
     params, tok = generate.load_trained(folder)
     pool, named = BlockPool(params, 64, 4), {}
     for name, prompt in zip("AB", ("mia was sad. tom gave her a hug.", "mia was tired.")):

@@ -18,10 +18,11 @@ CHUNKS = (1, 4, 8)   # the experiment's chunk sizes, tokens per call (test_prefi
 
 
 def prefill(params, cache, token_ids, start):
-    """Next-token logits for each of token_ids, at positions start, start + 1, ..., in one
-    pass, as servers prefill a prompt: the rows of batched.forward_rows, one item a token
-    (each new position i attends to positions 0..i, the causal mask offset by the start).
-    start must be the number of positions the cache holds."""
+    """Compute the next-token logits for each of token_ids in one pass, as servers prefill.
+
+    The positions are start, start + 1, ...; the rows are batched.forward_rows's, one item a
+    token (each new position i attends to positions 0..i, the causal mask offset by the
+    start). start must be the number of positions the cache holds."""
     check_cache(cache, params)
     if not model.is_int(start) or start != len(cache):
         raise ValueError(f"expected start {len(cache)}, got {start!r}: the cache holds "
@@ -46,9 +47,10 @@ def prefill(params, cache, token_ids, start):
 
 
 def prefill_in_chunks(params, cache, ids, size):
-    """Feed the tokens of ids that the cache does not hold yet, size at a time, one
-    prefill call per chunk (servers call it chunked prefill); the logits of each. A
-    refused chunk (a pool out of blocks) leaves the chunks before it in the cache."""
+    """Feed the tokens of ids that the cache does not hold yet, size at a time.
+
+    One prefill call per chunk (servers call it chunked prefill); gives the logits of each.
+    A refused chunk (a pool out of blocks) leaves the chunks before it in the cache."""
     model.check_int("chunk size", size, 1)
     check_cache(cache, params)
     return [logits for first in range(held_prefix(cache, ids), len(ids), size)
@@ -57,8 +59,10 @@ def prefill_in_chunks(params, cache, ids, size):
 
 def generate_one_pass(params, tok, prompt, max_new_tokens=60, temperature=0.0, top_k=None,
                       seed=0):
-    """generate_cached with the whole prompt prefilled in one call of prefill, then one
-    token per call: the same arguments and result as generate.generate."""
+    """Generate as generate_cached does, with the whole prompt prefilled in one call.
+
+    One call of prefill for the prompt, then one token per call: the same arguments and
+    result as generate.generate."""
     cache = KVCache(params)
     ids = generate.check_request(tok, prompt, max_new_tokens, temperature, top_k, seed)
 
@@ -71,9 +75,11 @@ def generate_one_pass(params, tok, prompt, max_new_tokens=60, temperature=0.0, t
 # ---- the experiment (a stage of trace_kv.py) ---------------------------------------
 
 def experiment(lab, runs):
-    """The openings prefilled in chunks of CHUNKS tokens, one pass per chunk, and
-    the greedy stories generated with the whole prompt in one pass: every row against the
-    uncached full pass, every result against the uncached one."""
+    """Check one-pass prefill: chunked prompts row by row, whole prompts story by story.
+
+    The openings prefilled in chunks of CHUNKS tokens, one pass per chunk, and the greedy
+    stories generated with the whole prompt in one pass: every row against the uncached full
+    pass, every result against the uncached one."""
     params, tok, prompts = lab.params, lab.tok, lab.prompts
     positions, gap = {}, 0.0
     for size in CHUNKS:

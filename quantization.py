@@ -30,8 +30,7 @@ SPREAD = 4   # a turned number is at most 4 times the largest of its vector (16 
 
 
 def _sylvester(n):
-    """Sylvester's Hadamard matrix of size n (a power of two): entries 1 and -1, its rows
-    orthogonal."""
+    """Sylvester's Hadamard matrix of size n (a power of 2): entries 1 and -1, rows orthogonal."""
     h = [[1]]
     while len(h) < n:
         h = [row + row for row in h] + [row + [-x for x in row] for row in h]
@@ -53,8 +52,7 @@ def _f32(x):
 
 
 def _grid(numbers, top):
-    """The zero point and scale numbers share, both 32-bit floats: the smallest maps to
-    level 0, the largest to level top."""
+    """Zero point and scale numbers share, 32-bit floats: smallest to level 0, largest to top."""
     low = min(numbers)
     return _f32(low), _f32((max(numbers) - low) / top)
 
@@ -77,9 +75,9 @@ def _unpacked(data, bits):
 
 
 def keys_by_channel(keys, bits):
-    """A group of keys as stored: for each of the 16 channels, a zero point and a scale
-    over the group's positions (_grid); every number its level, packed position by
-    position. At 64 bits, the numbers themselves."""
+    """Store a group of keys: per channel, a zero point and a scale over the group (_grid).
+
+    Each number becomes its level, packed position by position; at 64 bits, the numbers."""
     if bits == 64:
         return (array("d", [x for key in keys for x in key]),)
     top = 2 ** bits - 1
@@ -90,8 +88,9 @@ def keys_by_channel(keys, bits):
 
 
 def value_by_token(value, bits):
-    """One value as stored: one zero point and one scale over its 16 numbers (_grid);
-    every number its level, packed. At 64 bits, the numbers themselves."""
+    """Store one value: one zero point and one scale over its 16 numbers (_grid).
+
+    Each number becomes its level, packed; at 64 bits, the numbers."""
     if bits == 64:
         return (array("d", value),)
     top = 2 ** bits - 1
@@ -100,8 +99,9 @@ def value_by_token(value, bits):
 
 
 def given_back(stored, bits, per_channel):
-    """The vectors stored (keys_by_channel's, per_channel, or value_by_token's) stands for:
-    each level times its scale, plus its zero point."""
+    """Give the vectors that stored stands for: each level times its scale, plus its zero point.
+
+    stored: keys_by_channel's (per_channel) or value_by_token's."""
     if bits == 64:
         numbers = list(stored[0])
     else:
@@ -131,18 +131,16 @@ def _refuse_unless_storable(vector, kind, largest, how):
 
 
 class GroupedCache(KVCache):
-    """A cache that quantizes as KIVI does: keys per channel over each group of group
-    positions (keys_by_channel), values per token (value_by_token), at 2, 4 or 8 bits
-    (or 64: none). The newest positions stay exact, as float64 arrays: when a new one
-    finds residual of them waiting, they are quantized first, so the row of every position
-    reads its own key and value exact, and 1 to residual of the newest ones. flush
-    "groups" quantizes their groups, each once (KIVI); "requantize" quantizes every
-    position held again, from the floats the cache gives back (Hugging Face's
-    QuantizedCache), in groups of group from position 0, the last one perhaps short.
-    With rotate, each key and value is turned (turned) before it is quantized, and
-    turned back when given back. What attention reads is computed at each flush, once.
-    A flush changes what it gives back for the positions it quantizes, so prefill and
-    batched rows, which compute several rows together, refuse it (fixed_once_kept)."""
+    """A cache that quantizes as KIVI does: keys per channel a group, values per token.
+
+    Keys over groups of group positions (keys_by_channel), values each (value_by_token), at 2, 4 or
+    8 bits (64: none). The newest stay exact (float64): a new one finding residual waiting
+    quantizes them first, so each row reads its own key and value exact, and 1 to residual of the
+    newest. flush "groups" quantizes their groups once (KIVI); "requantize", all held again, from
+    the floats given back (Hugging Face's QuantizedCache), in groups of group from 0, the last
+    perhaps short. rotate turns (turned) keys and values before quantizing, and back after. What
+    attention reads is computed once a flush. A flush changes what it gives back for the positions
+    it quantizes, so prefill and batched rows (several at once) refuse it (fixed_once_kept)."""
 
     stores_exactly = fixed_once_kept = False
 
@@ -174,8 +172,9 @@ class GroupedCache(KVCache):
         return len(self.tokens)
 
     def stored(self, vector):
-        """vector as the cache gives it back once kept: exact, as the newest position
-        (a later flush rounds it with its group)."""
+        """Give vector as the cache gives it back once kept: exact, as the newest position.
+
+        A later flush rounds it with its group."""
         self._check(vector)
         return list(vector)
 
@@ -199,8 +198,7 @@ class GroupedCache(KVCache):
             self.values.append(list(v))
 
     def _flush(self):
-        """Quantize the exact positions, now residual of them: their groups ("groups"),
-        or every position held, again ("requantize")."""
+        """Quantize the residual exact positions: their groups, or all held anew ("requantize")."""
         start = len(self.stored_values) if self.flush == "groups" else 0
         keys, values = self.keys[start:], self.values[start:]
         if self.rotate:
@@ -226,9 +224,9 @@ class GroupedCache(KVCache):
         self.exact_values.clear()
 
     def crop(self, length):
-        """Forget every position from length on: refused where positions left would have
-        been quantized with some of the positions forgotten (a shorter sequence would
-        still hold them exact)."""
+        """Forget every position from length on, refusing to cut into the quantized ones.
+
+        Those left were quantized with some forgotten (a shorter sequence holds them exact)."""
         held = len(self.stored_values)
         if model.is_int(length) and 0 < length <= held:
             raise ValueError(f"crop length must be 0, or from {held + 1} to {len(self)}, got "
@@ -245,8 +243,9 @@ class GroupedCache(KVCache):
         del self.tokens[length:], self.keys[length:], self.values[length:]
 
     def stored_bytes(self):
-        """The bytes it stores, counted: (those of the quantized positions, their packed
-        levels and every zero point and scale; those of the exact positions' floats)."""
+        """Count the bytes it stores: (quantized positions', exact positions').
+
+        The quantized: packed levels and every zero point and scale; the exact: their floats."""
         return (sum(map(_stored_bytes, self.key_groups + self.stored_values)),
                 _stored_bytes(self.exact_keys + self.exact_values))
 
@@ -288,11 +287,11 @@ class RotatedCache(QuantizedCache):
 
 
 def bytes_by_formula(bits, group, residual, positions):
-    """What a GroupedCache holding positions positions (at least 1) stores per position:
-    16 numbers a key and 16 a value, at bits / 8 bytes each once quantized, 8 while exact;
-    4 bytes for each zero point and each scale, one of each per channel of a group of
-    keys (the last group perhaps short) and per value. The exact ones are those fed since
-    the last flush: 1 to residual of them."""
+    """Give the bytes per position of a GroupedCache holding positions positions (1 or more).
+
+    16 numbers a key and 16 a value, bits / 8 bytes each once quantized, 8 while exact; 4 bytes
+    each zero point and scale, one of each per channel of a group of keys (the last perhaps short)
+    and per value. The exact: those fed since the last flush, 1 to residual."""
     exact = (positions - 1) % residual + 1
     quantized = positions - exact
     grids = 0 if bits == 64 else model.WIDTH * math.ceil(quantized / group) + quantized
@@ -316,8 +315,7 @@ CASES = range(len(RUNGS) + len(ONE_SCALE_RUNGS))   # the stage's: RUNGS, then ON
 
 
 def side_by_side(record):
-    """This stage's series in section 19's picture, against the bytes a position takes: the
-    RotatedCaches of one scale a vector, then the GroupedCaches, KIVI's and rotated."""
+    """Give section 19's series by bytes a position: one-scale RotatedCaches, KIVI's, rotated."""
     series = {"rotated, one scale": [rung for _, rung in declared(
         record, "quantization", ONE_SCALE_RUNGS, "one_scale_rungs")]}
     for (_, settings), rung in declared(record, "quantization", RUNGS):
@@ -331,10 +329,11 @@ def full_context(lab):
 
 
 def rung(lab, case, runs):
-    """One GroupedCache (RUNGS[case]) measured on every opening (lossy.measure), with its
-    bytes per position holding a full context (counted), the bytes a quantized position
-    takes there, and the numbers re-quantized and those that came back changed (summed
-    over the greedy stories); past RUNGS, a RotatedCache (one_scale_rung)."""
+    """Measure one GroupedCache (RUNGS[case]) on every opening (lossy.measure), and its bytes.
+
+    Bytes per position with a full context held (counted), per quantized position there; numbers
+    re-quantized and changed (greedy stories, summed); past RUNGS, a RotatedCache
+    (one_scale_rung)."""
     if case >= len(RUNGS):
         return one_scale_rung(lab, *ONE_SCALE_RUNGS[case - len(RUNGS)], runs)
     name, settings = RUNGS[case]
@@ -354,8 +353,9 @@ def rung(lab, case, runs):
 
 
 def one_scale_rung(lab, name, fmt, runs):
-    """A RotatedCache of format fmt measured on every opening, as the ladder's formats are,
-    with its bytes per position (measured)."""
+    """Measure a RotatedCache of format fmt on every opening, as the ladder's formats are.
+
+    With its bytes per position (measured)."""
     measured, cache = measure(lab, runs, lambda prompt_tokens: RotatedCache(lab.params, fmt))
     return {"cache": name, "format": fmt, "rotate": True,
             "bytes_per_position": cache.bytes_per_position(), "positions_kept": None,
@@ -363,11 +363,11 @@ def one_scale_rung(lab, name, fmt, runs):
 
 
 def prompt_rows_reading_quantized_keys(prompt_lengths, residual=RESIDUAL):
-    """For prompts of these lengths fed one token at a time through a GroupedCache of that
-    residual: the prompt rows; those that read quantized keys (position residual, kept,
-    quantizes the residual before it, so the rows from there on read them); and the
-    stories whose last prompt row, which picks the first token, is among them. KIVI and
-    Hugging Face compute every prompt row from exact keys and quantize afterwards."""
+    """Count the prompt rows reading quantized keys, for prompts of these lengths.
+
+    Fed a token at a time through a GroupedCache of that residual: prompt rows; those reading
+    quantized keys (keeping position residual quantizes those before it); stories whose last prompt
+    row (picking the first token) is one. KIVI and Hugging Face read exact keys, then quantize."""
     return {"residual": residual, "prompt_rows": sum(prompt_lengths),
             "rows_reading_quantized_keys": sum(max(0, n - residual) for n in prompt_lengths),
             "stories_choosing_the_first_token_from_them": sum(n > residual
@@ -385,11 +385,12 @@ TURNED_ONLY = dict(bits=64, group=16, residual=16, rotate=True)   # no levels: t
 
 
 def rungs(lab, results):
-    """The stage's record: every rung (the GroupedCaches', then the RotatedCaches') and on
-    how many openings; which prompt rows read quantized keys; and, on a full context,
-    the largest logit gap of a GroupedCache(TURNED_ONLY), how far the channels' peaks of
-    the keys and the values differ (outliers) and what re-quantizing does to a group that
-    grows (compounding) and to groups that do not (whole_groups)."""
+    """Give the stage's record: every rung, and what a full context shows.
+
+    Every rung (GroupedCaches', then RotatedCaches') and on how many openings; which prompt rows
+    read quantized keys; on a full context, a GroupedCache(TURNED_ONLY)'s largest logit gap, how
+    far the keys' and values' channel peaks differ (outliers), and what re-quantizing does to a
+    group that grows (compounding) and to groups that do not (whole_groups)."""
     exact, turned_only = KVCache(lab.params), GroupedCache(lab.params, **TURNED_ONLY)
     exact_rows = feed(lab.params, exact, full_context(lab))
     rows = feed(lab.params, turned_only, full_context(lab))
@@ -404,8 +405,7 @@ def rungs(lab, results):
 
 
 def outliers(exact):
-    """For the keys and for the values of a cache: the largest magnitude of the channel
-    whose is largest, over that of the channel whose is smallest."""
+    """Give, for keys and for values, the largest channel peak (magnitude) over the smallest."""
     def ratio(vectors):
         peaks = [max(map(abs, channel)) for channel in zip(*vectors)]
         return max(peaks) / min(peaks)
@@ -413,10 +413,10 @@ def outliers(exact):
 
 
 def compounding(exact, settings):
-    """The keys and values of a cache fed through a re-quantizing GroupedCache(**settings):
-    the numbers it re-quantized and those that came back changed; and the largest error
-    of a key it gives back against the exact keys, beside that of the same groups
-    quantized once."""
+    """Feed a cache's keys and values through a re-quantizing GroupedCache(**settings).
+
+    Gives the numbers re-quantized and those changed; and the largest error of a key it gives back
+    against the exact keys, beside that of the same groups quantized once."""
     cache = GroupedCache(exact.params, **settings)
     cache.extend(exact.tokens, exact.keys, exact.values)
     held, group, bits = len(cache.stored_values), settings["group"], settings["bits"]
@@ -433,8 +433,7 @@ def compounding(exact, settings):
 # ---- what Part 3 shows of it (documents.py fills its marks) --------------------------
 
 def table(record, timing):
-    """The ladder's int8 and int4 rungs (one scale per vector) and the RotatedCaches', then
-    each GroupedCache's."""
+    """Section 19's table: int8, int4 (one scale a vector), RotatedCaches', then GroupedCaches'."""
     ladder = {rung["cache"]: rung for rung in record["ladder"]["rungs"]}
     one_scale = [dict(ladder[fmt], cache=f"{fmt}, one scale a vector") for fmt in ("int8", "int4")]
     one_scale += record["quantization"]["one_scale_rungs"]

@@ -36,22 +36,23 @@ GREEDY_TOO = (("batch-dependent", 8, "ample"),   # kernel_run says why
 
 def serve(params, tok, requests, pool, max_batch, log=None, product=exact,
           attention=exact_attention):
-    """Run requests (each a dict of generate.generate's keyword arguments, prompt
-    included) to completion from one pool, with continuous batching as servers do: at
-    each step every running request chooses one token, and all of them are fed theirs
-    in one batch (a decode row each, forward_rows with product and attention); a
-    waiting request is admitted, its tokens prefilled in one pass, as soon as the batch
-    and the pool have room; a finished one leaves at once. When the running requests
-    need more blocks than are free, the most recently admitted one is preempted by
-    recompute: its blocks are freed, and when it is admitted again it takes back the full
-    blocks of its tokens that the pool still caches and prefills the rest again (its
-    random numbers go on where they were: none is drawn twice). Returns (results,
-    counts): each result, in request order, exactly generate.generate's for its request
-    with the exact product and attention, and what serving did (among it, the positions
-    readmitted requests had held, the blocks they found again, and the requests that
-    chose a token, summed over the steps). log(step, request index, event), if given,
-    is told each "prefill", "decode", "preempted" and "finished" as it happens. If
-    anything raises (log itself, say), every block serve took goes back to the pool."""
+    """Run requests to completion from one pool, with continuous batching as servers do.
+
+    Each request is a dict of generate.generate's keyword arguments, prompt included. At
+    each step every running request chooses one token, and all of them are fed theirs in one
+    batch (a decode row each, forward_rows with product and attention); a waiting request is
+    admitted, its tokens prefilled in one pass, as soon as the batch and the pool have room;
+    a finished one leaves at once. When the running requests need more blocks than are free,
+    the most recently admitted one is preempted by recompute: its blocks are freed, and when
+    it is admitted again it takes back the full blocks of its tokens that the pool still
+    caches and prefills the rest again (its random numbers go on where they were: none is
+    drawn twice). Returns (results, counts): each result, in request order, exactly
+    generate.generate's for its request with the exact product and attention, and what
+    serving did (among it, the positions readmitted requests had held, the blocks they found
+    again, and the requests that chose a token, summed over the steps). log(step, request
+    index, event), if given, is told each "prefill", "decode", "preempted" and "finished" as
+    it happens. If anything raises (log itself, say), every block serve took goes back to
+    the pool."""
     log = _checked_settings(params, tok, requests, pool, max_batch, log, product, attention)
     served = [_Served(params, tok, index, request, pool)
               for index, request in enumerate(requests)]    # every request checked first
@@ -233,10 +234,11 @@ class _Served:
 # ---- the experiments (stages of trace_kv.py) ----------------------------------------
 
 def serve_and_compare(lab, requests, results, full_rows, pool, max_batch):
-    """serve on the requests (each result expected in results, each with the rows of its
-    uncached last full pass in full_rows), recording the logits every request chose a
-    token with: (counts, the results identical, the largest gap between those logits and
-    the full pass's row for the same position)."""
+    """Serve the requests, recording the logits every request chose a token with.
+
+    Each result is expected in results, each with the rows of its uncached last full pass in
+    full_rows. Returns (counts, the results identical, the largest gap between those logits
+    and the full pass's row for the same position)."""
     with recording(generate.Generation, "choose") as choices:
         served, counts = serve(lab.params, lab.tok, requests, pool, max_batch)
     rows = {tuple(story_ids(lab.tok, request["prompt"], result)): full
@@ -249,10 +251,11 @@ def serve_and_compare(lab, requests, results, full_rows, pool, max_batch):
 
 
 def prefix_cache(lab, runs):
-    """The greedy openings served one after another, each freed when done: the full
-    blocks of finished requests stay cached until a block is needed, and a later request
-    that begins with the same tokens takes them instead of computing those rows again.
-    From a pool of PREFIX_CACHE_BLOCKS blocks of 4, far fewer than the stories hold
+    """Serve the greedy openings one after another, each freed when done.
+
+    The full blocks of finished requests stay cached until a block is needed, and a later
+    request that begins with the same tokens takes them instead of computing those rows
+    again. From a pool of PREFIX_CACHE_BLOCKS blocks of 4, far fewer than the stories hold
     together, and from one large enough never to evict."""
     requests = [{"prompt": prompt} for prompt in lab.prompts]
     record = {"positions_held_in_all": sum(len(story_ids(lab.tok, p, r)) - 1
@@ -277,12 +280,13 @@ def _all_openings(lab):
 
 
 def many_requests(lab, runs):
-    """The 60 greedy and the 60 sampled openings as 120 requests, served in that order
-    with batches of up to MAX_BATCH: from a pool of SMALL_POOL blocks of 4, which forces
+    """Serve the 60 greedy and the 60 sampled openings as 120 requests, in that order.
+
+    With batches of up to MAX_BATCH: from a pool of SMALL_POOL blocks of 4, which forces
     preemptions, and from an ample one; the small pool's extra rows, split into those
-    readmitted requests recompute and the prefix sharing between requests it loses; and
-    the steps static batching takes for the same requests (each batch of MAX_BATCH
-    starts together and waits for its longest)."""
+    readmitted requests recompute and the prefix sharing between requests it loses; and the
+    steps static batching takes for the same requests (each batch of MAX_BATCH starts
+    together and waits for its longest)."""
     requests = _all_openings(lab)
     results = runs.greedy + runs.sampled
     record = {"requests": len(requests), "max_batch": MAX_BATCH}
@@ -309,14 +313,15 @@ def many_requests(lab, runs):
 
 
 def kernel_run(lab, case, runs):
-    """The 60 sampled openings served with the engine's kernel of KERNEL_RUNS[case] for
-    every matrix product or every row's attention (prefill and decode rows alike): what
-    serving did, each story's token IDs, how many are generate's, the largest gap between
-    a logit a token was chosen with and the uncached full pass's for the same tokens, and
-    every such choosing row (its tokens, its logits). A run that is in GREEDY_TOO then
-    serves the 60 greedy openings the same way, from the same pool (their prompts'
-    blocks are found there): how many of those stories are generate's
-    (None for the other runs)."""
+    """Serve the 60 sampled openings with the engine's kernel of KERNEL_RUNS[case].
+
+    The kernel does every matrix product or every row's attention (prefill and decode rows
+    alike). Gives what serving did, each story's token IDs, how many are generate's, the
+    largest gap between a logit a token was chosen with and the uncached full pass's for the
+    same tokens, and every such choosing row (its tokens, its logits). A run that is in
+    GREEDY_TOO then serves the 60 greedy openings the same way, from the same pool (their
+    prompts' blocks are found there): how many of those stories are generate's (None for the
+    other runs)."""
     kernel, max_batch, pool = KERNEL_RUNS[case]
     openings = _all_openings(lab)
     requests = openings[len(lab.prompts):]
@@ -352,10 +357,11 @@ def kernel_run(lab, case, runs):
 
 
 def kernel_table(lab, runs_of_kernels):
-    """Each kernel run against the same kernel's run with batches of 1, and against the
-    uncached generator: stories identical, the first position where a story parts, how
-    many choosing rows for the same tokens have other logits, and whether every choosing
-    row is bit for bit the same."""
+    """Compare each kernel run with its kernel in batches of 1, and with the uncached generator.
+
+    Against both: stories identical, the first position where a story parts, how many
+    choosing rows for the same tokens have other logits, and whether every choosing row is
+    bit for bit the same."""
     alone = {run["kernel"]: run for run in runs_of_kernels if run["max_batch"] == 1}
     table = []
     for run in runs_of_kernels:
@@ -383,6 +389,7 @@ def kernel_table(lab, runs_of_kernels):
 # ---- what Part 4 shows of it (documents.py fills its marks) --------------------------
 
 def prefix_cache_table(record, timing):
+    """Section 20's table: the prefix cache in a small pool and in an ample one."""
     c = record["prefix_cache"]
     labels = {"small pool": f"small: far less than the 60 stories hold "
                             f"({shown(c['positions_held_in_all'])} positions)",
@@ -398,6 +405,7 @@ def prefix_cache_table(record, timing):
 
 
 def many_requests_table(record, timing):
+    """Section 21's table: the openings as requests, served from a small pool and an ample one."""
     m = record["many_requests"]
     return table(["pool of blocks of 4", "steps", "requests choosing a token, mean a step",
                   "rows", "rows recomputed", "preemptions", "peak blocks", "evictions",
@@ -413,9 +421,10 @@ def many_requests_table(record, timing):
 
 
 def timeline(record=None, timing=None, folder=LAB):
-    """Section 21's picture, from a real run of serve (not from the record) on folder's
-    model and corpus: four openings, batches of up to four, a pool of 16 blocks of 4. One
-    line per request, one character per step: P admitted (its tokens prefilled), . a
+    """Draw section 21's picture from a real run of serve, one line per request.
+
+    Not from the record: on folder's model and corpus, four openings, batches of up to four,
+    a pool of 16 blocks of 4. One character per step: P admitted (its tokens prefilled), . a
     decode row, x preempted, - waiting, * finished."""
     params, tok = generate.load_trained(folder)
     with open(os.path.join(folder, "corpus.txt"), encoding="utf-8") as f:

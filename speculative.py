@@ -22,8 +22,10 @@ DRAFTS = (("the story so far", 4),
 
 
 class PromptLookup:
-    """The drafter of prompt lookup decoding: the tokens that followed the latest earlier
-    occurrence of the story's last n tokens (n = longest down to 1) in the story itself."""
+    """The drafter of prompt lookup decoding.
+
+    It drafts the tokens that followed the latest earlier occurrence of the story's last n
+    tokens (n = longest down to 1) in the story itself."""
 
     def __init__(self, longest=3):
         model.check_int("longest", longest, 1)
@@ -39,9 +41,11 @@ class PromptLookup:
 
 
 class NgramDrafter:
-    """A drafter learned from stories (say, the training stories): after the story's last
-    n tokens (n = longest down to 1, the longest seen), the token that most often
-    followed them there (the smallest ID of a tie), drafted one after another."""
+    """A drafter learned from stories (say, the training stories).
+
+    After the story's last n tokens (n = longest down to 1, the longest seen), it drafts the
+    token that most often followed them there (the smallest ID of a tie), one after
+    another."""
 
     def __init__(self, stories, longest=3):
         model.check_int("longest", longest, 1)
@@ -76,17 +80,18 @@ class NgramDrafter:
 
 def generate_speculative(params, tok, prompt, max_new_tokens=60, temperature=0.0,
                          top_k=None, seed=0, lookahead=4, cache=None, drafter=None):
-    """Same arguments and result as generate.generate, with speculative decoding: after
-    each chosen token, a draft of up to lookahead more (propose) is checked in one call
-    of prefill; the model chooses each next token from the rows in order, with its own
-    random numbers, exactly as it would one at a time, and a drafted token counts only
-    where it is the token chosen. The positions after the first that is not are rolled
-    back with crop. The drafter is prompt lookup in the story unless another is given
-    (anything with propose(ids, lookahead), such as an NgramDrafter): it is given the
-    story's token IDs as a tuple, and must return a list of at most lookahead token IDs,
-    or the generation is refused, naming it. Given a cache that holds the start of the
-    prompt, starts from a copy of it (one that cannot roll back is refused before
-    anything is generated)."""
+    """Generate as generate.generate does, with speculative decoding.
+
+    Same arguments and result as generate.generate: after each chosen token, a draft of up
+    to lookahead more (propose) is checked in one call of prefill; the model chooses each
+    next token from the rows in order, with its own random numbers, exactly as it would one
+    at a time, and a drafted token counts only where it is the token chosen. The positions
+    after the first that is not are rolled back with crop. The drafter is prompt lookup in
+    the story unless another is given (anything with propose(ids, lookahead), such as an
+    NgramDrafter): it is given the story's token IDs as a tuple, and must return a list of
+    at most lookahead token IDs, or the generation is refused, naming it. Given a cache that
+    holds the start of the prompt, starts from a copy of it (one that cannot roll back is
+    refused before anything is generated)."""
     if drafter is None:
         drafter = PromptLookup()
     elif not callable(getattr(drafter, "propose", None)):
@@ -164,13 +169,14 @@ def _openings(lab):
 
 
 def experiment(lab, draft, runs):
-    """generate_speculative with DRAFTS[draft] on every opening, greedy and sampled, each
-    from a cache holding the opening (fed once for both, and for every case: _openings):
-    the stories identical to the uncached ones, the largest gap between the logits each
-    token was chosen with and the uncached full pass's row for the same position, the
-    prefill calls and the rows they computed after the opening (rejected ones included)
-    against one call and one row per generated token, and how many drafted tokens were
-    accepted."""
+    """Run generate_speculative with DRAFTS[draft] on every opening, greedy and sampled.
+
+    Each from a cache holding the opening (fed once for both, and for every case:
+    _openings): the stories identical to the uncached ones, the largest gap between the
+    logits each token was chosen with and the uncached full pass's row for the same
+    position, the prefill calls and the rows they computed after the opening (rejected ones
+    included) against one call and one row per generated token, and how many drafted tokens
+    were accepted."""
     params, tok, prompts = lab.params, lab.tok, lab.prompts
     drafter, lookahead = DRAFTS[draft]
     chosen_drafter = (_training_drafter(tok, lab.corpus) if drafter == "training stories"
@@ -209,6 +215,7 @@ def experiment(lab, draft, runs):
 # ---- what Part 4 shows of it (documents.py fills its marks) --------------------------
 
 def runs_table(record, timing):
+    """Section 24's table: each drafter's model calls, rows, drafts accepted and stories."""
     return table(["drafter", "lookahead", "model calls", "rows computed",
                   "drafted tokens accepted", "identical", "gap of the choosing rows"],
                  [[run["drafter"], run["lookahead"], shown(run["model_calls"]),

@@ -30,8 +30,9 @@ _NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 
 
 def checked(record, shape, where=""):
-    """record, refused with a ValueError that names the key and what is wrong unless it
-    has shape: {key: shape} a dict holding at least those keys; [shape] a list of 1 to
+    """Give record back if it has shape; else a ValueError names the key and what is wrong.
+
+    Shapes: {key: shape} a dict holding at least those keys; [shape] a list of 1 to
     MOST_ITEMS items; str a string; (low, high) a finite number from low to high (a bool is
     not one); (low, high, None) such a number or None."""
     name = f"the record's {where}" if where else "the record"
@@ -60,26 +61,30 @@ def checked(record, shape, where=""):
 
 
 def escape(words):
-    """words as XML text: its markup escaped, what XML forbids written as Python would
-    (\\x1b), and cut to MOST_CHARACTERS with an ellipsis."""
+    """Write words as XML text, cut to MOST_CHARACTERS with an ellipsis.
+
+    Its markup is escaped, and what XML forbids written as Python would (\\x1b)."""
     if len(words) > MOST_CHARACTERS:
         words = words[:MOST_CHARACTERS - 1] + "…"
     return _escape_markup(_NOT_XML.sub(lambda m: ascii(m[0])[1:-1], words))
 
 
 def ticks(most):
-    """Ticks from 0 to most or just past it, a step of 1, 2 or 5 times a power of ten apart:
-    at most 11 of them, whatever most is (up to LARGEST)."""
+    """Give ticks from 0 to most or just past it, a step of 1, 2 or 5 times a power of ten apart.
+
+    At most 11 of them, whatever most is (up to LARGEST)."""
     step = next(factor * 10 ** power for power in range(16) for factor in (1, 2, 5)
                 if most <= 10 * factor * 10 ** power)
     return list(range(0, math.ceil(most / step) * step + 1, step))
 
 
 def number(value):
+    """Write a coordinate with at most one decimal and no trailing zeros."""
     return f"{value:.1f}".rstrip("0").rstrip(".")
 
 
 def text(x, y, words, size=12, anchor="start", **attributes):
+    """Write words at the page's (x, y) as an SVG text element, with extra attributes."""
     extra = "".join(f' {name.strip("_").replace("_", "-")}="{value}"'   # class_: class
                     for name, value in attributes.items())
     return (f'<text x="{number(x)}" y="{number(y)}" font-size="{size}" '
@@ -87,8 +92,10 @@ def text(x, y, words, size=12, anchor="start", **attributes):
 
 
 def page(title, body, height=HEIGHT):
-    """A whole SVG document: a white page (it reads on a dark page too) with a title;
-    taller than HEIGHT if a legend needs it."""
+    """Give a whole SVG document: a white page with a title.
+
+    The white page reads on a dark page too; it is taller than HEIGHT if a legend needs
+    it."""
     return "\n".join([
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
         f'viewBox="0 0 {WIDTH} {height}" font-family="Helvetica, Arial, sans-serif" '
@@ -123,8 +130,9 @@ class Panel:
         return self._place(value, self.ys, self.ylog, self.top + self.height, -self.height)
 
     def axes(self, xticks, yticks, xlabel, ylabel, xlabels=None, ylabels=None):
-        """The frame, grid lines at the ticks, their labels (by _tick, or the functions
-        given) and the axes' names."""
+        """Draw the frame, grid lines at the ticks, their labels and the axes' names.
+
+        The labels are _tick's, or the functions given."""
         right, bottom = self.left + self.width, self.top + self.height
         away = 18 + 6 * max((len((ylabels or _tick)(value)) for value in yticks), default=0)
         parts = [f'<rect x="{self.left}" y="{self.top}" width="{self.width}" '
@@ -146,8 +154,10 @@ class Panel:
         return parts
 
     def line(self, points, color, dashed=False, marker="circle", shift=0):
-        """A line through (x, y, title) points, each drawn as a marker that names its figure;
-        shift pixels to the right of its place, if given, so as not to hide another line."""
+        """Draw a line through (x, y, title) points, each a marker that names its figure.
+
+        shift: pixels to the right of its place, if given, so as not to hide another
+        line."""
         places = [(self.x(x) + shift, self.y(y), title) for x, y, title in points]
         return ([_polyline([(x, y) for x, y, _ in places], color, dashed)]
                 + [mark(x, y, marker, color, title) for x, y, title in places])
@@ -176,9 +186,11 @@ def style(i):
 
 
 def mark(x, y, marker, color, title=None):
-    """A marker of MARKERS (filled, or open: its coloured edge alone, so that a marker under
-    it still shows; a plus, two strokes), or "cross", centred on the page's (x, y): its
-    class is its name, and its title, if given, the figure it stands for."""
+    """Draw a marker centred on the page's (x, y): one of MARKERS, or "cross".
+
+    Filled, or open (its coloured edge alone, so that a marker under it still shows; a plus,
+    two strokes). Its class is its name, and its title, if given, the figure it stands
+    for."""
     shape = marker.rpartition(" ")[2]
     stroked = shape in ("cross", "plus")
     paint = (f'fill="{color}"' if shape == marker and not stroked else
@@ -205,7 +217,8 @@ def mark(x, y, marker, color, title=None):
 
 
 def legend(x, y, entries, size=12, columns=1, width=130):
-    """The names of what a picture draws and how each is drawn, a group of class legend:
+    """Draw the names of what a picture draws and how each is drawn, a group of class legend.
+
     (name, color) a coloured swatch; (name, color, marker, dashed) a short line, dashed or
     not, and its marker. Column by column from (x, y), width apart, rows 18 apart."""
     rows = legend_rows(entries, columns)
@@ -223,12 +236,15 @@ def legend(x, y, entries, size=12, columns=1, width=130):
 
 
 def legend_rows(entries, columns=1):
+    """Count the rows a legend of these entries takes in that many columns (at least one)."""
     return max(1, math.ceil(len(entries) / columns))
 
 
 def bytes_label(value):
-    """A count of bytes in the largest binary unit under it: 1 KiB = 1,024 B, 1 MiB =
-    1,024 KiB, and so on; memory is counted so in every file of the course."""
+    """Write a count of bytes in the largest binary unit under it.
+
+    1 KiB = 1,024 B, 1 MiB = 1,024 KiB, and so on; memory is counted so in every file of the
+    course."""
     for power, unit in ((5, "PiB"), (4, "TiB"), (3, "GiB"), (2, "MiB"), (1, "KiB")):
         if value >= 1024 ** power:
             value /= 1024 ** power
@@ -238,7 +254,8 @@ def bytes_label(value):
 
 
 def byte_ticks(most, count=3):
-    """Ticks from 0 bytes to most or just past it, a power of two bytes apart (as 8 KiB or
-    32 B): at most count of them, whatever most is."""
+    """Give ticks from 0 bytes to most or just past it, a power of two bytes apart.
+
+    As 8 KiB or 32 B apart: at most count of them, whatever most is."""
     step = 2 ** max(0, math.ceil(math.log2(max(most, 1) / (count - 1))))
     return list(range(0, math.ceil(most / step) * step + 1, step))
