@@ -79,8 +79,8 @@ def _joined(a, b, heads):
 def compressed(h1, block, cols, position, r_thetas):
     """What a latent layer keeps of a position: its latent c_kv and its rotary key k_r.
 
-    c_kv is h1 times Wdkv, then its layer norm; k_r is h1 times Wkr, turned by position ([]
-    without a rotary key)."""
+    c_kv is h1 times Wdkv, then its layer norm; k_r is h1 times Wkr, turned by position
+    ([] without a rotary key)."""
     c_kv = layernorm(linear(h1, cols["Wdkv"]), block["lnc_g"], block["lnc_b"])
     k_r = rotate(linear(h1, cols["Wkr"]), position, r_thetas) if "Wkr" in cols else []
     return c_kv, k_r
