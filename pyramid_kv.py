@@ -31,7 +31,7 @@ KINDS = ("pyramid", "uniform")
 def layer_budgets(budget, layers, prompt_tokens, window, beta, kind="pyramid"):
     """How many of the prompt's positions each layer keeps, for budget a layer on average.
 
-    Its last window ones are among them. Uniform: budget in every layer. Pyramid, as
+    Each keeps its last window ones among them. Uniform: budget in every layer. Pyramid, as
     PyramidKV's code: of the chosen part (budget - window on average) the last layer gets a
     beta-th (rounded down) and the first the rest of twice the average, at most all
     prompt_tokens - window; the layers between, the arithmetic sequence from one to the
