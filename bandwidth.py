@@ -23,12 +23,13 @@ LESSON = {"layers": 1, "heads": 1, "kv_heads": 1, "width": WIDTH, "positions": "
 
 
 def floats_read(shape, held, path="cached"):
-    """The distinct numbers one decode step reads from memory with held positions
-    cached before it: {"weights": ..., "cache": ...}. Weights: the embedding rows of its
-    token (and position), every matrix and vector of every layer that the path uses, and
-    the output layer. Cache: every held key and value, or latent and rotary key (its own
-    new ones it computes, and does not read). path as latent_attention.multiply_adds
-    takes it: "cached", "rebuilt" or "absorbed" (and refuses what it refuses)."""
+    """The distinct numbers one decode step reads, with held positions cached before it.
+
+    Given as {"weights": ..., "cache": ...}. Weights: the embedding rows of its token (and
+    position), every matrix and vector of every layer that the path uses, and the output
+    layer. Cache: every held key and value, or latent and rotary key (its own new ones it
+    computes, and does not read). path as latent_attention.multiply_adds takes it:
+    "cached", "rebuilt" or "absorbed" (and refuses what it refuses)."""
     check_formula(shape, "held", held, path)
     heads, d, _, _, _ = heads_of(shape)
     width, latent, r = shape["width"], shape["latent"], shape["rotary_key"]
@@ -51,18 +52,21 @@ def floats_read(shape, held, path="cached"):
 
 
 def llama_parameters(model):
-    """A Llama's parameters from its shapes: per layer Wq and Wo (width x width), Wk and Wv
-    (width x kv_heads heads of 128), the MLP's three matrices (width x mlp_width) and two
-    norms; then the final norm, the input embedding and the output layer (vocab x width
-    each, apart)."""
+    """A Llama's parameters, counted from its shapes.
+
+    Per layer Wq and Wo (width x width), Wk and Wv (width x kv_heads heads of 128), the
+    MLP's three matrices (width x mlp_width) and two norms; then the final norm, the input
+    embedding and the output layer (vocab x width each, apart)."""
     width, kv_width = model["width"], model["kv_heads"] * 128
     layer = 2 * width * width + 2 * width * kv_width + 3 * width * model["mlp_width"] + 2 * width
     return model["layers"] * layer + width + 2 * model["vocab"] * width
 
 
 def weight_bytes_read(model):
-    """The bytes of weights one decode step reads: every parameter but the input
-    embedding's, of which only the new token's row (a position table it has none)."""
+    """The bytes of weights one decode step reads.
+
+    Every parameter but the input embedding's, of which only the new token's row (a
+    position table it has none)."""
     unread = (model["vocab"] - 1) * model["width"]
     return (llama_parameters(model) - unread) * model["bytes_per_number"]
 
@@ -94,16 +98,19 @@ DESIGNS = (("multi-head, 32 key-value heads (its own)", {"kv_heads": 32}),
 
 
 def cache_bytes_per_token(model):
-    """A model's cache in bytes a token, 2 a number: a key and a value of 128 numbers per
-    key-value head and layer, or a latent and a rotary key per layer."""
+    """A model's cache in bytes a token, 2 a number.
+
+    A key and a value of 128 numbers per key-value head and layer, or a latent and a rotary
+    key per layer."""
     return 2 * cache_floats(model["layers"], model.get("kv_heads"), 128, model.get("latent"),
                             model.get("rotary_key", 0))
 
 
 def bound(model, context, batch=1, bandwidth=A100_BYTES_PER_SECOND):
-    """The most tokens a second that a batch of batch requests, each at this context,
-    can decode in all: bandwidth / (weights / batch + one request's cache), since a step
-    reads the weights once for the batch and each request's own cache."""
+    """The most tokens a second that batch requests, each at this context, can decode in all.
+
+    bandwidth / (weights / batch + one request's cache), since a step reads the weights
+    once for the batch and each request's own cache."""
     _check_request(model, batch)
     check_int("context", context, 0)
     if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) \
@@ -115,8 +122,9 @@ def bound(model, context, batch=1, bandwidth=A100_BYTES_PER_SECOND):
 
 
 def cache_outweighs_weights(model, batch):
-    """The shortest context at which a request's cache outweighs its share of the weights
-    in a batch of batch requests."""
+    """The shortest context at which a request's cache outweighs its share of the weights.
+
+    Its share: the weights a step reads, split among a batch of batch requests."""
     _check_request(model, batch)
     return int(model["weight_bytes_read"] / batch // cache_bytes_per_token(model)) + 1
 
@@ -137,9 +145,11 @@ HELD = (0, 16, CONTEXT - 1)
 
 
 def experiment(lab):
-    """Numbers read by one decode step: the lesson's model at HELD cached positions, and
-    every deep_model and latent shape of Part 5 with a full context held, with the batch
-    size at which each one's cache outweighs its share of the weights."""
+    """Count the numbers one decode step reads, for the lesson's model and Part 5's shapes.
+
+    The lesson's model at HELD cached positions, and every deep_model and latent shape of
+    Part 5 with a full context held, with the batch size at which each one's cache
+    outweighs its share of the weights."""
     def entry(shape, path):
         full = floats_read(shape, CONTEXT - 1, path)
         return {**{key: shape[key] for key in ("layers", "kv_heads", "positions", "latent",
@@ -161,6 +171,7 @@ def experiment(lab):
 # ---- what Part 5 shows of it (documents.py fills its marks) --------------------------
 
 def bytes_read_table(record, timing):
+    """Section 29's table of the numbers one decode step reads, for the lab's models."""
     shapes, lesson = record["bytes_read"]["shapes"], record["bytes_read"]["lesson"][-1]
     rows = [["the lesson's model (1 layer, 1 head)", shown(lesson["weights"]),
              shown(lesson["cache"]),
@@ -180,6 +191,7 @@ def bytes_read_table(record, timing):
 
 
 def bound_table(record, timing):
+    """Section 29's table of Llama-2-7B's bound in tokens a second, with each design of cache."""
     rows = []
     for label, design in DESIGNS:
         shape = {**LLAMA_2_7B, "kv_heads": None, **design}
@@ -201,18 +213,22 @@ def _times(ratio):
 
 
 def share_lost_at_4096(record, timing):
+    """The share of Llama-2-7B's speed at batch 1 that 4,096 tokens of its cache cost."""
     return format(1 - bound(LLAMA_2_7B, 4096) / bound(LLAMA_2_7B, 0), ".0%")
 
 
 def cache_outweighs_at_batch_16(record, timing):
+    """The context from which Llama-2-7B's cache outweighs its share of the weights, batch 16."""
     return cache_outweighs_weights(LLAMA_2_7B, 16)
 
 
 def grouped_query_over_multi_head_at_batch_16(record, timing):
+    """How much faster Llama-2-7B decodes, batch 16 of 4,096, with 8 key-value heads, in words."""
     return _times(bound({**LLAMA_2_7B, "kv_heads": 8}, 4096, 16) / bound(LLAMA_2_7B, 4096, 16))
 
 
 def llama_70b_bound(record, timing):
+    """The bound for Llama-2-70B with 8-bit weights at batch 1, in tokens a second."""
     return round(bound(LLAMA_2_70B_8_BIT, 0), 1)
 
 
@@ -231,10 +247,11 @@ def _lesson_line(record):
 
 
 def cache_bytes_picture(record, timing):
-    """Section 9: a sequence's cache in bytes against the positions it holds, for the
-    lesson's model (to its 64 positions) and section 9's 7B-class model in fp16 (to 8,192
-    tokens), on log scales: both lines are straight, of slope one, and the model sets how
-    high each lies. Nothing a later Part introduces."""
+    """Section 9's picture: a sequence's cache in bytes against the positions it holds.
+
+    For the lesson's model (to its 64 positions) and section 9's 7B-class model in fp16 (to
+    8,192 tokens), on log scales: both lines are straight, of slope one, and the model sets
+    how high each lies. Nothing a later Part introduces."""
     return _cache_lines(
         "The cache grows with the sequence; the model sets by how much",
         [_lesson_line(record), ("a 7B-class model in fp16", cache_bytes_per_token(LLAMA_2_7B),
@@ -247,7 +264,9 @@ def cache_bytes_picture(record, timing):
 
 
 def cache_bytes_by_design_picture(record, timing):
-    """Section 28: the same for the lab's 4-layer models of section 26 (to their 64
+    """Section 28's picture: a sequence's cache in bytes, for the lab's deep models and real ones.
+
+    The same as section 9's, for the lab's 4-layer models of section 26 (to their 64
     positions) and real ones (to their context windows), DeepSeek-V3 also as if it cached
     its heads' own keys and values: fewer key-value heads, or a latent, move a line down."""
     svg.checked(record, {"deep_models": {"positions": (1, svg.LARGEST), "shapes": [{

@@ -160,9 +160,11 @@ def _learned_table(layers, kv_heads, seed, ids):
 
 
 def experiment(lab):
-    """_shift for every shape of experiment() (one model and one sequence each; elsewhere
-    for the grouped-query ones), and the largest gaps and changed continuations over
-    them: rounding alone over all, against a recompute per number of layers."""
+    """Shift the cache of a rotary model of each deep_model shape, and gather the gaps over them.
+
+    _shift for every shape of deep_model.experiment() (one model and one sequence each;
+    elsewhere for the grouped-query ones), and the largest gaps and changed continuations
+    over them: rounding alone over all, against a recompute per number of layers."""
     cases = [_shift(layers, kv_heads, seed, kv_heads == 2)
              for seed, (layers, kv_heads) in enumerate(DEEP_SHAPES)]
 
@@ -193,33 +195,40 @@ def _deeper_grouped(record):
 
 
 def largest_shift_gap(record, timing):
+    """The largest gap between the cached rows and the full pass, over every shape."""
     return max(s["largest_logit_gap"] for s in record["rotary"]["shapes"])
 
 
 def later_layers_gaps(record, timing):
+    """The shifted cache's largest gap to a recompute, for 2, 3 and 4 layers."""
     return ", ".join(shown(e["largest_logit_gap"])
                      for e in record["rotary"]["against_recompute_by_layers"][1:])
 
 
 def later_layers_changed(record, timing):
+    """How many continuations the shift changes against a recompute, for 2, 3 and 4 layers."""
     return ", ".join(str(e["continuations_changed"])
                      for e in record["rotary"]["against_recompute_by_layers"][1:])
 
 
 def offset_gaps(record, timing):
+    """Per deeper grouped-query model, the largest gap of a block reused after other tokens."""
     return ", ".join(shown(s["offset_after_other_tokens"]["largest_logit_gap"])
                      for s in _deeper_grouped(record))
 
 
 def offset_changed(record, timing):
+    """How many deeper grouped-query models' continuations that block changes, of how many."""
     deeper = _deeper_grouped(record)
     changed = sum(s["offset_after_other_tokens"]["continuation_changed"] for s in deeper)
     return f"{changed} of {len(deeper)}"
 
 
 def last_dropped_position(record, timing):
+    """The last position the shift drops."""
     return record["rotary"]["dropped"] - 1
 
 
 def last_position(record, timing):
+    """The last position fed before the shift."""
     return record["rotary"]["positions"] - 1

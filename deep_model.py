@@ -47,17 +47,20 @@ def _columns(params):
 
 
 def heads_of(shape):
-    """(heads, head width d, a head's key width (d, and the rotary key's width),
-    query heads per key-value head, 1 / sqrt(key width))."""
+    """The sizes of a shape's attention heads, as a tuple of five.
+
+    (heads, head width d, a head's key width (d, and the rotary key's width), query heads
+    per key-value head, 1 / sqrt(key width))."""
     d = shape["width"] // shape["heads"]
     d_key = d + shape["rotary_key"]
     return shape["heads"], d, d_key, shape["heads"] // shape["kv_heads"], 1 / math.sqrt(d_key)
 
 
 def angles(shape):
-    """The rotary angles of a unit of position, for a model of this shape: thetas, one for
-    each pair of q or k, and r_thetas, one for each pair of a rotary query or key; [] and
-    [] with learned positions."""
+    """The rotary angles of a unit of position, for a model of this shape.
+
+    thetas, one for each pair of q or k, and r_thetas, one for each pair of a rotary query
+    or key; [] and [] with learned positions."""
     if shape["positions"] != "rotary":
         return [], []
     d, r = shape["width"] // shape["heads"], shape["rotary_key"]
@@ -74,25 +77,31 @@ def _joined(a, b, heads):
 
 
 def compressed(h1, block, cols, position, r_thetas):
-    """What a latent layer keeps of a position: its latent c_kv (h1 times Wdkv, then its
-    layer norm) and its rotary key k_r (h1 times Wkr, turned by position; [] without)."""
+    """What a latent layer keeps of a position: its latent c_kv and its rotary key k_r.
+
+    c_kv is h1 times Wdkv, then its layer norm; k_r is h1 times Wkr, turned by position
+    ([] without a rotary key)."""
     c_kv = layernorm(linear(h1, cols["Wdkv"]), block["lnc_g"], block["lnc_b"])
     k_r = rotate(linear(h1, cols["Wkr"]), position, r_thetas) if "Wkr" in cols else []
     return c_kv, k_r
 
 
 def latent_query(q, h1, cols, position, thetas, r_thetas, heads):
-    """A latent layer's query from q = h1 Wq: each head's q_h then its rotary part (h1
-    times Wqr, turned by position); without a rotary key, q turned (rotary) or q."""
+    """A latent layer's query, from q = h1 Wq.
+
+    Each head's q_h then its rotary part (h1 times Wqr, turned by position); without a
+    rotary key, q turned (rotary) or q."""
     if "Wqr" in cols:
         return _joined(q, rotate(linear(h1, cols["Wqr"]), position, r_thetas), heads)
     return rotate(q, position, thetas) if thetas else q
 
 
 def rebuilt(c_kv, k_r, position, cols, thetas, heads):
-    """Every head's key and value from what a latent layer keeps of a position: c_kv
-    times Wuk, each head's part followed by k_r, and c_kv times Wuv; with rotary positions
-    but no k_r, the key turned by its position (a design absorption cannot fold)."""
+    """Every head's key and value, from what a latent layer keeps of a position.
+
+    The key is c_kv times Wuk, each head's part followed by k_r; the value, c_kv times Wuv.
+    With rotary positions but no k_r, the key is turned by its position (a design
+    absorption cannot fold)."""
     k = linear(c_kv, cols["Wuk"])
     if thetas and not k_r:
         k = rotate(k, position, thetas)
@@ -100,8 +109,9 @@ def rebuilt(c_kv, k_r, position, cols, thetas, heads):
 
 
 def rotate(x, position, thetas):
-    """x with each pair (x[2i], x[2i + 1]) turned by the angle position * thetas[i] (as
-    many pairs as both have), each number one correctly rounded sum."""
+    """x with each pair (x[2i], x[2i + 1]) turned by the angle position * thetas[i].
+
+    As many pairs as both have; each number is one correctly rounded sum."""
     turned = []
     for i, theta in zip(range(len(x) // 2), thetas):
         a, b = x[2 * i], x[2 * i + 1]
@@ -111,9 +121,10 @@ def rotate(x, position, thetas):
 
 
 def layer_masks(mask, layers, positions, start=0):
-    """mask as one mask per layer: itself if it is a list (one mask a layer), else mask in
-    every layer; each checked as model.check_mask checks one, for the positions from start
-    to positions - 1 (a mask of a list named by its layer)."""
+    """mask as one mask per layer: itself if it is a list, else mask in every layer.
+
+    A list holds one mask a layer. Each is checked as model.check_mask checks one, for the
+    positions from start to positions - 1 (a mask of a list named by its layer)."""
     if not isinstance(mask, list):
         check_mask(mask, positions, start)
         return [mask] * layers
@@ -129,9 +140,10 @@ def layer_masks(mask, layers, positions, start=0):
 
 
 def forward(params, ids, mask=causal):
-    """Next-token logits for every position of ids: layer by layer, first every
-    position's q, k and v, then each position's heads attending to positions mask(i)
-    (mask may be a list, one mask a layer)."""
+    """Next-token logits for every position of ids, layer by layer.
+
+    In each layer, first every position's q, k and v, then each position's heads attending
+    to positions mask(i) (mask may be a list, one mask a layer)."""
     check_params(params)
     check_ids(ids)
     masks = layer_masks(mask, params["shape"]["layers"], len(ids))
@@ -180,20 +192,22 @@ def forward(params, ids, mask=causal):
 
 
 class DeepCache:
-    """What one sequence keeps, per layer: layers[L]["keys"] and ["values"] hold, for
-    each position, the key and the value of layer L's kv_heads key-value heads side by
-    side; in a latent model, layers[L]["latents"] and ["rotary_keys"] hold its latent and
-    its rotary key instead. mask(i), causal unless given, is which held positions
-    position i attends to (mask may be a list, one mask a layer). With rotary positions a
-    key is kept after its rotation by its own position, so a later query, rotated by its
-    own, reads it as it is; the rotation adds no number.
+    """What one sequence keeps, per layer: each position's keys and values, or its latent.
 
-    A deep cache's protocol, beyond the lists: positions_read(position), the positions
-    each layer's row at position attends to; keep(token_id, new), a step's vectors; and
+    layers[L]["keys"] and ["values"] hold, for each position, the key and the value of
+    layer L's kv_heads key-value heads side by side; in a latent model,
+    layers[L]["latents"] and ["rotary_keys"] hold its latent and its rotary key instead.
+    mask(i), causal unless given, is which held positions position i attends to (mask may
+    be a list, one mask a layer). With rotary positions a key is kept after its rotation by
+    its own position, so a later query, rotated by its own, reads it as it is; the rotation
+    adds no number.
+
+    A deep cache's protocol, beyond the lists: positions_read(position), the positions each
+    layer's row at position attends to; keep(token_id, new), a step's vectors; and
     attended(layer, weights_by_head), told by forward_step, once the whole step has
     succeeded, what each layer's heads read: one list of attention weights a head, over
-    that layer's reads in their order (a cache that evicts by attention chooses by them;
-    a DeepCache ignores them)."""
+    that layer's reads in their order (a cache that evicts by attention chooses by them; a
+    DeepCache ignores them)."""
 
     def __init__(self, params, mask=causal):
         check_params(params)
@@ -207,8 +221,9 @@ class DeepCache:
         return len(self.tokens)
 
     def floats_per_position(self):
-        """The numbers the cache keeps per position, counted in its lists (a position a
-        layer dropped, None there, counts none)."""
+        """The numbers the cache keeps per position, counted in its lists.
+
+        A position a layer dropped, None there, counts none."""
         if not self.tokens:
             raise ValueError("the cache holds no position yet")
         return sum(len(vector) for layer in self.layers for vectors in layer.values()
@@ -222,8 +237,9 @@ class DeepCache:
         """Nothing to keep: a DeepCache evicts nothing, whatever the rows read."""
 
     def keep(self, token_id, new):
-        """Append token_id, and to each layer's lists the vectors of new (one dict a
-        layer): once a step has computed every layer, so that nothing can fail after."""
+        """Append token_id, and to each layer's lists the vectors of new (one dict a layer).
+
+        Called once a step has computed every layer, so that nothing can fail after."""
         self.tokens.append(token_id)
         for layer, kept in zip(self.layers, new):
             for part, vector in kept.items():
@@ -231,9 +247,11 @@ class DeepCache:
 
 
 def check_step(params, cache, token_id, position):
-    """Refuse, before anything is computed, what kv_cache.forward_step refuses (in its
-    order): a cache made for other params, a position out of order or past the table, a
-    token outside the vocabulary; and a mask that gives the position no held positions."""
+    """Refuse, before anything is computed, a step that cannot be taken.
+
+    What kv_cache.forward_step refuses, in its order: a cache made for other params, a
+    position out of order or past the table, a token outside the vocabulary; and a mask
+    that gives the position no held positions."""
     if not isinstance(cache, DeepCache) or cache.params is not params:
         raise ValueError("this cache was made for different parameters; start a new "
                          "cache with DeepCache(params)")
@@ -247,9 +265,10 @@ def check_step(params, cache, token_id, position):
 
 
 def forward_step(params, cache, token_id, position):
-    """Next-token logits for token_id at position, the next one after the cache's,
-    through every layer; keeps the token and each layer's key and value (or latent and
-    rotary key) in the cache once every layer is computed. A latent model's keys and
+    """Next-token logits for token_id at position, the next one after the cache's.
+
+    Runs it through every layer; keeps the token and each layer's key and value (or latent
+    and rotary key) in the cache once every layer is computed. A latent model's keys and
     values are rebuilt from the cached latents at every step. Refuses, before computing
     anything, what check_step refuses; if anything else goes wrong, the cache is unchanged."""
     check_step(params, cache, token_id, position)
@@ -316,8 +335,9 @@ def deep_ids(lab):
 
 
 def fed_deep_model(layers, kv_heads, ids, mask=causal):
-    """A deep_model of layers and kv_heads (4 query heads, the lab's width, seed 0), and
-    its rows and cache after feeding ids one token at a time."""
+    """A deep_model of layers and kv_heads, and its rows and cache after feeding it ids.
+
+    4 query heads, the lab's width, seed 0; ids fed one token at a time."""
     params = init_params(layers, 4, kv_heads, WIDTH, 0)
     cache = DeepCache(params, mask)
     return params, [forward_step(params, cache, token_id, position)
@@ -328,10 +348,12 @@ DEEP_SHAPES = tuple((layers, kv_heads) for layers in (1, 2, 3, 4) for kv_heads i
 
 
 def experiment(lab):
-    """deep_model for 1 to 4 layers of multi-head (4 key-value heads), grouped-query (2)
-    and multi-query (1) attention: the largest gap between the cached rows and the full
-    pass's, and the numbers its cache keeps per position; then, with a window of 8 on
-    every layer, which positions changing the token at position 0 reaches."""
+    """Measure deep_model's cache for 12 shapes, and how far a window reaches through layers.
+
+    deep_model for 1 to 4 layers of multi-head (4 key-value heads), grouped-query (2) and
+    multi-query (1) attention: the largest gap between the cached rows and the full pass's,
+    and the numbers its cache keeps per position; then, with a window of 8 on every layer,
+    which positions changing the token at position 0 reaches."""
     ids, shapes = deep_ids(lab), []
     for layers, kv_heads in DEEP_SHAPES:
         params, rows, cache = fed_deep_model(layers, kv_heads, ids)
@@ -354,9 +376,10 @@ def experiment(lab):
 
 
 def deep_cache_bytes(lab):
-    """Bytes CPython uses per position for each shape of the experiment, its cache fed
-    deep_ids(): the lists and every float object (they depend on the Python, so they are
-    kv-time.json's, measured by trace_lesson.timings)."""
+    """Bytes CPython uses per position for each shape of the experiment, its cache fed deep_ids().
+
+    The lists and every float object: they depend on the Python, so they are
+    kv-time.json's, measured by trace_lesson.timings."""
     ids = deep_ids(lab)
     measured = []
     for layers, kv_heads in DEEP_SHAPES:
@@ -373,6 +396,7 @@ def deep_cache_bytes(lab):
 # ---- what Part 5 shows of it (documents.py fills its marks) --------------------------
 
 def shapes_table(record, timing):
+    """Section 26's table: each kind of attention's gaps, and its numbers and bytes a position."""
     objects = {(m["layers"], m["kv_heads"]): m["bytes_per_position"]
                for m in timing["deep_model_cache_bytes_as_cpython_objects"]}
     rows = []

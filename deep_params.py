@@ -15,14 +15,16 @@ MAX_NUMBERS = 10 ** 7   # in a model's params: about 300 MB of floats, seconds t
 
 def init_params(layers, heads, kv_heads, width, seed, positions="learned", latent=None,
                 rotary_key=None):
-    """Random params of this shape: per layer ln1, Wq (width x width), Wk and Wv (width x
-    kv_heads * head width), Wo, ln2 and an MLP of 4 x width; embeddings and the output
-    layer as model.py's, without pos_emb if positions is "rotary". With latent (an int),
-    Wdkv (width x latent), lnc and Wuk and Wuv (latent x width) instead of Wk and Wv, every
-    head its own key and value (kv_heads = heads); with rotary positions also Wqr (width
-    x heads * rotary_key) and Wkr (width x rotary_key). rotary_key defaults to half a head,
-    as DeepSeek-V2's 64 of 128 (at least 2, even); 0 turns the rebuilt keys instead. The
-    shape is kept in params["shape"]."""
+    """Random params of a deeper model of this shape.
+
+    Per layer ln1, Wq (width x width), Wk and Wv (width x kv_heads * head width), Wo, ln2
+    and an MLP of 4 x width; embeddings and the output layer as model.py's, without pos_emb
+    if positions is "rotary". With latent (an int), Wdkv (width x latent), lnc and Wuk and
+    Wuv (latent x width) instead of Wk and Wv, every head its own key and value
+    (kv_heads = heads); with rotary positions also Wqr (width x heads * rotary_key) and Wkr
+    (width x rotary_key). rotary_key defaults to half a head, as DeepSeek-V2's 64 of 128
+    (at least 2, even); 0 turns the rebuilt keys instead. The shape is kept in
+    params["shape"]."""
     if rotary_key is None:
         rotary_key = max(2, width // heads // 4 * 2) if latent and positions == "rotary" else 0
     shape = {"layers": layers, "heads": heads, "kv_heads": kv_heads, "width": width,
@@ -43,11 +45,13 @@ def init_params(layers, heads, kv_heads, width, seed, positions="learned", laten
 
 
 def check_model_shape(layers, heads, kv_heads, width, positions, latent, rotary_key):
-    """Refuse a shape that cannot be built: counts that are not ints >= 1, heads that do
-    not divide the width, key-value heads that do not divide the heads, positions other
-    than "learned" or "rotary", or, for rotary, an odd head width; a latent that is not
-    None or an int >= 2, or shared by grouped heads; a rotary key that is not an even int
-    >= 0, or not 0 without a latent and rotary positions; more than MAX_NUMBERS numbers."""
+    """Refuse a shape that cannot be built.
+
+    Refused: counts that are not ints >= 1, heads that do not divide the width, key-value
+    heads that do not divide the heads, positions other than "learned" or "rotary", or, for
+    rotary, an odd head width; a latent that is not None or an int >= 2, or shared by
+    grouped heads; a rotary key that is not an even int >= 0, or not 0 without a latent and
+    rotary positions; more than MAX_NUMBERS numbers."""
     for name, value in zip(SHAPE, (layers, heads, kv_heads, width)):
         check_int(name, value, 1)
     if width % heads:
@@ -82,9 +86,10 @@ def check_model_shape(layers, heads, kv_heads, width, positions, latent, rotary_
 
 
 def param_shapes(shape):
-    """The shape of every parameter of a model of this shape (params["shape"]): name ->
-    (rows, columns), or (entries,) for a vector; per block under "blocks". A rotary model
-    has no pos_emb."""
+    """The shape of every parameter of a model of this shape (params["shape"]).
+
+    name -> (rows, columns), or (entries,) for a vector; per block under "blocks". A rotary
+    model has no pos_emb."""
     width, kv_width = shape["width"], shape["kv_heads"] * (shape["width"] // shape["heads"])
     latent, rotary_key = shape["latent"], shape["rotary_key"]
     if latent is None:
@@ -105,9 +110,10 @@ def param_shapes(shape):
 
 
 def check_params(params):
-    """Refuse anything but params of a consistent shape, as init_params makes them: a
-    shape that init_params accepts, and every matrix and vector of that shape, holding
-    finite floats no larger than model.MAX_WEIGHT (as model.check_params refuses)."""
+    """Refuse anything but params of a consistent shape, as init_params makes them.
+
+    Wanted: a shape that init_params accepts, and every matrix and vector of that shape,
+    holding finite floats no larger than model.MAX_WEIGHT (as model.check_params refuses)."""
     if not isinstance(params, dict) or not isinstance(params.get("shape"), dict) \
             or set(params["shape"]) != set(SHAPE):
         raise ValueError(f"params must be deep_model.init_params(...)'s: a dict with a "

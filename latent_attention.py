@@ -34,9 +34,11 @@ that it is its params', by identity, reading no weight)."""
 
 
 def fold(params):
-    """params folded for absorbed_step. Refuses a model that is not latent, and one whose
-    rebuilt keys are turned by their positions (rotary_key 0 with rotary positions): a
-    turn that depends on each key's position cannot be folded into the query."""
+    """Fold a latent model's params for absorbed_step, into a Folded.
+
+    Refuses a model that is not latent, and one whose rebuilt keys are turned by their
+    positions (rotary_key 0 with rotary positions): a turn that depends on each key's
+    position cannot be folded into the query."""
     check_params(params)
     shape = params["shape"]
     if not shape["latent"]:
@@ -84,11 +86,12 @@ def _check_folded(folded):
 
 
 def absorbed_step(folded, cache, token_id, position):
-    """Next-token logits for token_id at position through a latent model's cache, read in
-    latent space: each head's query times Wuk_h^T, its scores against the cached latents
-    (and rotary keys), its weights summing the latents, and the heads' sums through the
-    folded Wuv_h Wo_h. Keeps in the cache what deep_model.forward_step keeps, and refuses
-    what it refuses."""
+    """Next-token logits for token_id at position, reading a latent model's cache in latent space.
+
+    Each head's query times Wuk_h^T, its scores against the cached latents (and rotary
+    keys), and its weights summing the latents; the heads' sums go through the folded
+    Wuv_h Wo_h. Keeps in the cache what deep_model.forward_step keeps, and refuses what it
+    refuses."""
     if not isinstance(folded, Folded):
         raise ValueError("absorbed_step needs latent_attention.fold(params)")
     params = folded.params
@@ -141,10 +144,11 @@ PATHS = ("cached", "rebuilt", "absorbed")   # a decode step's ways through the a
 
 
 def check_formula(shape, count_name, count, path):
-    """Refuse, for a formula of one decode step, a shape deep_model.init_params would
-    refuse, a count of positions (named count_name) that is not an int >= 0, and a path
-    not in PATHS or not its shape's: "cached" keys and values, "rebuilt" and "absorbed"
-    a latent model's."""
+    """Refuse what a formula of one decode step cannot count.
+
+    Refused: a shape deep_model.init_params would refuse, a count of positions (named
+    count_name) that is not an int >= 0, and a path not in PATHS or not its shape's:
+    "cached" keys and values, "rebuilt" and "absorbed" a latent model's."""
     if not isinstance(shape, dict) or set(shape) != set(SHAPE):
         raise ValueError(f"shape must be a deep_model shape, as params[\"shape\"] holds it: "
                          f"a dict of {', '.join(SHAPE)}")
@@ -162,10 +166,11 @@ def check_formula(shape, count_name, count, path):
 
 
 def cache_floats(layers, kv_heads, head_width, latent=None, rotary_key=0):
-    """The numbers a cache keeps per position: per layer a latent and a rotary key, or a
-    key (head_width + rotary_key wide, as in a latent model's keys rebuilt) and a value
-    (head_width) for each key-value head. Refuses counts that are not ints >= 1 (the
-    rotary key >= 0)."""
+    """The numbers a cache keeps per position.
+
+    Per layer a latent and a rotary key, or a key (head_width + rotary_key wide, as in a
+    latent model's keys rebuilt) and a value (head_width) for each key-value head. Refuses
+    counts that are not ints >= 1 (the rotary key >= 0)."""
     check_int("layers", layers, 1)
     check_int("rotary_key", rotary_key, 0)
     if latent is not None:
@@ -177,9 +182,10 @@ def cache_floats(layers, kv_heads, head_width, latent=None, rotary_key=0):
 
 
 def multiply_adds(shape, attended, path):
-    """Products summed (in every dot product: linear layers, turns, scores, weighted sums)
-    by one decode step of a deep_model of this shape (params["shape"]) attending to
-    attended positions: path "cached" for a model that caches keys and values, "rebuilt"
+    """Products summed by one decode step of a deep_model shape attending to attended positions.
+
+    Counted in every dot product: linear layers, turns, scores, weighted sums. shape is
+    params["shape"]; path "cached" for a model that caches keys and values, "rebuilt"
     (deep_model.forward_step) or "absorbed" (absorbed_step) for a latent model. Refuses
     what check_formula refuses."""
     check_formula(shape, "attended", attended, path)
@@ -264,13 +270,14 @@ def _latent_case(layers, positions, latent_width, rotary_key, prompt, continued)
 
 
 def experiment(lab):
-    """Latent models of 1 and 2 layers, learned and rotary positions, latents of 4 and 8
-    (and the coupled control: rotary, no rotary key), each fed the first tokens of the
-    test stories and continued greedily: the rebuilding path's gap to the full pass, the
-    absorbed path's gap and whether its continuation parts; the numbers cached per
-    position against multi-head, grouped-query and multi-query caches of the same heads;
-    and the products of one decode step at WORK_AT positions, by formula (the tests
-    count them)."""
+    """Measure latent models on both paths, their caches, and a decode step's products.
+
+    Latent models of 1 and 2 layers, learned and rotary positions, latents of 4 and 8 (and
+    the coupled control: rotary, no rotary key), each fed the first tokens of the test
+    stories and continued greedily: the rebuilding path's gap to the full pass, the
+    absorbed path's gap and whether its continuation parts; the numbers cached per position
+    against multi-head, grouped-query and multi-query caches of the same heads; and the
+    products of one decode step at WORK_AT positions, by formula (the tests count them)."""
     ids = deep_ids(lab)
     prompt = ids[:len(ids) // 4]
     head = WIDTH // 4
@@ -295,6 +302,7 @@ def experiment(lab):
 # ---- what Part 5 shows of it (documents.py fills its marks) --------------------------
 
 def shapes_table(record, timing):
+    """Section 28's table of latent shapes: numbers cached, both paths' gaps, continuations."""
     rows = []
     for positions, latent, rotary_key in (("learned", 4, 0), ("learned", 8, 0), ("rotary", 4, 2),
                                           ("rotary", 8, 2), ("rotary", 8, 0)):
@@ -322,6 +330,7 @@ def shapes_table(record, timing):
 
 
 def work_table(record, timing):
+    """Section 28's table of one decode step's products on each path, by positions attended."""
     work = record["latent_attention"]["work_per_step"]
     shape, steps = work["shape"], work["steps"]
     latent = (f"latent {shape['latent']} + rotary key {shape['rotary_key']} "
@@ -337,8 +346,10 @@ def work_table(record, timing):
 
 
 def real_cache_bytes():
-    """Each real model of REAL_MODELS: bytes a token, 2 a number, and for a latent model
-    the bytes of its heads' own keys and values."""
+    """The cache bytes a token of each real model of REAL_MODELS, 2 a number, by its name.
+
+    Each a pair: those bytes, and for a latent model the bytes of its heads' own keys and
+    values (None for the others)."""
     return {m["model"]: (2 * cache_floats(m["layers"], m.get("kv_heads"), m["head_width"],
                                           m.get("latent"), m.get("rotary_key", 0)),
                          m.get("latent") and 2 * cache_floats(m["layers"], m["heads"],
@@ -348,6 +359,7 @@ def real_cache_bytes():
 
 
 def real_models_table(record, timing):
+    """Section 28's table of the real models' caches, in bytes a token."""
     rows = []
     for m in REAL_MODELS:
         kept, plain = real_cache_bytes()[m["model"]]
@@ -365,14 +377,17 @@ def _shapes_of(record, coupled):
 
 
 def absorbed_largest_gap(record, timing):
+    """The largest gap of the absorbed path to the full pass, the coupled controls aside."""
     return max(s["largest_gap_absorbed"] for s in _shapes_of(record, coupled=False))
 
 
 def control_gaps(record, timing):
+    """The absorbed path's largest gap in each coupled control (rotary, no rotary key)."""
     return " and ".join(shown(s["largest_gap_absorbed"]) for s in _shapes_of(record, coupled=True))
 
 
 def control_parts_at(record, timing):
+    """The new token at which each coupled control's absorbed continuation parts."""
     return " and ".join(str(s["continuation_parts_at"] + 1)
                         for s in _shapes_of(record, coupled=True))
 
@@ -384,17 +399,21 @@ def _per_position(record, path):
 
 
 def rebuilt_per_position(record, timing):
+    """The products one more attended position adds to the rebuilding step."""
     return _per_position(record, "rebuilt")
 
 
 def absorbed_per_position(record, timing):
+    """The products one more attended position adds to the absorbed step."""
     return _per_position(record, "absorbed")
 
 
 def multi_head_per_position(record, timing):
+    """The products one more attended position adds to a multi-head cache's step."""
     return _per_position(record, "multi-head")
 
 
 def deepseek_v3_ratio(record, timing):
+    """How many times smaller DeepSeek-V3's latent cache is than its heads' keys and values."""
     kept, plain = real_cache_bytes()["DeepSeek-V3"]
     return round(plain / kept)

@@ -49,10 +49,12 @@ VLLM_UTILIZATION = 0.9   # vLLM's default gpu_memory_utilization
 # ---- the lab's model: what a pass computes and reads --------------------------------
 
 def prefill_multiply_adds(shape, prompt_tokens):
-    """Products summed by a one-pass prefill (prefill.prefill) of prompt_tokens tokens
-    into an empty cache of a deep_model shape that caches keys and values: kv_cache.work's
-    rows, each what a decode step attending to no position computes, and its scores, each
-    a query's products with one key and one value (latent_attention.multiply_adds)."""
+    """Products summed by a one-pass prefill of prompt_tokens tokens into an empty cache.
+
+    The prefill is prefill.prefill's; the cache, of a deep_model shape that caches keys and
+    values. Counted: kv_cache.work's rows, each what a decode step attending to no position
+    computes, and its scores, each a query's products with one key and one value
+    (latent_attention.multiply_adds)."""
     check_int("prompt_tokens", prompt_tokens, 1)
     fed = work(prompt_tokens, 1)   # the cached generator feeds the prompt, chooses one token
     per_row = multiply_adds(shape, 0, "cached")
@@ -61,10 +63,11 @@ def prefill_multiply_adds(shape, prompt_tokens):
 
 
 def pass_numbers_read(shape, new_tokens, held=0):
-    """The distinct numbers a pass of new_tokens tokens reads with held positions cached
-    before it: bandwidth.floats_read's (every weight once, and the held keys and values),
-    and the embedding row (and position row) of each token after the first. The keys and
-    values it computes itself it does not read."""
+    """The distinct numbers a pass of new_tokens tokens reads, held positions cached before it.
+
+    bandwidth.floats_read's (every weight once, and the held keys and values), and the
+    embedding row (and position row) of each token after the first. The keys and values it
+    computes itself it does not read."""
     check_int("new_tokens", new_tokens, 1)
     read = floats_read(shape, held)
     rows = shape["width"] * (2 if shape["positions"] == "learned" else 1)
@@ -74,10 +77,12 @@ def pass_numbers_read(shape, new_tokens, held=0):
 # ---- a real model on a GPU: the first token ----------------------------------------
 
 def prefill_flops(model, prompt_tokens):
-    """FLOPs (2 a multiply-add) of a prefill of prompt_tokens tokens: each token multiplies
-    every matrix of every layer; the output layer runs for the last token only (its scores
-    choose the next token); in each layer, the token at position i scores i + 1 keys and
-    sums as many values, width products each. Norms, turns and softmax are not counted."""
+    """FLOPs (2 a multiply-add) of a prefill of prompt_tokens tokens.
+
+    Each token multiplies every matrix of every layer; the output layer runs for the last
+    token only (its scores choose the next token); in each layer, the token at position i
+    scores i + 1 keys and sums as many values, width products each. Norms, turns and
+    softmax are not counted."""
     _check_model(model)
     check_int("prompt_tokens", prompt_tokens, 1)
     layers, width, n = model["layers"], model["width"], prompt_tokens
@@ -87,8 +92,10 @@ def prefill_flops(model, prompt_tokens):
 
 
 def pass_bytes(model, prompt_tokens):
-    """Bytes a prefill of prompt_tokens tokens reads: what a decode step reads of the
-    weights (bandwidth.weight_bytes_read) and the embedding rows of its other tokens."""
+    """Bytes a prefill of prompt_tokens tokens reads.
+
+    What a decode step reads of the weights (bandwidth.weight_bytes_read), and the
+    embedding rows of its other tokens."""
     _check_model(model)
     check_int("prompt_tokens", prompt_tokens, 1)
     return model["weight_bytes_read"] + (prompt_tokens - 1) * model["width"] * model[
@@ -102,16 +109,18 @@ def ridge_point(gpu=A100):
 
 
 def prefill_seconds(model, prompt_tokens, gpu=A100):
-    """The least a prefill of prompt_tokens tokens takes on gpu: its FLOPs at the peak
-    rate, or its bytes at the bandwidth, whichever is longer."""
+    """The least a prefill of prompt_tokens tokens takes on gpu.
+
+    Its FLOPs at the peak rate, or its bytes at the bandwidth, whichever is longer."""
     _check_gpu(gpu)
     return max(prefill_flops(model, prompt_tokens) / gpu["flops_per_second"],
                pass_bytes(model, prompt_tokens) / gpu["bytes_per_second"])
 
 
 def decode_seconds(model, context, gpu=A100):
-    """The least a decode step with context tokens cached takes on gpu: the weights it
-    reads and its cache at the bandwidth (section 29's bound at batch 1)."""
+    """The least a decode step with context tokens cached takes on gpu.
+
+    The weights it reads and its cache at the bandwidth (section 29's bound at batch 1)."""
     _check_model(model)
     check_int("context", context, 0)
     _check_gpu(gpu)
@@ -136,8 +145,9 @@ def weight_bytes(model):
 
 
 def bytes_left(model, gpu=A100, utilization=VLLM_UTILIZATION):
-    """The bytes left for the cache: utilization of the GPU's memory, less the weights
-    (negative if they do not fit); activations, CUDA graphs and the CUDA context not
+    """The bytes left for the cache: utilization of the GPU's memory, less the weights.
+
+    Negative if they do not fit; activations, CUDA graphs and the CUDA context are not
     counted."""
     _check_gpu(gpu)
     if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) \
@@ -148,14 +158,16 @@ def bytes_left(model, gpu=A100, utilization=VLLM_UTILIZATION):
 
 
 def tokens_that_fit(model, gpu=A100, utilization=VLLM_UTILIZATION):
-    """The tokens of cache the bytes left hold, 2 bytes a number (none if the weights do
-    not fit)."""
+    """The tokens of cache the bytes left hold, 2 bytes a number.
+
+    0 if the weights do not fit."""
     return max(0, bytes_left(model, gpu, utilization) // cache_bytes_per_token(model))
 
 
 def requests_that_fit(model, tokens_each, gpu=A100, utilization=VLLM_UTILIZATION):
-    """How many requests of tokens_each tokens the cache holds at once, or None if that is
-    beyond the model's context window."""
+    """How many requests of tokens_each tokens the cache holds at once.
+
+    None if that is beyond the model's context window."""
     check_int("tokens_each", tokens_each, 1)
     tokens = tokens_that_fit(model, gpu, utilization)
     return None if tokens_each > model.get("context_window", math.inf) else tokens // tokens_each
@@ -187,7 +199,9 @@ REQUEST_LENGTHS = (4096, 32768)  # tokens each request holds, for the memory
 
 
 def experiment(lab):
-    """The lab's model: the 60 openings' prompts prefilled one pass each, against the first
+    """Measure prefill against decode for the lab's model, and the real models on an A100.
+
+    The lab's model: the 60 openings' prompts prefilled one pass each, against the first
     decode step after each, in multiply-adds and numbers read. The real models on an A100:
     the least their prefill of PROMPTS and the decode step after it take, the prompt from
     which a prefill is bound by arithmetic, and the requests of REQUEST_LENGTHS their cache
@@ -233,6 +247,7 @@ def _beyond(entry):
 
 
 def first_token_table(record, timing):
+    """Section 30's table: the real models' least prefill and decode step, and their ridge."""
     rows = []
     for entry in record["one_gpu"]["models"]:
         cells = [_name(entry)]
@@ -247,6 +262,7 @@ def first_token_table(record, timing):
 
 
 def fit_table(record, timing):
+    """Section 31's table: each real model's weights, memory left, and requests that fit."""
     rows = []
     for entry in record["one_gpu"]["models"]:
         rows.append([_name(entry), f"{entry['weight_bytes'] / 2 ** 30:.2f} GiB",
@@ -265,31 +281,37 @@ def _by_kv_heads(record, kv_heads):
 
 
 def lesson_prefill_rate(record, timing):
+    """The lab's prefills' multiply-adds for each number they read."""
     lesson = record["one_gpu"]["lesson"]
     return f"{lesson['prefill_multiply_adds'] / lesson['prefill_numbers_read']:.1f}"
 
 
 def lesson_decode_rate(record, timing):
+    """The lab's first decode steps' multiply-adds for each number they read."""
     lesson = record["one_gpu"]["lesson"]
     return f"{lesson['decode_multiply_adds'] / lesson['decode_numbers_read']:.2f}"
 
 
 def ridge(record, timing):
+    """The A100's ridge point, in FLOPs a byte."""
     return f"{ridge_point():.0f}"
 
 
 def decode_steps_a_prefill_takes(record, timing):
+    """How many of Llama-3.1-8B's decode steps last as long as its prefill of each of PROMPTS."""
     grouped = _by_kv_heads(record, 8)
     return " and ".join(f"{prefill / decode:.0f}" for prefill, decode
                         in zip(grouped["prefill_seconds"], grouped["decode_seconds"]))
 
 
 def attention_share_of_the_longest_prefill(record, timing):
+    """Attention's share of the FLOPs of Llama-3.1-8B's longest prefill of PROMPTS."""
     n, model = PROMPTS[-1], LLAMA_3_1_8B
     return format(2 * model["layers"] * model["width"] * n * (n + 1) / prefill_flops(model, n),
                   ".0%")
 
 
 def grouped_tokens_over_multi_head(record, timing):
+    """How many times as many tokens of cache an A100 holds for Llama-3.1-8B as for Llama-2-7B."""
     grouped, multi_head = _by_kv_heads(record, 8), _by_kv_heads(record, 32)
     return f"{grouped['tokens_that_fit'] / multi_head['tokens_that_fit']:.1f}"

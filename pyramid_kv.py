@@ -29,12 +29,13 @@ KINDS = ("pyramid", "uniform")
 
 
 def layer_budgets(budget, layers, prompt_tokens, window, beta, kind="pyramid"):
-    """How many of the prompt's positions each layer keeps, its last window ones among
-    them, for budget a layer on average: uniform, budget in every layer; pyramid, as
-    PyramidKV's code: of the chosen part (budget - window on average) the last layer
-    gets a beta-th (rounded down) and the first the rest of twice the average, at most
-    all prompt_tokens - window; the layers between, the arithmetic sequence from one to
-    the other, each rounded half to even, so that the layers add up to layers x budget."""
+    """How many of the prompt's positions each layer keeps, for budget a layer on average.
+
+    Each keeps its last window ones among them. Uniform: budget in every layer. Pyramid, as
+    PyramidKV's code: of the chosen part (budget - window on average) the last layer gets a
+    beta-th (rounded down) and the first the rest of twice the average, at most all
+    prompt_tokens - window; the layers between, the arithmetic sequence from one to the
+    other, each rounded half to even, so that the layers add up to layers x budget."""
     if kind == "uniform" or layers == 1:
         return [budget] * layers
     chosen = budget - window
@@ -46,12 +47,13 @@ def layer_budgets(budget, layers, prompt_tokens, window, beta, kind="pyramid"):
 
 
 class PyramidKVCache(DeepCache):
-    """A DeepCache that, at the end of the prompt (its prompt_tokens-th row), keeps in
-    layer L only budgets[L] prompt positions (layer_budgets, of this kind): the last
-    window, and snapkv_choice's from the window's rows, pooled over kernel neighbours.
-    A dropped position's key and value become None in that layer's lists, so that a read
-    of one fails. kept[L] is what layer L keeps of the prompt; reads[L][i], the positions
-    row i read in layer L."""
+    """A DeepCache that, at the prompt's end, keeps only budgets[L] prompt positions in layer L.
+
+    The end of the prompt is its prompt_tokens-th row; budgets are layer_budgets', of this
+    kind: the last window, and snapkv_choice's from the window's rows, pooled over kernel
+    neighbours. A dropped position's key and value become None in that layer's lists, so
+    that a read of one fails. kept[L] is what layer L keeps of the prompt; reads[L][i], the
+    positions row i read in layer L."""
 
     def __init__(self, params, budget, prompt_tokens, kind="pyramid", window=4, kernel=3,
                  beta=20):
@@ -80,9 +82,11 @@ class PyramidKVCache(DeepCache):
         return self.kept[layer] + list(range(self.prompt_tokens, position + 1))
 
     def attended(self, layer, weights_by_head):
-        """The newest row read its reads in layer with these weights, a list a head: note
-        its reads; in the prompt's last window rows, keep the heads' mean weights; at the
-        prompt's last row, choose what the layer keeps, and drop the rest."""
+        """Note the newest row's reads in layer; at the prompt's last row, choose what it keeps.
+
+        The row read them with these weights, a list a head. In the prompt's last window
+        rows, keep the heads' mean weights; at the prompt's last row, choose what the layer
+        keeps, and drop the rest."""
         position = len(self) - 1
         self.reads[layer].append(list(self._reads_of(layer, position)))
         if self.prompt_tokens - self.window <= position < self.prompt_tokens:
@@ -105,10 +109,12 @@ LAYERS, HEADS, KV_HEADS, WINDOW, KERNEL, BETA = 4, 4, 2, 4, 3, 20
 
 
 def pyramid_run(params, ids, prompt_tokens, budget, kind, full):
-    """ids fed one at a time through a PyramidKVCache of budget and kind: its budgets,
-    the prompt positions it keeps in all and the numbers it holds a position, the largest
-    gap of the decoded rows to full (the unmasked pass's), and every row compared with
-    deep_model.forward's with the cache's reads as its masks, one a layer."""
+    """Feed ids one at a time through a PyramidKVCache of budget and kind, and measure it.
+
+    Gives its budgets, the prompt positions it keeps in all and the numbers it holds a
+    position, the largest gap of the decoded rows to full (the unmasked pass's), and every
+    row compared with deep_model.forward's with the cache's reads as its masks, one a
+    layer."""
     cache = PyramidKVCache(params, budget, prompt_tokens, kind, WINDOW, KERNEL, BETA)
     rows = [forward_step(params, cache, token_id, position)
             for position, token_id in enumerate(ids)]
@@ -123,9 +129,11 @@ def pyramid_run(params, ids, prompt_tokens, budget, kind, full):
 
 
 def experiment(lab):
-    """A 4-layer grouped-query deep_model (4 heads, 2 key-value heads, the lab's width,
-    seed 0) reads the first three quarters of deep_ids (48 of 64 tokens) as its prompt
-    and decodes the rest: for each budget, pyramid and uniform (pyramid_run)."""
+    """Compare pyramid and uniform budgets on a 4-layer grouped-query deep_model.
+
+    The model (4 heads, 2 key-value heads, the lab's width, seed 0) reads the first three
+    quarters of deep_ids (48 of 64 tokens) as its prompt and decodes the rest: for each
+    budget, pyramid and uniform (pyramid_run)."""
     ids = deep_ids(lab)
     prompt_tokens = len(ids) * 3 // 4
     params = init_params(LAYERS, HEADS, KV_HEADS, WIDTH, 0)
@@ -139,6 +147,7 @@ def experiment(lab):
 # ---- what Part 5 shows of it (documents.py fills its marks) --------------------------
 
 def budgets_table(record, timing):
+    """Section 26's table of pyramid and uniform budgets: kept by layer, gaps, rows equal."""
     pyramid = record["pyramid"]
     rows = [[run["budget"], run["kind"], " / ".join(map(str, run["layer_budgets"])),
              bold(shown(run["largest_logit_gap_of_the_decoded_rows"])),
@@ -165,8 +174,10 @@ def _budgets_where(record, pyramid_closer):
 
 
 def closer_with_the_pyramid(record, timing):
+    """The budgets at which the pyramid comes closer to the full pass than uniform."""
     return _budgets_where(record, True)
 
 
 def not_closer_with_the_pyramid(record, timing):
+    """The budgets at which the pyramid does not come closer than uniform."""
     return _budgets_where(record, False)
