@@ -1,6 +1,6 @@
 """The deeper model's shapes and parameters (deep_params.py): every parameter init_params
-makes has the shape its docstring gives, worked out plainly here, its gains 1.0 and its
-biases 0.0; check_params takes what init_params makes and refuses a parameter one row or
+makes has the shape its docstring gives, worked out plainly here, the spread of its std,
+its gains 1.0 and its biases 0.0; check_params takes what init_params makes and refuses a parameter one row or
 entry short, or holding nan; shapes too large to build are refused at once."""
 import math
 import time
@@ -97,10 +97,12 @@ def quick_check():
     """Each parameter has its shape and first values; check_params refuses it one short.
 
     For each shape of TRIED: every parameter deep_params.init_params makes has the
-    (rows, columns) worked_out gives, none more or fewer, each gain is 1.0 and each bias
+    (rows, columns) worked_out gives, none more or fewer, each matrix the spread its std
+    gives (its mean square within 1.5 times of std squared), each gain 1.0 and each bias
     0.0; check_params takes the params, and refuses each parameter of the first one row or
-    entry short, or holding nan, naming it. Then a million layers are refused by check_model_shape. None if all holds,
-    else a Wrong naming the model, the parameter and both shapes or values."""
+    entry short, or holding nan, naming it. Then a million layers are refused by
+    check_model_shape. None if all holds, else a Wrong naming the model, the parameter and
+    both shapes or values."""
     for args in TRIED:
         step(f"deep_params.init_params{args}")
         params = deep_params.init_params(*args)
@@ -115,6 +117,14 @@ def quick_check():
             if dims_of(values[name]) != wanted[name]:
                 return Wrong(f"{where}: {name} is {in_words(dims_of(values[name]))}, "
                              f"{in_words(wanted[name])} expected")
+            if len(wanted[name]) == 2:   # std 0.5 for an embedding, else 1 / sqrt(rows)
+                spread = 0.25 if name.endswith("_emb") else 1 / wanted[name][0]
+                square = math.fsum(v * v for row in values[name] for v in row) / math.prod(
+                    wanted[name])
+                if not spread / 1.5 < square < spread * 1.5:
+                    return Wrong(f"{where}: {name}'s numbers have a mean square of "
+                                 f"{square:.4g}, about {spread:.4g} expected (drawn with a "
+                                 f"std of {'0.5' if name.endswith('_emb') else '1 / sqrt(rows)'})")
             first = name.rstrip("']")[-2:]
             if first in ("_g", "_b") and set(values[name]) != {1.0 if first == "_g" else 0.0}:
                 return Wrong(f"{where}: {name} holds {sorted(set(values[name]))}, "
@@ -172,13 +182,18 @@ class QuickCheckTeeth(unittest.TestCase):
         ("a block's shapes not checked", deep_params, "check_params",
          swapping("check_shape(block[name], wanted_dims, where)", "pass"),
          r": check_params took blocks\[0\]\['\w+'\] one short"),
+        ("a std of 1 / sqrt(columns), not rows", deep_params, "init_params",
+         swapping("dims[0] ** (-0.5)", "dims[1] ** (-0.5)"),
+         r"init_params\(2, 4, 2, 16, 0\), .*: W_out's numbers have a mean square of \S+, "
+         r"about 0\.0625 expected"),
         ("a block's values not checked", deep_params, "check_params",
          swapping("check_values(where, block[name] if len(wanted_dims) == 2 else [block[name]])",
                   "pass"),
          r": check_params took blocks\[0\]\['\w+'\] holding nan"),
         ("the numbers of one layer counted, not of every layer", deep_params,
-         "check_model_shape", swapping("layers * sum(map(math.prod, one.pop('blocks')[0].values()))",
-                                       "sum(map(math.prod, one.pop('blocks')[0].values()))"),
+         "check_model_shape",
+         swapping("layers * sum(map(math.prod, one.pop('blocks')[0].values()))",
+                  "sum(map(math.prod, one.pop('blocks')[0].values()))"),
          r"check_model_shape took a million layers")]
 
     def test_each_mistake_names_its_model_and_parameter(self):
