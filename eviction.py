@@ -103,6 +103,8 @@ class EvictingCache(KVCache):
         super().crop(length)
 
     def _forget_from(self, length):
+        if length == len(self):   # nothing to forget: what it keeps stays kept
+            return
         del self.tokens[length:], self.reads[length:]
         del self.kept[:], self._keys[:], self._values[:], self.scores[:]
 

@@ -2,15 +2,17 @@
 says, worked out here plainly; each row equals the full pass with that row's reads as its
 mask; what cannot be done with a cache that drops positions is refused, saying why."""
 import ast
+import contextlib
 import functools
 import unittest
 from math import fsum
+from unittest import mock
 
 import eviction
 import model
 import support
 import verdicts
-from instruments import replacing
+from instruments import plant, replacing
 from kv_cache import KVCache, feed, generate_cached
 from model import SCALE, dot, softmax_row
 from support import PARAMS, STORIES, TOK
@@ -208,6 +210,27 @@ class Eviction(unittest.TestCase):
                 with self.assertRaisesRegex(ValueError, fragment):
                     call()
                 self.assertEqual((cache.tokens, cache.kept, cache.reads), before)
+
+    def test_a_crop_to_its_own_length_changes_nothing(self):
+        """Cropping to the positions fed (what speculative decoding does when it accepts
+        every draft) keeps what each kind kept: its next row reads and gives what an
+        uncropped copy's does. Forgetting everything there, planted, is found."""
+        forget_all = replacing(lambda node: isinstance(node, ast.If), lambda node: ast.Pass())
+        for planted in (False, True):
+            with self.subTest(planted=planted), contextlib.ExitStack() as stack:
+                if planted:
+                    stack.enter_context(mock.patch.object(eviction.EvictingCache,
+                                                          "_forget_from", plant(
+                        eviction.EvictingCache, "_forget_from", forget_all)))
+                for cache in (eviction.HeavyHitterCache(PARAMS, 8), eviction.KeyNormCache(
+                        PARAMS, 8), eviction.SnapKVCache(PARAMS, 8, 10)):
+                    feed(PARAMS, cache, self.IDS[:20])
+                    other = cache.copy()
+                    cache.crop(len(cache))
+                    rows = [feed(PARAMS, c, self.IDS[:21])[-1] for c in (cache, other)]
+                    same = (cache.kept, cache.reads[-1], rows[0]) == (other.kept, other.reads[-1],
+                                                                      rows[1])
+                    self.assertEqual(same, not planted, type(cache).__name__)
 
     def test_bad_budgets_and_settings_are_refused_by_name(self):
         for call, fragment in ((lambda: eviction.HeavyHitterCache(PARAMS, 1), "budget"),
