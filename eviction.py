@@ -211,7 +211,7 @@ def rung(lab, index, runs):
 
     def check(cache, ids, rows, prompt_tokens):
         nonlocal compared, equal, most_read
-        most_read = max(most_read, *map(len, cache.reads[prompt_tokens:]))
+        most_read = max([most_read, *map(len, cache.reads[prompt_tokens:])])   # a row, or none
         if budget == smallest:
             full, _ = model.forward(lab.params, ids, cache.reads.__getitem__)
             compared += len(rows)

@@ -6,6 +6,7 @@ import contextlib
 import functools
 import unittest
 from math import fsum
+from types import SimpleNamespace
 from unittest import mock
 
 import eviction
@@ -15,7 +16,8 @@ import verdicts
 from instruments import plant, replacing
 from kv_cache import KVCache, feed, generate_cached
 from model import SCALE, dot, softmax_row
-from support import PARAMS, STORIES, TOK
+from stories import story_ids
+from support import OPENINGS, PARAMS, STORIES, TOK, cached_rows
 from verdicts import Layer, Wrong, differ, step
 
 
@@ -231,6 +233,20 @@ class Eviction(unittest.TestCase):
                     same = (cache.kept, cache.reads[-1], rows[0]) == (other.kept, other.reads[-1],
                                                                       rows[1])
                     self.assertEqual(same, not planted, type(cache).__name__)
+
+    def test_a_story_of_one_token_runs_through_every_rung(self):
+        """A greedy story that ends at its first token (a retrained model may write one)
+        leaves no row read after its prompt: every rung measures it, reading none."""
+        prompts = OPENINGS[:1]
+        greedy, sampled = ([generate_cached(PARAMS, TOK, prompt, 1, **settings)
+                            for prompt in prompts] for settings in ({}, {"temperature": 1.0}))
+        runs = SimpleNamespace(greedy=greedy, sampled=sampled, greedy_rows=[
+            cached_rows(PARAMS, story_ids(TOK, p, r)[:-1]) for p, r in zip(prompts, greedy)])
+        lab = SimpleNamespace(params=PARAMS, tok=TOK, prompts=prompts)
+        for index, (name, budget) in enumerate(eviction.RUNGS):
+            with self.subTest(name=name, budget=budget):
+                self.assertEqual(eviction.rung(lab, index, runs)[
+                    "most_positions_a_row_read_after_the_prompt"], 0)
 
     def test_bad_budgets_and_settings_are_refused_by_name(self):
         for call, fragment in ((lambda: eviction.HeavyHitterCache(PARAMS, 1), "budget"),
