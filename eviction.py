@@ -150,7 +150,7 @@ class SnapKVCache(EvictingCache):
     def __init__(self, params, budget, prompt_tokens, window=4, kernel=3):
         super().__init__(params, budget, budget)
         model.check_int("window", window, 1, budget - 1, " (the budget - 1)")
-        model.check_int("kernel", kernel, 1)
+        check_kernel(kernel)
         model.check_int("prompt_tokens", prompt_tokens, 1, model.CONTEXT)
         self.prompt_tokens, self.window, self.kernel = prompt_tokens, window, kernel
         self.last_rows = []   # the weights of the latest window rows of the prompt
@@ -167,6 +167,17 @@ class SnapKVCache(EvictingCache):
     def evicts(self):
         """Not before the end of the prompt: its rows read every prompt position."""
         return len(self.reads) >= self.prompt_tokens
+
+
+def check_kernel(kernel):
+    """Refuse a pooling kernel that is not an odd int of at least 1.
+
+    An odd kernel pools a position and as many neighbours on each side, as SnapKV's
+    avg_pool1d (padding kernel // 2); an even one would pool kernel + 1 positions."""
+    model.check_int("kernel", kernel, 1)
+    if kernel % 2 == 0:
+        raise ValueError(f"kernel must be odd (a position and as many neighbours on each "
+                         f"side), got {kernel}: an even one would pool {kernel + 1} positions")
 
 
 def snapkv_choice(rows, keep, kernel):

@@ -21,7 +21,7 @@ from math import fsum
 from deep_model import DeepCache, deep_ids, forward, forward_step
 from deep_params import check_params, init_params
 from documents import bold, shown, table
-from eviction import snapkv_choice
+from eviction import check_kernel, snapkv_choice
 from instruments import largest_gap
 from model import CONTEXT, WIDTH, check_int
 
@@ -65,7 +65,7 @@ class PyramidKVCache(DeepCache):
                   " (more than the window, within the model's positions)")
         check_int("budget", budget, window + 1, prompt_tokens,
                   " (more than the window, at most the prompt's positions)")
-        check_int("kernel", kernel, 1)
+        check_kernel(kernel)
         check_int("beta", beta, 1)
         layers = range(params["shape"]["layers"])
         super().__init__(params, [lambda i, layer=layer: self._reads_of(layer, i)

@@ -254,7 +254,9 @@ class Eviction(unittest.TestCase):
                                (lambda: eviction.HeavyHitterCache(PARAMS, 8, 9), "recent"),
                                (lambda: eviction.SnapKVCache(PARAMS, 8, 0), "prompt_tokens"),
                                (lambda: eviction.SnapKVCache(PARAMS, 8, 5, window=8), "window"),
-                               (lambda: eviction.SnapKVCache(PARAMS, 8, 5, kernel=0), "kernel")):
+                               (lambda: eviction.SnapKVCache(PARAMS, 8, 5, kernel=0), "kernel"),
+                               (lambda: eviction.SnapKVCache(PARAMS, 8, 5, kernel=4),
+                                "kernel must be odd .*, got 4: an even one would pool 5")):
             with self.subTest(fragment=fragment):
                 with self.assertRaisesRegex(ValueError, fragment):
                     call()

@@ -258,6 +258,8 @@ class Refusals(unittest.TestCase):
                                 "kind must be \"pyramid\" or \"uniform\", got 'pyramids'"),
                                ((6, 12, "pyramid", 0), "window must be an int from 1"),
                                ((6, 12, "pyramid", 4, 0), "kernel must be an int >= 1"),
+                               ((6, 12, "pyramid", 4, 2), r"kernel must be odd .*, got 2: an "
+                                                          r"even one would pool 3 positions"),
                                ((6, 12, "pyramid", 4, 3, 0), "beta must be an int >= 1")):
             with self.subTest(args=args), self.assertRaisesRegex(ValueError, fragment):
                 PyramidKVCache(params, *args)
