@@ -166,9 +166,15 @@ def shown(figure, spec=""):
 
 
 def table(header, rows):
-    """A Markdown table's lines: its header cells, and each row's cells."""
-    return ([f"| {' | '.join(header)} |".replace("|  |", "| |"), "|" + "---|" * len(header)]
-            + [f"| {' | '.join(map(str, cells))} |" for cells in rows])
+    """A Markdown table's lines: its header cells, and each row's cells.
+
+    A cell's own | is escaped and its line breaks become spaces, so that no cell (a prompt
+    from a record, say) can end its row or add a column."""
+    def cell(value):
+        return " ".join(str(value).splitlines()).replace("|", "\\|")
+    return ([f"| {' | '.join(map(cell, header))} |".replace("|  |", "| |"),
+             "|" + "---|" * len(header)]
+            + [f"| {' | '.join(map(cell, cells))} |" for cells in rows])
 
 
 def bold(text):

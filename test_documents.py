@@ -129,6 +129,14 @@ def conflict_markers(folder):
     return found
 
 
+class Tables(unittest.TestCase):
+
+    def test_a_cell_cannot_end_its_row_or_add_a_column(self):
+        """A prompt from a record holding | or a line break stays in its cell."""
+        lines = documents.table(["prompt", "n"], [["mia | was\nsad.", 3]])
+        self.assertEqual(lines, ["| prompt | n |", "|---|---|", "| mia \\| was sad. | 3 |"])
+
+
 class ConflictMarkers(unittest.TestCase):
 
     def test_no_file_of_the_lab_holds_a_merge_s_conflict_markers(self):
