@@ -410,6 +410,10 @@ def side_by_side_picture(record, timing):
         xs = [rung[key] for line in lines for rung in line.rungs]
         if not xs:
             raise ValueError(f"the record has no rung of {label} to draw")
+        unplaced = [rung["cache"] for line in lines for rung in line.rungs if rung[key] is None]
+        if unplaced:
+            raise ValueError(f"the record's rung {unplaced[0]!r} has no {key} (null) to draw "
+                             f"it by")
         panel = svg.Panel(box, (0, max(xs) * 1.05 or 1), (0, stories or 1))
         body += panel.axes(xticks(max(xs)), svg.ticks(stories), label,
                            f"greedy stories changed (of {stories})", xlabels=xlabels)

@@ -261,6 +261,17 @@ class Pictures(unittest.TestCase):
                                plant(batched, "stories_picture", always)):
             self.assertTrue(legend_problems(batched.stories_picture(self.record, None)))
 
+    def test_a_rung_without_its_axis_is_refused_naming_it(self):
+        """A rung whose positions kept or bytes a position is null (which the record's check
+        lets through, for the other panel) cannot be placed: refused, naming it."""
+        for stage, key in (("eviction", "positions_kept"), ("quantization", "bytes_per_position")):
+            record = copy.deepcopy(self.record)
+            record[stage]["rungs"][0][key] = None
+            name = re.escape(record[stage]["rungs"][0]["cache"])
+            with self.subTest(key), self.assertRaisesRegex(
+                    ValueError, rf"^the record's rung '{name}' has no {key} \(null\)"):
+                lossy.side_by_side_picture(record, None)
+
     def test_more_kinds_than_colours_are_each_drawn_or_refused(self):
         """A kind a picture has no colour left for is drawn all the same, in a colour and
         marker no other has, and named in its legend (the evicting kinds, the 4-layer
