@@ -24,8 +24,11 @@ def sample_from_forks(params, tok, prompt, seeds, pool):
     (computed once). Gives the results, and the blocks the pool had taken when the last
     ended. On the way out, normally or not, all go back."""
     ids = generate.check_request(tok, prompt, 60, 1.0, None, 0)
-    generate.check_seeds(seeds)
     check_pool(pool, params)
+    if isinstance(seeds, (list, tuple, range)) and len(seeds) > len(pool.blocks):
+        raise ValueError(f"seeds: {len(seeds):,} continuations need a block of their own each, "
+                         f"more than the pool's {len(pool.blocks)} blocks")
+    generate.check_seeds(seeds)
     seq, forks, results = pool.sequence(), [], []
     try:
         last = feed(params, seq, ids)[-1]

@@ -122,7 +122,8 @@ class Forks(unittest.TestCase):
     def test_sample_from_forks_refuses_bad_seeds_and_pools_before_anything_changes(self):
         """Seeds that are not a list, a tuple or a range (an iterator would be read up by
         the forks, leaving none to continue them; an int), seeds generate would refuse
-        (None, 1.5, "a", True), and a pool that is not one of these params', each refused
+        (None, 1.5, "a", True), more seeds than the pool has blocks (ten million, refused at
+        once), and a pool that is not one of these params', each refused
         by name with the pool as it was; a range and a tuple are taken."""
         pool, prompt = paged.BlockPool(PARAMS, 48, 4), OPENINGS[4]
         other = paged.BlockPool(model.init_params(1), 48, 4)
@@ -135,6 +136,8 @@ class Forks(unittest.TestCase):
                 ([1.5], pool, r"seeds\[0\] must be an int, got 1\.5"),
                 (["a"], pool, r"seeds\[0\] must be an int, got 'a'"),
                 ([True], pool, r"seeds\[0\] must be an int, got True"),
+                (range(10 ** 7), pool, "seeds: 10,000,000 continuations need a block of their "
+                                       "own each, more than the pool's 48 blocks"),
                 ([0], None, "pool must be a BlockPool made for these params, got NoneType"),
                 ([0], other, "pool must be a BlockPool made for these params, got one made "
                              "for others")):
