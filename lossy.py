@@ -281,6 +281,9 @@ def ladder(lab, rungs):
 
 def ladder_table(record, timing):
     """Section 17's table: every rung of the ladder beside the exact lists, and what it costs."""
+    svg.checked({**record, "time": timing}, {"time": {"cache_bytes_per_position": svg.COUNT},
+                                             "ladder": {"stories": svg.COUNT, "rungs": [{
+        **RUNG_SHAPE, "largest_logit_gap": svg.COUNT, "sampled_stories_changed": svg.COUNT}]}})
     rows = [["exact, in lists (the reference)",
              f"{timing['cache_bytes_per_position']:,} as CPython objects", "all", "0.0", 0, 0]]
     rows += [[rung["cache"], shown(rung["bytes_per_position"], "g")

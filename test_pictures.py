@@ -272,6 +272,18 @@ class Pictures(unittest.TestCase):
                     ValueError, rf"^the record's rung '{name}' has no {key} \(null\)"):
                 lossy.side_by_side_picture(record, None)
 
+    def test_the_ladder_s_table_refuses_what_no_run_gives_naming_it(self):
+        """A count of 10^400 (once an OverflowError) or a rung named by a number in the
+        record, or a size that is not a number in the timing: refused, naming the key."""
+        for where, key, value in (("ladder", "bytes_per_position", 10 ** 400),
+                                  ("ladder", "cache", 5), (None, "cache_bytes_per_position", "x")):
+            record, timing = copy.deepcopy(self.record), dict(self.timing)
+            (record[where]["rungs"][0] if where else timing)[key] = value
+            named = rf"ladder\.rungs\[0\]\.{key}" if where else rf"time\.{key}"
+            with self.subTest(key), self.assertRaisesRegex(
+                    ValueError, rf"^the record's {named} is"):
+                lossy.ladder_table(record, timing)
+
     def test_more_kinds_than_colours_are_each_drawn_or_refused(self):
         """A kind a picture has no colour left for is drawn all the same, in a colour and
         marker no other has, and named in its legend (the evicting kinds, the 4-layer
