@@ -75,8 +75,9 @@ def check_values(name, rows):
     """Refuse rows (lists of numbers) holding anything but floats no larger than MAX_WEIGHT.
 
     With weights beyond it, a row's sums of products could overflow a float."""
-    for r in rows:
-        if set(map(type, r)) != {float} or not all(abs(v) <= MAX_WEIGHT for v in r):
+    for r in rows:   # a NaN fails the first test, or makes the fsum of the floats NaN
+        if (set(map(type, r)) != {float} or not max(map(abs, r)) <= MAX_WEIGHT
+                or math.isnan(fsum(r))):
             bad = next(v for v in r if type(v) is not float or not abs(v) <= MAX_WEIGHT)
             if type(bad) is float and math.isfinite(bad):
                 raise ValueError(f"params: {name} holds {bad!r}, larger than {MAX_WEIGHT:g}: "
