@@ -28,7 +28,7 @@ import re
 import documents
 from documents import FIGURE, LAB, README
 
-Part = collections.namedtuple("Part", "name file offset text words time")
+Part = collections.namedtuple("Part", "name file link offset text words time")
 MAP_ROW = re.compile(r"^\| \[([^\]]+)\]\(([\w.-]*)(?:#([\w-]+))?\)[^|\n]* \| [^|\n]* \| "
                      r"([^|\n]*) \| ([^|\n]*) \|$", re.M)
 EXERCISES = r"^#+ Exercises$"   # each Part ends with them
@@ -60,6 +60,33 @@ def with_code(record, timing, part, folder=LAB):
 
     As "80 to 135 minutes, about 550 lines, 3 tables, a diagram and 2 exercises"."""
     return _figures_of(part, folder)["with_code"]
+
+
+def next_part(record, timing, part, folder=LAB):
+    """The link to the row after the one of the file part, in the map's order.
+
+    As "[Part 3: keeping less](part3-keeping-less.md)": each Part's "Next:" link."""
+    return _neighbour(part, folder, 1)
+
+
+def previous_part(record, timing, part, folder=LAB):
+    """The link to the Part before the one of the file part, in the map's order.
+
+    As "[Part 2](part2-prefill-and-paging.md)" (the name before its colon): a Part's
+    first line, and the Reference's link to the course's last Part."""
+    return _neighbour(part, folder, -1)
+
+
+def _neighbour(part, folder, step):
+    rows = parts(dict(the_documents(folder)))
+    files = [row.file for row in rows]
+    if part not in files:
+        raise KeyError(f"no row of {README}'s map links {part}")
+    at = files.index(part) + step
+    if not 0 <= at < len(rows):
+        raise KeyError(f"{part}'s row is the map's {'last' if step > 0 else 'first'}")
+    name = rows[at].name if step > 0 else rows[at].name.split(":")[0].split(" (")[0]
+    return f"[{name}]({rows[at].link})"
 
 
 def the_documents(folder=LAB):
@@ -124,7 +151,8 @@ def parts(texts):
     for name, file, heading, words, time in MAP_ROW.findall(texts[README]):
         text = texts[file or README]
         offset = heading_offsets(text)[heading] if heading else 0
-        found.append(Part(name, file or README, offset, text[offset:], words, time))
+        link = (file or README) + (f"#{heading}" if heading else "")
+        found.append(Part(name, file or README, link, offset, text[offset:], words, time))
     return found
 
 

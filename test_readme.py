@@ -278,6 +278,13 @@ def map_problems(texts):
             if not re.fullmatch(rf"<!--fig {re.escape(name)}-->[^<]*<!--/-->", cell):
                 problems.append(f"the README's map must give {part.name} the mark "
                                 f"<!--fig {name}-->, not {cell!r}")
+    rows = parts(texts)
+    for at, part in enumerate(rows):   # links to the rows around it, filled by --write
+        for name, needed in (("next_part", at < len(rows) - 1), ("previous_part", at > 0)):
+            mark = f"<!--fig course_map.{name}({part.file})-->"
+            if needed and mark not in part.text:
+                problems.append(f"{part.file} must link the {name.split('_')[0]} row of the "
+                                f"map by the mark {mark}")
     return problems
 
 
@@ -380,8 +387,8 @@ class Figures(unittest.TestCase):
         self.assert_none(map_problems(self.texts), f"the course map is typed. {ON_PURPOSE}")
 
     def test_a_map_cell_or_an_opening_typed_by_hand_is_found(self):
-        """A cell whose figure is off is a mark out of date; a cell or an opening typed
-        without its mark is found by map_problems."""
+        """A cell whose figure is off is a mark out of date; a cell, an opening or a link to
+        the next Part typed without its mark is found by map_problems."""
         text = self.texts[README]
         cell = next(found for found in FIGURE.finditer(text)
                     if found[1] == "course_map.with_code(README.md)")
@@ -390,6 +397,11 @@ class Figures(unittest.TestCase):
         typed = dict(self.texts, **{README: text.replace(cell[0], cell[2]).replace(
             "<!--fig course_map.minutes(README.md)-->", "")})
         self.assertEqual(len(map_problems(typed)), 2, map_problems(typed))
+        part = "part4-a-servers-life.md"
+        linked = dict(self.texts, **{part: self.texts[part].replace(
+            f"<!--fig course_map.next_part({part})-->", "")})
+        self.assertEqual(map_problems(linked), [f"{part} must link the next row of the map by "
+                                                f"the mark <!--fig course_map.next_part({part})-->"])
 
     def test_no_figure_in_the_text_has_more_than_6_significant_digits(self):
         self.assert_none(course_digit_problems(self.texts), "figures are too long")
