@@ -29,7 +29,7 @@ What a shape may be, and the parameters of one, are deep_params.py's.
 import math
 import sys
 
-from deep_params import check_params, init_params
+from deep_params import check_params, init_params, kv_layers, layer_windows
 from documents import bold, shown, table
 from instruments import largest_gap
 from model import (CONTEXT, VOCAB_SIZE, WIDTH, add, band, causal, check_ids, check_mask,
@@ -120,6 +120,30 @@ def rotate(x, position, thetas):
     return turned
 
 
+def attend(q_h, sink, scale, keys, values):
+    """One head's mixed values and attention weights: q_h's scores over keys, values weighted.
+
+    keys and values are the head's parts of the positions it reads; each score is
+    dot(q_h, k_j) * scale. With a sink (a learned logit of the head's, or None), the sink
+    is a last score with no key and no value: softmaxed with the scores, its weight then
+    dropped (gpt-oss's sdpa, gpt_oss/torch/model.py), so the weights sum to less than 1."""
+    scores = [dot(q_h, k_j) * scale for k_j in keys]
+    weights = softmax_row(scores) if sink is None else softmax_row(scores + [sink])[:-1]
+    return [dot(weights, column) for column in zip(*values)], weights
+
+
+def own_mask(shape):
+    """The mask of a model of this shape: causal, or one a layer if a layer has a window.
+
+    A layer of window W reads band(W): position i reads i - W + 1 to i, itself and the
+    W - 1 before it (gpt-oss's sliding_window, lossy.WindowCache's window); a full layer
+    reads causal."""
+    windows = layer_windows(shape)
+    if not any(windows):
+        return causal
+    return [causal if window is None else band(window) for window in windows]
+
+
 def layer_masks(mask, layers, positions, start=0):
     """mask as one mask per layer: itself if it is a list, else mask in every layer.
 
@@ -139,16 +163,18 @@ def layer_masks(mask, layers, positions, start=0):
     return mask
 
 
-def forward(params, ids, mask=causal):
+def forward(params, ids, mask=None):
     """Next-token logits for every position of ids, layer by layer.
 
-    In each layer, first every position's q, k and v, then each position's heads attending
-    to positions mask(i) (mask may be a list, one mask a layer)."""
+    In each layer, first every position's q, k and v (a layer that reads an earlier one's
+    cache, kv_from, takes that layer's k and v), then each position's heads attending to
+    positions mask(i): mask may be a list, one mask a layer, and is the model's own_mask
+    unless given."""
     check_params(params)
     check_ids(ids)
-    masks = layer_masks(mask, params["shape"]["layers"], len(ids))
-    block_cols, out_cols = _columns(params)
     shape = params["shape"]
+    masks = layer_masks(own_mask(shape) if mask is None else mask, shape["layers"], len(ids))
+    block_cols, out_cols = _columns(params)
     heads, d, d_key, group, scale = heads_of(shape)
     thetas, r_thetas = angles(shape)
     if thetas:
@@ -156,7 +182,9 @@ def forward(params, ids, mask=causal):
     else:
         xs = [add(params["tok_emb"][token_id], params["pos_emb"][position])
               for position, token_id in enumerate(ids)]
-    for block, cols, layer_mask in zip(params["blocks"], block_cols, masks):
+    kept = []   # each layer's ks and vs
+    for block, cols, layer_mask, read in zip(params["blocks"], block_cols, masks,
+                                             kv_layers(shape)):
         qs, ks, vs = [], [], []
         for position, x0 in enumerate(xs):
             h1 = layernorm(x0, block["ln1_g"], block["ln1_b"])
@@ -165,6 +193,9 @@ def forward(params, ids, mask=causal):
                 q = latent_query(q, h1, cols, position, thetas, r_thetas, heads)
                 c_kv, k_r = compressed(h1, block, cols, position, r_thetas)
                 k, v = rebuilt(c_kv, k_r, position, cols, thetas, heads)
+            elif "Wk" not in cols:   # the layer it reads made them (turned already)
+                q = rotate(q, position, thetas) if thetas else q
+                k, v = kept[read][0][position], kept[read][1][position]
             else:
                 k = linear(h1, cols["Wk"])
                 if thetas:
@@ -173,16 +204,16 @@ def forward(params, ids, mask=causal):
             qs.append(q)
             ks.append(k)
             vs.append(v)
+        kept.append((ks, vs))
         for i, x0 in enumerate(xs):
             keys, values = [ks[j] for j in layer_mask(i)], [vs[j] for j in layer_mask(i)]
             mixed = []
-            for head in range(heads):
+            for head, sink in zip(range(heads), block.get("sinks", [None] * heads)):
                 kv = head // group                     # the key-value head it reads
-                q_h = qs[i][head * d_key:(head + 1) * d_key]
-                scores = [dot(q_h, k_j[kv * d_key:(kv + 1) * d_key]) * scale for k_j in keys]
-                weights = softmax_row(scores)
-                mixed += [dot(weights, column)
-                          for column in zip(*(v_j[kv * d:(kv + 1) * d] for v_j in values))]
+                mixed_h, _ = attend(qs[i][head * d_key:(head + 1) * d_key], sink, scale,
+                                    [k_j[kv * d_key:(kv + 1) * d_key] for k_j in keys],
+                                    [v_j[kv * d:(kv + 1) * d] for v_j in values])
+                mixed += mixed_h
             x1 = add(x0, linear(mixed, cols["Wo"]))
             h2 = layernorm(x1, block["ln2_g"], block["ln2_b"])
             a = relu(add(linear(h2, cols["W1"]), block["b1"]))
@@ -196,11 +227,12 @@ class DeepCache:
 
     layers[L]["keys"] and ["values"] hold, for each position, the key and the value of
     layer L's kv_heads key-value heads side by side; in a latent model,
-    layers[L]["latents"] and ["rotary_keys"] hold its latent and its rotary key instead.
-    mask(i), causal unless given, is which held positions position i attends to (mask may
-    be a list, one mask a layer). With rotary positions a key is kept after its rotation by
-    its own position, so a later query, rotated by its own, reads it as it is; the rotation
-    adds no number.
+    layers[L]["latents"] and ["rotary_keys"] hold its latent and its rotary key instead; a
+    layer that reads an earlier layer's cache (kv_from) holds nothing, {}. mask(i), the
+    model's own_mask unless given, is which held positions position i attends to (mask
+    may be a list, one mask a layer). With rotary positions a key is kept after its
+    rotation by its own position, so a later query, rotated by its own, reads it as it is;
+    the rotation adds no number.
 
     A deep cache's protocol, beyond the lists: positions_read(position), the positions each
     layer's row at position attends to; keep(token_id, new), a step's vectors; and
@@ -209,13 +241,16 @@ class DeepCache:
     that layer's reads in their order (a cache that evicts by attention chooses by them; a
     DeepCache ignores them)."""
 
-    def __init__(self, params, mask=causal):
+    def __init__(self, params, mask=None):
         check_params(params)
-        layer_masks(mask, params["shape"]["layers"], 0)   # functions; what they give, each step
+        shape = params["shape"]
+        mask = own_mask(shape) if mask is None else mask
+        layer_masks(mask, shape["layers"], 0)   # functions; what they give, each step
         self.params, self.mask, self.tokens = params, mask, []
         self.block_columns, self.out_columns = _columns(params)
-        parts = ("latents", "rotary_keys") if params["shape"]["latent"] else ("keys", "values")
-        self.layers = [{part: [] for part in parts} for _ in params["blocks"]]
+        parts = ("latents", "rotary_keys") if shape["latent"] else ("keys", "values")
+        self.layers = [{part: [] for part in parts} if read == layer else {}
+                       for layer, read in enumerate(kv_layers(shape))]
 
     def __len__(self):
         return len(self.tokens)
@@ -267,10 +302,10 @@ def check_step(params, cache, token_id, position):
 def forward_step(params, cache, token_id, position):
     """Next-token logits for token_id at position, the next one after the cache's.
 
-    Runs it through every layer; keeps the token and each layer's key and value (or latent
-    and rotary key) in the cache once every layer is computed. A latent model's keys and
-    values are rebuilt from the cached latents at every step. Refuses, before computing
-    anything, what check_step refuses; if anything else goes wrong, the cache is unchanged."""
+    Runs it through every layer; once all are computed, keeps the token and each layer's key
+    and value, or latent and rotary key (keys and values rebuilt from them at every step);
+    none for a layer that reads another's (kv_from). Refuses, before computing anything,
+    what check_step refuses; if anything else goes wrong, the cache is unchanged."""
     check_step(params, cache, token_id, position)
     shape = params["shape"]
     heads, d, d_key, group, scale = heads_of(shape)
@@ -280,40 +315,40 @@ def forward_step(params, cache, token_id, position):
     else:
         x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])
     new, weights_read = [], []   # each layer's vectors for this position; its heads' weights
-    for block, cols, layer, attended in zip(params["blocks"], cache.block_columns, cache.layers,
-                                            cache.positions_read(position)):
+    for block, cols, read, attended in zip(params["blocks"], cache.block_columns,
+                                           kv_layers(shape), cache.positions_read(position)):
+        layer = cache.layers[read]   # its own lists, or those of the layer it reads
         h1 = layernorm(x0, block["ln1_g"], block["ln1_b"])
         q = linear(h1, cols["Wq"])
         if shape["latent"]:   # keep the latent; rebuild every attended key and value
             q = latent_query(q, h1, cols, position, thetas, r_thetas, heads)
             c_kv, k_r = compressed(h1, block, cols, position, r_thetas)
             held = list(zip(layer["latents"] + [c_kv], layer["rotary_keys"] + [k_r]))
-            keys, values = [], []
-            for j in attended:
-                k_j, v_j = rebuilt(*held[j], j, cols, thetas, heads)
-                keys.append(k_j)
-                values.append(v_j)
+            keys, values = zip(*[rebuilt(*held[j], j, cols, thetas, heads) for j in attended])
             new.append({"latents": c_kv, "rotary_keys": k_r})
         else:
-            k = linear(h1, cols["Wk"])
-            if thetas:
-                q, k = rotate(q, position, thetas), rotate(k, position, thetas)
-            v = linear(h1, cols["Wv"])
+            if "Wk" in cols:   # a key and a value of its own
+                k = linear(h1, cols["Wk"])
+                if thetas:
+                    q, k = rotate(q, position, thetas), rotate(k, position, thetas)
+                v = linear(h1, cols["Wv"])
+            else:   # the ones the layer it reads made for this position (turned already)
+                q = rotate(q, position, thetas) if thetas else q
+                k, v = new[read]["keys"], new[read]["values"]
             held_keys = layer["keys"] + [k]        # a position attends to itself too
             held_values = layer["values"] + [v]
             keys = [held_keys[j] for j in attended]
             values = [held_values[j] for j in attended]
-            new.append({"keys": k, "values": v})
+            new.append({"keys": k, "values": v} if "Wk" in cols else {})
         mixed = []
         weights_read.append([])
-        for head in range(heads):
+        for head, sink in zip(range(heads), block.get("sinks", [None] * heads)):
             kv = head // group                     # the key-value head it reads
-            q_h = q[head * d_key:(head + 1) * d_key]
-            scores = [dot(q_h, k_j[kv * d_key:(kv + 1) * d_key]) * scale for k_j in keys]
-            weights = softmax_row(scores)
+            mixed_h, weights = attend(q[head * d_key:(head + 1) * d_key], sink, scale,
+                                      [k_j[kv * d_key:(kv + 1) * d_key] for k_j in keys],
+                                      [v_j[kv * d:(kv + 1) * d] for v_j in values])
             weights_read[-1].append(weights)
-            mixed += [dot(weights, column)
-                      for column in zip(*(v_j[kv * d:(kv + 1) * d] for v_j in values))]
+            mixed += mixed_h
         x1 = add(x0, linear(mixed, cols["Wo"]))
         h2 = layernorm(x1, block["ln2_g"], block["ln2_b"])
         a = relu(add(linear(h2, cols["W1"]), block["b1"]))

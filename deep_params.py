@@ -3,18 +3,23 @@ be, the shape of every parameter a model of that shape holds, random parameters 
 and the check that refuses params of any other make. A shape is layers, heads, kv_heads,
 width, positions ("learned" or "rotary"), latent (None or the latent width) and
 rotary_key (the width of a latent model's rotary key, 0 without one).
+
+A hybrid model (hybrid.py) may also hold the fields of HYBRID: each layer's window, sinks,
+and the layer whose keys and values each layer reads. A shape without one has its default:
+every layer full, no sinks, each layer its own cache.
 """
 import math
 import random
 
-from model import CONTEXT, VOCAB_SIZE, check_int, check_shape, check_values
+from model import CONTEXT, VOCAB_SIZE, check_int, check_shape, check_values, excerpt
 
 SHAPE = ("layers", "heads", "kv_heads", "width", "positions", "latent", "rotary_key")
+HYBRID = {"windows": None, "sinks": False, "kv_from": None}   # and their defaults
 MAX_NUMBERS = 10 ** 7   # in a model's params: about 300 MB of floats, seconds to make
 
 
 def init_params(layers, heads, kv_heads, width, seed, positions="learned", latent=None,
-                rotary_key=None):
+                rotary_key=None, windows=None, sinks=False, kv_from=None):
     """Random params of a deeper model of this shape.
 
     Per layer ln1, Wq (width x width), Wk and Wv (width x kv_heads * head width), Wo, ln2
@@ -23,16 +28,22 @@ def init_params(layers, heads, kv_heads, width, seed, positions="learned", laten
     Wuv (latent x width) instead of Wk and Wv, every head its own key and value
     (kv_heads = heads); with rotary positions also Wqr (width x heads * rotary_key) and Wkr
     (width x rotary_key). rotary_key defaults to half a head, as DeepSeek-V2's 64 of 128
-    (at least 2, even); 0 turns the rebuilt keys instead. The shape is kept in
-    params["shape"]."""
+    (at least 2, even); 0 turns the rebuilt keys instead. windows, sinks and kv_from as
+    HYBRID's fields (check_hybrid): with sinks, a block's "sinks" (heads, drawn with std
+    1); a layer that reads another's cache has no Wk and Wv. The shape is kept in
+    params["shape"], with each HYBRID field that is not its default."""
     if rotary_key is None:
         rotary_key = max(2, width // heads // 4 * 2) if latent and positions == "rotary" else 0
     shape = {"layers": layers, "heads": heads, "kv_heads": kv_heads, "width": width,
              "positions": positions, "latent": latent, "rotary_key": rotary_key}
+    shape.update((name, value) for name, value in zip(HYBRID, (windows, sinks, kv_from))
+                 if value is not HYBRID[name])
     check_model_shape(**shape)
     rng = random.Random(seed)
 
     def made(name, dims):   # a matrix of rows x columns, std 1 / sqrt(rows); g 1, b 0
+        if name == "sinks":   # a logit a head
+            return [rng.gauss(0.0, 1.0) for _ in range(dims[0])]
         if len(dims) == 1:
             return [1.0 if name.endswith("_g") else 0.0] * dims[0]
         std = 0.5 if name.endswith("_emb") else dims[0] ** -0.5
@@ -44,14 +55,15 @@ def init_params(layers, heads, kv_heads, width, seed, positions="learned", laten
             **{name: made(name, dims) for name, dims in wanted.items()}}
 
 
-def check_model_shape(layers, heads, kv_heads, width, positions, latent, rotary_key):
+def check_model_shape(layers, heads, kv_heads, width, positions, latent, rotary_key,
+                      windows=None, sinks=False, kv_from=None):
     """Refuse a shape that cannot be built.
 
     Refused: counts that are not ints >= 1, heads that do not divide the width, key-value
     heads that do not divide the heads, positions other than "learned" or "rotary", or, for
     rotary, an odd head width; a latent that is not None or an int >= 2, or shared by
     grouped heads; a rotary key that is not an even int >= 0, or not 0 without a latent and
-    rotary positions; more than MAX_NUMBERS numbers."""
+    rotary positions; what check_hybrid refuses; more than MAX_NUMBERS numbers."""
     for name, value in zip(SHAPE, (layers, heads, kv_heads, width)):
         check_int(name, value, 1)
     if width % heads:
@@ -77,7 +89,9 @@ def check_model_shape(layers, heads, kv_heads, width, positions, latent, rotary_
         raise ValueError("a rotary key of its own (rotary_key > 0) is for a latent model "
                          "with rotary positions; give latent= and positions=\"rotary\", "
                          "or rotary_key=0")
-    one = param_shapes(dict(zip(SHAPE, (1, heads, kv_heads, width, positions, latent, rotary_key))))
+    check_hybrid(layers, latent, windows, sinks, kv_from)
+    one = param_shapes(dict(zip(SHAPE, (1, heads, kv_heads, width, positions, latent, rotary_key)),
+                            sinks=sinks))
     numbers = layers * sum(map(math.prod, one.pop("blocks")[0].values())) + sum(
         map(math.prod, one.values()))
     if numbers > MAX_NUMBERS:
@@ -85,11 +99,59 @@ def check_model_shape(layers, heads, kv_heads, width, positions, latent, rotary_
                          f"{MAX_NUMBERS:,}: give fewer layers or a smaller width")
 
 
+def check_hybrid(layers, latent, windows, sinks, kv_from):
+    """Refuse HYBRID fields that a model of layers layers cannot have.
+
+    windows: None, or a list of one entry a layer, None (a full layer) or an int from 1 to
+    CONTEXT; sinks: a bool; kv_from: None, or a list of one entry a layer, the layer whose
+    keys and values it reads: itself, or an earlier layer that keeps its own and has its
+    window (as Gemma 3n's shared layers read the last earlier layer of their kind). None
+    of them in a latent model."""
+    for name, value in (("windows", windows), ("kv_from", kv_from)):
+        if value is not None and (not isinstance(value, list) or len(value) != layers):
+            raise ValueError(f"{name} must be None or a list of one entry a layer ({layers}), "
+                             f"got {excerpt(value)}")
+    if not isinstance(sinks, bool):
+        raise ValueError(f"sinks must be True or False (a learned sink logit a head in every "
+                         f"layer, or none), got {excerpt(sinks)}")
+    if latent is not None and (windows is not None or sinks or kv_from is not None):
+        raise ValueError("windows, sinks and kv_from are for a model of keys and values: a "
+                         "latent model's layers are all alike here; give latent=None, or "
+                         "none of them")
+    for layer, window in enumerate(windows or []):
+        if window is not None:
+            check_int(f"windows[{layer}]", window, 1, CONTEXT,
+                      " (the positions a row reads; None for a full layer)")
+
+    def window_of(layer):
+        return windows[layer] if windows else None
+    for layer, read in enumerate(kv_from or []):
+        check_int(f"kv_from[{layer}]", read, 0, layer, " (the layer itself, or an earlier one)")
+        if kv_from[read] != read:
+            raise ValueError(f"kv_from[{layer}] is {read}, a layer that keeps no cache of its "
+                             f"own (it reads layer {kv_from[read]}'s): read that one")
+        if window_of(read) != window_of(layer):
+            raise ValueError(f"kv_from[{layer}] is {read}, a layer of window "
+                             f"{window_of(read)}, and layer {layer}'s window is "
+                             f"{window_of(layer)}: a layer reads the cache of a layer of its "
+                             f"own window (None: full)")
+
+
+def layer_windows(shape):
+    """Each layer's window (an int) or None (a full layer), as shape["windows"] gives them."""
+    return shape.get("windows") or [None] * shape["layers"]
+
+
+def kv_layers(shape):
+    """Each layer's source of keys and values: itself, or the earlier layer kv_from names."""
+    return shape.get("kv_from") or list(range(shape["layers"]))
+
+
 def param_shapes(shape):
     """The shape of every parameter of a model of this shape (params["shape"]).
 
     name -> (rows, columns), or (entries,) for a vector; per block under "blocks". A rotary
-    model has no pos_emb."""
+    model has no pos_emb; a layer that reads another's cache (kv_from) no Wk and Wv."""
     width, kv_width = shape["width"], shape["kv_heads"] * (shape["width"] // shape["heads"])
     latent, rotary_key = shape["latent"], shape["rotary_key"]
     if latent is None:
@@ -102,10 +164,12 @@ def param_shapes(shape):
     block = {"ln1_g": (width,), "ln1_b": (width,), "Wq": (width, width), **attention,
              "Wo": (width, width), "ln2_g": (width,), "ln2_b": (width,),
              "W1": (width, 4 * width), "b1": (4 * width,), "W2": (4 * width, width),
-             "b2": (width,)}
+             "b2": (width,), **({"sinks": (shape["heads"],)} if shape.get("sinks") else {})}
+    reading = {name: dims for name, dims in block.items() if name not in ("Wk", "Wv")}
+    blocks = [block if read == layer else reading for layer, read in enumerate(kv_layers(shape))]
     table = {"pos_emb": (CONTEXT, width)} if shape["positions"] == "learned" else {}
     return {"tok_emb": (VOCAB_SIZE, width), **table,
-            "blocks": [block] * shape["layers"], "lnf_g": (width,), "lnf_b": (width,),
+            "blocks": blocks, "lnf_g": (width,), "lnf_b": (width,),
             "W_out": (width, VOCAB_SIZE), "b_out": (VOCAB_SIZE,)}
 
 
@@ -115,9 +179,9 @@ def check_params(params):
     Wanted: a shape that init_params accepts, and every matrix and vector of that shape,
     holding finite floats no larger than model.MAX_WEIGHT (as model.check_params refuses)."""
     if not isinstance(params, dict) or not isinstance(params.get("shape"), dict) \
-            or set(params["shape"]) != set(SHAPE):
+            or not set(SHAPE) <= set(params["shape"]) <= {*SHAPE, *HYBRID}:
         raise ValueError(f"params must be deep_model.init_params(...)'s: a dict with a "
-                         f"\"shape\" of {', '.join(SHAPE)}")
+                         f"\"shape\" of {', '.join(SHAPE)} (and any of {', '.join(HYBRID)})")
     shape = params["shape"]
     check_model_shape(**shape)
     if shape["positions"] == "rotary" and "pos_emb" in params:

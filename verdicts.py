@@ -329,7 +329,9 @@ def deep_label(params):
     """A deep_model model's shape in words.
 
     As "the 2-layer grouped-query model (4 heads, 2 kv heads, rotary positions)", with its
-    latent and rotary key if it has them."""
+    latent and rotary key, and its hybrid fields (windows [4, None], sinks, kv_from [0, 0]),
+    if it has them."""
+    from deep_params import HYBRID
     shape = params["shape"]
     heads, kv_heads = shape["heads"], shape["kv_heads"]
     kind = ("latent" if shape["latent"] else "multi-head" if kv_heads == heads
@@ -338,14 +340,21 @@ def deep_label(params):
     if shape["latent"]:
         latent = f", latent {shape['latent']}" + (f", rotary key {shape['rotary_key']}"
                                                   if shape["rotary_key"] else "")
+    hybrid = "".join(f", {name}" if value is True else f", {name} {value}"
+                     for name, value in shape.items() if name in HYBRID and value)
     return (f"the {shape['layers']}-layer {kind} model ({heads} head{'s' * (heads > 1)}, "
-            f"{kv_heads} kv head{'s' * (kv_heads > 1)}, {shape['positions']} positions{latent})")
+            f"{kv_heads} kv head{'s' * (kv_heads > 1)}, {shape['positions']} positions{latent}"
+            f"{hybrid})")
 
 
 def cut(params, layers):
-    """A deep_model model's params with only its first layers (the same weights)."""
-    return dict(params, shape=dict(params["shape"], layers=layers),
-                blocks=params["blocks"][:layers])
+    """A deep_model model's params with only its first layers (the same weights).
+
+    Its fields of one entry a layer (windows, kv_from) cut alike."""
+    shape = params["shape"]
+    return dict(params, shape=dict(shape, layers=layers, **{
+        name: shape[name][:layers] for name in ("windows", "kv_from") if shape.get(name)}),
+        blocks=params["blocks"][:layers])
 
 
 def by_layer(params, compare):
@@ -384,10 +393,10 @@ def stepped_rows(label, step_function, weights, cache, ids):
 def deep_rows(params, ids, mask=None, label=None):
     """The rows of a deep_model fed ids one token at a time through a new cache, and the cache.
 
-    With mask (causal unless given); each step is named with label (the model's deep_label
-    unless given)."""
+    With mask (the model's own unless given); each step is named with label (the model's
+    deep_label unless given)."""
     import deep_model
-    cache = deep_model.DeepCache(params, mask or deep_model.causal)
+    cache = deep_model.DeepCache(params, mask)
     return stepped_rows(label or deep_label(params), deep_model.forward_step, params, cache,
                         ids), cache
 
@@ -399,7 +408,6 @@ def where_deep_rows_differ(params, ids, mask=None):
     differ, the position and the logit, with both numbers (by_layer); mask may be a list, a
     mask a layer."""
     import deep_model
-    mask = mask or deep_model.causal
     rebuilt = " (its keys and values rebuilt from the cached latents)"
 
     def compare(weights):
@@ -410,5 +418,5 @@ def where_deep_rows_differ(params, ids, mask=None):
         return differ("the cached row" + (rebuilt if weights["shape"]["latent"] else ""),
                       rows, deep_model.forward(weights, ids, masks), "forward_step",
                       fed=f"token IDs {ids}, one at a time through a new DeepCache"
-                          + ("" if mask is deep_model.causal else ", with a mask"))
+                          + ("" if mask is None else ", with a mask"))
     return by_layer(params, compare)
