@@ -1,0 +1,213 @@
+"""Hybrid models (Part 6): layers whose caches differ, in one model.
+
+The models served now are not alike in every layer. gpt-oss alternates layers that read
+only a window of recent positions with layers that read them all, and gives each head a
+learned sink; Gemma 3 has five window layers to each full one; Gemma 3n's last layers,
+like CLA's and YOCO's, read an earlier layer's keys and values instead of keeping their
+own. The deeper model (deep_model.py) takes all three from its shape (deep_params.HYBRID):
+
+- windows: a layer of window W reads model.band(W), itself and the W - 1 positions before
+  it; full layers read every position. Its cache needs only those W positions, so an
+  engine frees the rest; a DeepCache keeps them all and masks, which gives the same rows
+  and saves nothing (llama.cpp #12637).
+- sinks: each head's learned logit, a score with no key and no value. It joins the
+  softmax, takes a share of the weight, and is dropped, so a head can attend to nothing
+  much; it costs no position of the cache. Section 17's sinks are something else: the
+  first positions, kept in the cache as real keys and values (StreamingLLM).
+- kv_from: a layer that reads an earlier layer's cache has no Wk and Wv and keeps
+  nothing, so a position costs 2 x the layers that keep one x kv_heads x head width
+  numbers (numbers_per_position).
+
+A kernel that reads a row's keys in parts (blockwise.py) merges their sums; a sink
+belongs to no part, so its exp joins the sum once, at the merge (exact_with_sink, which
+gives attend's bits at any count of parts). Added in every part, it would count as many
+times as there are parts (mistral.rs #1872 asks where it goes).
+"""
+from math import exp, fsum
+
+import deep_model
+from blockwise import exact_partials
+from deep_model import DeepCache, deep_ids, forward, forward_step
+from deep_params import HYBRID, SHAPE, check_model_shape, init_params, kv_layers
+from instruments import largest_gap, recording
+from model import CONTEXT, WIDTH, check_int, dot, excerpt
+
+PATTERNS = ("gpt-oss", "gemma-3")   # pattern_windows's names
+
+
+def pattern_windows(pattern, layers, window):
+    """Each layer's window in a real model's pattern, by its name, for a model of layers layers.
+
+    "gpt-oss": a window in layers 0, 2, 4, ..., the others full (gpt-oss's reference,
+    gpt_oss/torch/model.py: sliding_window 128 where layer_idx % 2 == 0, in each of the 24
+    layers of gpt-oss-20b and the 36 of gpt-oss-120b). "gemma-3": five window layers, then
+    a full one, from the first layer on (Gemma 3 Technical Report, arXiv:2503.19786,
+    section 2: 5 local layers of a 1,024-token span for each global layer). Llama 4's
+    local layers read chunks of 8,192 positions (transformers' Llama4TextConfig,
+    attention_chunk_size; every fourth layer global): a chunk reaches back to its start,
+    not a window, and is not built here. window is scaled down here (4 for stories of 16
+    or 64 tokens)."""
+    if pattern not in PATTERNS:
+        raise ValueError(f"pattern must be \"gpt-oss\" or \"gemma-3\", got {excerpt(pattern)}")
+    check_int("layers", layers, 1)
+    check_int("window", window, 1, CONTEXT, " (the positions a window layer's row reads)")
+    if pattern == "gpt-oss":
+        return [window if layer % 2 == 0 else None for layer in range(layers)]
+    return [None if (layer + 1) % 6 == 0 else window for layer in range(layers)]
+
+
+def shared_tail(windows, shared):
+    """kv_from for a model whose last shared layers read earlier layers' caches, as Gemma 3n's.
+
+    Each of them reads the last layer before the tail that has its window (transformers'
+    Gemma3nTextAttention: kv_shared_layer_index, the last earlier layer of the same type,
+    for the last num_kv_shared_layers layers); the others read their own. windows is a
+    list of one window or None a layer. Refuses a tail layer whose window no layer before
+    the tail has."""
+    if not isinstance(windows, list) or not windows:
+        raise ValueError(f"windows must be a list of one window or None a layer, got "
+                         f"{excerpt(windows)}")
+    check_int("shared", shared, 0, len(windows) - 1, " (at least one layer keeps a cache)")
+    first = len(windows) - shared
+    kv_from = list(range(first))
+    for layer in range(first, len(windows)):
+        kind = [earlier for earlier in range(first) if windows[earlier] == windows[layer]]
+        if not kind:
+            raise ValueError(f"layer {layer}'s window is {windows[layer]}, and no layer "
+                             f"before the shared tail (layers 0 to {first - 1}) has it: it "
+                             f"would have no cache of its kind to read")
+        kv_from.append(kind[-1])
+    return kv_from
+
+
+def numbers_per_position(shape):
+    """The numbers a DeepCache of a model of this shape keeps a position, by formula.
+
+    2 (a key and a value) x the layers that keep their own (kv_from) x kv_heads x head
+    width. A sink has no key and no value; a window saves nothing here, since a DeepCache
+    keeps every position and masks. Refuses what is not a shape of keys and values."""
+    if not isinstance(shape, dict) or not set(SHAPE) <= set(shape) <= {*SHAPE, *HYBRID}:
+        raise ValueError(f"shape must be a deep_model shape, as params[\"shape\"] holds it, "
+                         f"got {excerpt(shape)}")
+    check_model_shape(**shape)
+    if shape["latent"]:
+        raise ValueError("a latent model keeps latents, not keys and values: its numbers "
+                         "are latent_attention.cache_floats'")
+    keeping = sum(read == layer for layer, read in enumerate(kv_layers(shape)))
+    return 2 * keeping * shape["kv_heads"] * (shape["width"] // shape["heads"])
+
+
+def exact_with_sink(parts):
+    """Give an attention with attend's arguments whose parts merge exactly, sink once.
+
+    As blockwise.exact, over parts as even as positions allow (1 to the number of keys):
+    first the row's maximum, of each part's scores and of the sink; then each part's exps
+    from it, as exact partials of their sum (blockwise.exact_partials), to which the
+    sink's exp is added once, at the merge (it has no key, so it is in no part); then each
+    part's weights times its values, as exact partials of each column's sum. fsum of them
+    all is attend's mixed values, bit for bit."""
+    check_int("parts", parts, 1)
+
+    def attention(q_h, sink, scale, keys, values):
+        check_int("parts", parts, 1, len(keys), f" (the row's {len(keys)} keys)")
+        ends = [len(keys) * part // parts for part in range(parts + 1)]
+        cuts = [(keys[a:b], values[a:b]) for a, b in zip(ends, ends[1:])]
+        scores = [[dot(q_h, k_j) * scale for k_j in part_keys] for part_keys, _ in cuts]
+        sinks = [] if sink is None else [sink]   # a score in no part
+        top = max([max(part) for part in scores] + sinks)
+        total = fsum([x for part in scores for x in exact_partials(exp(s - top) for s in part)]
+                     + [exp(s - top) for s in sinks])
+        columns = [[] for _ in values[0]]
+        for part, (_, part_values) in zip(scores, cuts):
+            weights = [exp(s - top) / total for s in part]
+            for column, part_column in zip(columns, zip(*part_values)):
+                column += exact_partials(w * v for w, v in zip(weights, part_column))
+        return [fsum(column) for column in columns]
+    return attention
+
+
+# ---- the experiment (for a stage of trace_kv.py) --------------------------------------
+
+WINDOW = 4   # gpt-oss's 128 and Gemma 3's 1,024, scaled down to stories of 16 or 64 tokens
+
+
+def tried_models():
+    """The experiment's models, as (name, params): 4 heads, 2 kv heads, rotary, seed 0.
+
+    "gpt-oss": its pattern on 4 layers, with sinks; "gemma-3": its pattern on 6 layers;
+    "shared": gpt-oss's pattern on 6 layers whose last 2 read earlier layers' caches
+    (shared_tail). Every window WINDOW."""
+    gpt_oss = pattern_windows("gpt-oss", 6, WINDOW)
+    return [("gpt-oss", init_params(4, 4, 2, WIDTH, 0, "rotary", windows=gpt_oss[:4],
+                                    sinks=True)),
+            ("gemma-3", init_params(6, 4, 2, WIDTH, 0, "rotary",
+                                    windows=pattern_windows("gemma-3", 6, WINDOW))),
+            ("shared", init_params(6, 4, 2, WIDTH, 0, "rotary", windows=gpt_oss,
+                                   kv_from=shared_tail(gpt_oss, 2)))]
+
+
+def fed(params, ids):
+    """The rows of a deep_model fed ids one token at a time, and its DeepCache."""
+    cache = DeepCache(params)
+    return [forward_step(params, cache, token_id, position)
+            for position, token_id in enumerate(ids)], cache
+
+
+def without_sinks(params):
+    """The same model with no sinks: its shape's and its blocks' removed."""
+    return dict(params, shape={name: value for name, value in params["shape"].items()
+                               if name != "sinks"},
+                blocks=[{name: value for name, value in block.items() if name != "sinks"}
+                        for block in params["blocks"]])
+
+
+def head_reads(params, ids):
+    """What each head reads in the row of ids' last position, fed after the others.
+
+    One (layer, head, attend's arguments, its mixed values) a call of deep_model.attend
+    that the row's forward_step makes (q_h, sink, scale, keys, values)."""
+    _, cache = fed(params, ids[:-1])
+    with recording(deep_model, "attend") as calls:
+        forward_step(params, cache, ids[-1], len(ids) - 1)
+    heads = params["shape"]["heads"]
+    return [(*divmod(index, heads), call.args, call.result[0])
+            for index, call in enumerate(calls)]
+
+
+def sink_merges(params, ids):
+    """The head_reads of the row of ids' last position, each merged again at every count.
+
+    Each read is merged by exact_with_sink in 1 to its keys' parts. Gives the reads, the
+    mergings compared and those equal to attend's mixed values, bit for bit."""
+    reads = head_reads(params, ids)
+    merged = [exact_with_sink(parts)(*args) == mixed for _, _, args, mixed in reads
+              for parts in range(1, len(args[3]) + 1)]
+    return {"reads": len(reads), "mergings_compared": len(merged), "mergings_equal": sum(merged)}
+
+
+def experiment(lab):
+    """Run each of tried_models() along deep_ids(lab): rows, cache, and sinks.
+
+    For each: its cached rows against its full pass (deep_model.forward, each layer its
+    own mask), the positions its cache holds, and its numbers a position counted and by
+    formula. For the one with sinks: the same without them (the cache alike, the rows
+    not), and its last row's sink merge at every count of parts (sink_merges)."""
+    ids, models = deep_ids(lab), []
+    for name, params in tried_models():
+        rows, cache = fed(params, ids)
+        shape = params["shape"]
+        models.append({"model": name, "layers": shape["layers"], "windows": shape["windows"],
+                       "sinks": shape.get("sinks", False), "kv_from": kv_layers(shape),
+                       "rows_compared": len(rows),
+                       "largest_logit_gap": largest_gap(rows, forward(params, ids)),
+                       "positions_held": len(cache),
+                       "numbers_per_position": cache.floats_per_position(),
+                       "formula": numbers_per_position(shape)})
+        if shape.get("sinks"):
+            plain_rows, plain = fed(without_sinks(params), ids)
+            sinks = {"model": name, "positions_held": [len(cache), len(plain)],
+                     "numbers_per_position": [cache.floats_per_position(),
+                                              plain.floats_per_position()],
+                     "largest_logit_change": largest_gap(rows, plain_rows),
+                     **sink_merges(params, ids)}
+    return {"positions": len(ids), "window": WINDOW, "models": models, "sinks": sinks}
