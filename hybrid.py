@@ -7,21 +7,23 @@ like CLA's and YOCO's, read an earlier layer's keys and values instead of keepin
 own. The deeper model (deep_model.py) takes all three from its shape (deep_params.HYBRID):
 
 - windows: a layer of window W reads model.band(W), itself and the W - 1 positions before
-  it; full layers read every position. Its cache needs only those W positions, so an
-  engine frees the rest; a DeepCache keeps them all and masks, which gives the same rows
-  and saves nothing (llama.cpp #12637).
+  it; a full layer reads every position. Its cache needs only those W, so an engine frees
+  the rest; a DeepCache keeps them all and masks, which gives the same rows and saves
+  nothing (as llama.cpp's --swa-full: https://github.com/ggml-org/llama.cpp/pull/13194).
 - sinks: each head's learned logit, a score with no key and no value. It joins the
-  softmax, takes a share of the weight, and is dropped, so a head can attend to nothing
-  much; it costs no position of the cache. Section 17's sinks are something else: the
-  first positions, kept in the cache as real keys and values (StreamingLLM).
+  softmax, takes a share of the weight, and is dropped, so a head may attend to little;
+  it costs no position of the cache. Section 17's sinks are another thing: the first
+  positions, kept in the cache as real keys and values (StreamingLLM, arXiv:2309.17453).
 - kv_from: a layer that reads an earlier layer's cache has no Wk and Wv and keeps
   nothing, so a position costs 2 x the layers that keep one x kv_heads x head width
-  numbers (numbers_per_position).
+  numbers (numbers_per_position). Cross-layer attention (CLA, Brandon et al., 2024,
+  arXiv:2405.12981) shares a cache between adjacent layers; YOCO (Sun et al., 2024,
+  arXiv:2405.05254) gives the upper half of the layers one cache.
 
 A kernel that reads a row's keys in parts (blockwise.py) merges their sums; a sink
 belongs to no part, so its exp joins the sum once, at the merge (exact_with_sink, which
 gives attend's bits at any count of parts). Added in every part, it would count as many
-times as there are parts (mistral.rs #1872 asks where it goes).
+times as there are parts.
 """
 from math import exp, fsum
 
@@ -39,14 +41,14 @@ def pattern_windows(pattern, layers, window):
     """Each layer's window in a real model's pattern, by its name, for a model of layers layers.
 
     "gpt-oss": a window in layers 0, 2, 4, ..., the others full (gpt-oss's reference,
-    gpt_oss/torch/model.py: sliding_window 128 where layer_idx % 2 == 0, in each of the 24
-    layers of gpt-oss-20b and the 36 of gpt-oss-120b). "gemma-3": five window layers, then
-    a full one, from the first layer on (Gemma 3 Technical Report, arXiv:2503.19786,
-    section 2: 5 local layers of a 1,024-token span for each global layer). Llama 4's
-    local layers read chunks of 8,192 positions (transformers' Llama4TextConfig,
-    attention_chunk_size; every fourth layer global): a chunk reaches back to its start,
-    not a window, and is not built here. window is scaled down here (4 for stories of 16
-    or 64 tokens)."""
+    https://github.com/openai/gpt-oss/blob/main/gpt_oss/torch/model.py: sliding_window
+    128 where layer_idx % 2 == 0, its mask the last 128 positions; 24 layers in
+    gpt-oss-20b, 36 in gpt-oss-120b). "gemma-3": five window layers, then a full one, from
+    the first layer on (Gemma 3 Technical Report, https://arxiv.org/abs/2503.19786: 5
+    local layers of a 1,024-token span for each global layer). Llama 4's local layers
+    read chunks of 8,192 positions (transformers' Llama4TextConfig, attention_chunk_size;
+    every fourth layer global): a chunk reaches back to its own start, not a window, and
+    is not built here. Here window is scaled down (4 for stories of 16 or 64 tokens)."""
     if pattern not in PATTERNS:
         raise ValueError(f"pattern must be \"gpt-oss\" or \"gemma-3\", got {excerpt(pattern)}")
     check_int("layers", layers, 1)
@@ -60,10 +62,10 @@ def shared_tail(windows, shared):
     """kv_from for a model whose last shared layers read earlier layers' caches, as Gemma 3n's.
 
     Each of them reads the last layer before the tail that has its window (transformers'
-    Gemma3nTextAttention: kv_shared_layer_index, the last earlier layer of the same type,
-    for the last num_kv_shared_layers layers); the others read their own. windows is a
-    list of one window or None a layer. Refuses a tail layer whose window no layer before
-    the tail has."""
+    models/gemma3n/modeling_gemma3n.py: kv_shared_layer_index, for the last
+    num_kv_shared_layers layers, the last earlier layer of the same type); the others read
+    their own. windows is a list of one window or None a layer. Refuses a tail layer whose
+    window no layer before the tail has."""
     if not isinstance(windows, list) or not windows:
         raise ValueError(f"windows must be a list of one window or None a layer, got "
                          f"{excerpt(windows)}")
