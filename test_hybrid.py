@@ -17,7 +17,7 @@ import model
 import support
 import verdicts
 from instruments import recording, replacing
-from support import STORIES, TOK, OPENINGS, assert_each_refused, random_tokens, swapping
+from support import OPENINGS, STORIES, TOK, random_tokens, swapping
 from verdicts import Layer, Wrong, by_layer, deep_label, deep_rows, differ, step
 
 LAYER = Layer("hybrid", "hybrid models: window and full layers, sinks, shared caches "
@@ -133,7 +133,7 @@ def where_merge_differs(params, ids):
         for parts in range(1, len(keys) + 1):
             where = (f"hybrid.exact_with_sink in {parts} parts, {label}: layer {layer}, head "
                      f"{head}, the row at position {len(ids) - 1} ({len(keys)} keys, sink "
-                     f"{sink:.4g})")
+                     f"{sink})")
             step(where)
             why = differ(where, hybrid.exact_with_sink(parts)(*args), mixed,
                          "exact_with_sink", names=("value",),
