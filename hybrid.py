@@ -32,7 +32,9 @@ from blockwise import exact_partials
 from deep_model import DeepCache, deep_ids, forward, forward_step
 from deep_params import HYBRID, SHAPE, check_model_shape, init_params, kv_layers
 from instruments import largest_gap, recording
-from model import CONTEXT, WIDTH, check_int, dot, excerpt
+import svg
+from documents import shown, table
+from model import WIDTH, check_int, dot, excerpt
 
 PATTERNS = ("gpt-oss", "gemma-3")   # pattern_windows's names
 
@@ -52,7 +54,7 @@ def pattern_windows(pattern, layers, window):
     if pattern not in PATTERNS:
         raise ValueError(f"pattern must be \"gpt-oss\" or \"gemma-3\", got {excerpt(pattern)}")
     check_int("layers", layers, 1)
-    check_int("window", window, 1, CONTEXT, " (the positions a window layer's row reads)")
+    check_int("window", window, 1, None, " (the positions a window layer's row reads)")
     if pattern == "gpt-oss":
         return [window if layer % 2 == 0 else None for layer in range(layers)]
     return [None if (layer + 1) % 6 == 0 else window for layer in range(layers)]
@@ -126,6 +128,50 @@ def exact_with_sink(parts):
                 column += exact_partials(w * v for w, v in zip(weights, part_column))
         return [fsum(column) for column in columns]
     return attention
+
+
+# ---- real models' caches, by formula ---------------------------------------------------
+
+# Hugging Face config.json figures. openai/gpt-oss-20b: 24 layers, 8 key-value heads of
+# 64, sliding_window 128 in every other layer (layer_types); gpt-oss-120b: 36 such layers.
+# google/gemma-3-27b-it: 62 layers, 16 key-value heads of 128, sliding_window 1,024, five
+# window layers to each full one. Keys and values in bf16, 2 bytes a number.
+REAL_MODELS = (
+    {"model": "gpt-oss-20b", "kv_heads": 8, "head_width": 64,
+     "windows": pattern_windows("gpt-oss", 24, 128)},
+    {"model": "gpt-oss-120b", "kv_heads": 8, "head_width": 64,
+     "windows": pattern_windows("gpt-oss", 36, 128)},
+    {"model": "Gemma 3 27B", "kv_heads": 16, "head_width": 128,
+     "windows": pattern_windows("gemma-3", 62, 1024)})
+BYTES_PER_NUMBER = 2
+# (tokens each, requests): hf-mem issue #70's gpt-oss-20b case (8,192 tokens, 32
+# sequences: https://github.com/alvarobartt/hf-mem/issues/70), and one long request
+WORKLOADS = ((8192, 32), (131072, 1))
+
+
+def cache_bytes(model, tokens, requests=1, windows_as_full=False):
+    """The bytes of the caches of requests requests of tokens positions each, by formula.
+
+    Each layer keeps 2 x kv_heads x head_width numbers a position it holds: a full layer
+    every position, a window layer at most its window (positions, not blocks: an engine
+    rounds up to whole blocks). windows_as_full counts every layer as full, as an engine
+    or estimator that ignores the windows does."""
+    check_int("tokens", tokens, 1)
+    check_int("requests", requests, 1)
+    held = sum(tokens if window is None or windows_as_full else min(tokens, window)
+               for window in model["windows"])
+    return requests * held * 2 * model["kv_heads"] * model["head_width"] * BYTES_PER_NUMBER
+
+
+def real_caches():
+    """Give the bytes of each of REAL_MODELS' caches at each of WORKLOADS, two ways.
+
+    Windows kept as windows, and every layer counted full."""
+    return [{"model": model["model"],
+             "bytes_as_windows": [cache_bytes(model, *workload) for workload in WORKLOADS],
+             "bytes_as_full": [cache_bytes(model, *workload, windows_as_full=True)
+                               for workload in WORKLOADS]}
+            for model in REAL_MODELS]
 
 
 # ---- the experiment (for a stage of trace_kv.py) --------------------------------------
@@ -212,4 +258,53 @@ def experiment(lab):
                                               plain.floats_per_position()],
                      "largest_logit_change": largest_gap(rows, plain_rows),
                      **sink_merges(params, ids)}
-    return {"positions": len(ids), "window": WINDOW, "models": models, "sinks": sinks}
+    return {"positions": len(ids), "window": WINDOW, "models": models, "sinks": sinks,
+            "real_models": real_caches()}
+
+
+# ---- what Part 6 shows of it (documents.py fills its marks) --------------------------
+
+MODEL_SHAPE = {"model": str, "layers": svg.COUNT, "windows": [(0, svg.LARGEST, None)],
+               "kv_from": [svg.COUNT], "rows_compared": svg.COUNT,
+               "largest_logit_gap": svg.COUNT, "positions_held": svg.COUNT,
+               "numbers_per_position": svg.COUNT, "formula": svg.COUNT}
+
+
+def models_table(record, timing):
+    """Section 32's table: each hybrid model's cached rows against its full pass, its cache."""
+    entry = svg.checked(record, {"hybrid_models": {"positions": svg.COUNT,
+                                                   "models": [MODEL_SHAPE]}})["hybrid_models"]
+    rows = []
+    for model in entry["models"]:
+        windows = ", ".join("full" if w is None else str(w) for w in model["windows"])
+        reading = [f"{layer} reads {read}" for layer, read in enumerate(model["kv_from"])
+                   if read != layer]
+        rows.append([model["model"], windows, ", ".join(reading) or "its own",
+                     f"{model['rows_compared']:,}", shown(model["largest_logit_gap"]),
+                     f"{shown(model['numbers_per_position'], 'g')} ({model['formula']})"])
+    return table(["model", "each layer's window", "layer whose keys and values it reads",
+                  "rows compared with the full pass", "largest gap",
+                  "numbers a position, counted (by formula)"], rows)
+
+
+def real_models_table(record, timing):
+    """Section 32's table of real models: their caches with windows kept and counted full."""
+    bytes_shape = [svg.COUNT]
+    entries = svg.checked(record, {"hybrid_models": {"real_models": [{
+        "model": str, "bytes_as_windows": bytes_shape, "bytes_as_full": bytes_shape}]}})[
+        "hybrid_models"]["real_models"]
+    rows = []
+    for model, entry in zip(REAL_MODELS, entries):
+        if entry["model"] != model["model"] or len(entry["bytes_as_full"]) != len(WORKLOADS):
+            raise ValueError(f"the record's real models must be {REAL_MODELS}'s, each at "
+                             f"{len(WORKLOADS)} workloads; got {excerpt(entry)}")
+        windows = model["windows"]
+        cells = [model["model"], f"{windows.count(None)} full, "
+                 f"{len(windows) - windows.count(None)} of {max(filter(None, windows)):,}"]
+        for full, kept in zip(entry["bytes_as_full"], entry["bytes_as_windows"]):
+            cells += [f"{full / 2 ** 30:.2f} GiB", f"{kept / 2 ** 30:.2f} GiB"]
+        rows.append(cells)
+    header = ["model, 16-bit", "layers"]
+    for tokens, requests in WORKLOADS:
+        header += [f"{requests} x {tokens:,} tokens, all layers full", "windows kept"]
+    return table(header, rows)

@@ -45,6 +45,7 @@ import deep_model
 import documents
 import eviction
 import forks
+import hybrid
 import latent_attention
 import trace_lesson
 import lossy
@@ -116,6 +117,7 @@ STAGES = (
     Stage(5, "latent_attention", latent_attention.experiment),
     Stage(5, "bytes_read", bandwidth.experiment),
     Stage(5, "one_gpu", one_gpu.experiment),
+    Stage(6, "hybrid_models", hybrid.experiment),
 )
 PARTS = max(stage.part for stage in STAGES)
 
