@@ -308,3 +308,12 @@ def real_models_table(record, timing):
     for tokens, requests in WORKLOADS:
         header += [f"{requests} x {tokens:,} tokens, all layers full", "windows kept"]
     return table(header, rows)
+
+
+def gpt_oss_20b_gib(record, timing, kind):
+    """gpt-oss-20b's cache at the first workload, in GiB to 2 decimals: windows or full."""
+    real_models_table(record, timing)   # the record's shape, checked
+    entry = record["hybrid_models"]["real_models"][0]
+    if kind not in ("windows", "full"):
+        raise ValueError(f"kind must be \"windows\" or \"full\", got {excerpt(kind)}")
+    return f"{entry['bytes_as_' + kind][0] / 2 ** 30:.2f}"
