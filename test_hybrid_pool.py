@@ -430,7 +430,8 @@ class Refusals(unittest.TestCase):
                 (lambda: pool.sequence("ab"), "ids must be a list of token IDs, got str"),
                 (lambda: pool.sequence([96]), r"ids\[0\] = 96 is outside the vocabulary"),
                 (lambda: greedy_story(pool, [], 3), "ids is empty"),
-                (lambda: greedy_story(pool, [1], -1), "new_tokens must be an int >= 0")):
+                (lambda: greedy_story(pool, [1], -1), "new_tokens must be an int >= 0"),
+                (lambda: pool.release(0), "block 0 is held by no table")):
             with self.subTest(fragment=fragment), self.assertRaisesRegex(ValueError, fragment):
                 call()
         self.assertEqual(pool.free_blocks(), 8)
