@@ -2,11 +2,12 @@
 keys and values in numbered blocks of one pool, each group of like layers with its own
 block table, as vLLM's hybrid KV cache manager keeps them.
 
-A window layer of window W reads at position n only positions n - W + 1 to n (model.band);
-a full layer reads them all (model.causal). A group is some like layers: vLLM cuts each
-kind's layers into groups of as many layers as the rarest kind has, so that a block of any
-group is one page of the same bytes (docs/design/hybrid_kv_cache_manager.md,
-https://github.com/vllm-project/vllm/blob/main/docs/design/hybrid_kv_cache_manager.md).
+The model's shape gives each layer's window (deep_params.layer_windows): a window layer of
+window W reads at position n only positions n - W + 1 to n (model.band), a full layer all
+of them (model.causal), and a layer that reads another's cache (kv_from) keeps none. vLLM
+cuts each kind's layers that keep a cache into groups of as many layers as the rarest
+kind has, so that a block of any group is one page of the same bytes
+(https://github.com/vllm-project/vllm/blob/main/docs/design/hybrid_kv_cache_manager.md).
 A block of a group holds, for its block_size positions, every layer of that group's keys
 and values; a group's block table lists its blocks in position order.
 
@@ -35,40 +36,26 @@ rows equal deep_model.forward with each layer's own mask, bit for bit.
 import math
 from collections import OrderedDict, namedtuple
 
-from deep_model import DeepCache, deep_ids, forward, forward_step
-from deep_params import init_params
-from model import CONTEXT, WIDTH, band, causal, check_ids, check_int, excerpt
+from deep_model import DeepCache, deep_ids, forward, forward_step, layer_masks, own_mask
+from deep_params import kv_layers, layer_windows
+from hybrid import WINDOW, tried_models
+from model import CONTEXT, check_ids, check_int, excerpt
 from paged import MAX_BLOCKS
 
 Group = namedtuple("Group", "window layers")   # window None: a group of full layers
 
 
-def check_windows(windows, layers):
-    """Refuse a pattern that is not one window or None for each of the model's layers.
+def layer_groups(shape):
+    """Cut the layers a model's cache keeps into groups of like layers, as vLLM does.
 
-    A window is an int from 1 to the model's positions, and all are alike (one window size,
-    as vLLM's simple hybrid: full layers and one other kind)."""
-    if not isinstance(windows, (list, tuple)) or len(windows) != layers:
-        raise ValueError(f"windows must be a list of one window or None a layer, {layers} "
-                         f"for this model, got {excerpt(windows)}")
-    for layer, window in enumerate(windows):
-        if window is not None:
-            check_int(f"windows[{layer}]", window, 1, CONTEXT,
-                      " (the positions a window layer's row reads) or None (a full layer)")
-    sizes = sorted(set(windows) - {None})
-    if len(sizes) > 1:
-        raise ValueError(f"windows holds windows of {sizes}: this pool takes one window size "
-                         f"(full layers and one kind of window layer)")
-
-
-def layer_groups(windows):
-    """Cut a model's layers into groups of like layers, all of one size, as vLLM does.
-
-    Each kind's layers in order (full layers first), in groups of as many layers as the
-    rarest kind has; the last of a kind may hold fewer (vLLM pads it to the same page)."""
-    kinds = sorted(set(windows), key=lambda window: window is not None)
-    by_kind = [[layer for layer, window in enumerate(windows) if window == kind]
-               for kind in kinds]
+    shape is a model's (params["shape"]): its windows and kv_from. A layer that reads
+    another's cache keeps none and is in no group (vLLM allocates nothing for it). Each
+    kind's layers in order (full layers first), in groups of as many layers as the rarest
+    kind has; the last of a kind may hold fewer (vLLM pads it to the same page)."""
+    windows = layer_windows(shape)
+    keeping = [layer for layer, read in enumerate(kv_layers(shape)) if read == layer]
+    kinds = sorted({windows[layer] for layer in keeping}, key=lambda kind: kind is not None)
+    by_kind = [[layer for layer in keeping if windows[layer] == kind] for kind in kinds]
     size = min(map(len, by_kind))
     return [Group(kind, layers[start:start + size]) for kind, layers in zip(kinds, by_kind)
             for start in range(0, len(layers), size)]
@@ -89,29 +76,33 @@ class Block:
 class HybridPool:
     """Keep the keys and values of a hybrid model's sequences in one pool of numbered blocks.
 
-    windows gives each layer's window, None for a full layer (window: that of the window
-    layers, None if none); groups are layer_groups'. The pool alone takes, shares and
-    releases blocks and counts the tables holding each; a full block nobody holds stays
-    findable on the free list until it is taken again. frees=False keeps every block of a
-    window group (only the mask hides them)."""
+    The model's shape gives each layer's window (window: that of its window layers, None
+    if none); groups are layer_groups'. The pool alone takes, shares and releases blocks
+    and counts the tables holding each; a full block nobody holds stays findable on the
+    free list until it is taken again. frees=False keeps every block of a window group
+    (only the mask hides them)."""
 
-    def __init__(self, params, windows, blocks, block_size, frees=True):
+    def __init__(self, params, blocks, block_size, frees=True):
         by_columns = DeepCache(params)   # checks the params; its matrices by columns
-        if params["shape"]["latent"]:
+        shape = params["shape"]
+        if shape["latent"]:
             raise ValueError("params: a latent model keeps latents, not keys and values; "
                              "this pool holds keys and values")
-        check_windows(windows, params["shape"]["layers"])
-        self.groups = layer_groups(windows)
+        sizes = sorted(set(layer_windows(shape)) - {None})
+        if len(sizes) > 1:
+            raise ValueError(f"params: the model's windows are of {sizes} positions, and "
+                             f"this pool takes one window size (full layers and one kind of "
+                             f"window layer, as vLLM's simple hybrid)")
+        self.groups = layer_groups(shape)
         check_int("blocks", blocks, len(self.groups), MAX_BLOCKS,
                   f" (a position takes a block in each of the {len(self.groups)} groups; each "
                   f"block is made with the pool)")
         check_int("block_size", block_size, 1, CONTEXT, " (the model's positions)")
         if not isinstance(frees, bool):
             raise ValueError(f"frees must be True or False, got {excerpt(frees)}")
-        self.params, self.windows, self.block_size, self.frees = params, list(windows), \
-            block_size, frees
-        self.masks = [causal if window is None else band(window) for window in windows]
-        self.window = next((window for window in windows if window is not None), None)
+        self.params, self.block_size, self.frees = params, block_size, frees
+        self.masks = layer_masks(own_mask(shape), shape["layers"], 0)
+        self.window = sizes[0] if sizes else None
         self.block_columns, self.out_columns = by_columns.block_columns, by_columns.out_columns
         self.blocks = [Block() for _ in range(blocks)]
         self.free_list = OrderedDict.fromkeys(range(blocks))   # the next one taken first
@@ -287,7 +278,7 @@ class HybridSequence(DeepCache):
     def layers(self):
         """Each layer's keys and values, lists over the positions held (None where freed)."""
         self._check_live()
-        size, layers = self.pool.block_size, [None] * len(self.pool.windows)
+        size, layers = self.pool.block_size, [{} for _ in self.mask]   # {}: reads another's
         for group, table in zip(self.pool.groups, self.tables):
             blocks = [None if block_id is None else self.pool.blocks[block_id]
                       for block_id in table]
@@ -374,23 +365,23 @@ def greedy_story(pool, prompt, new_tokens):
 
 # ---- the experiment (for a stage of trace_kv.py) -------------------------------------
 
-def freeing_against_keeping(params, windows, ids, block_size):
+def freeing_against_keeping(params, ids, block_size):
     """Feed ids through a pool that frees window blocks and one that keeps every block.
 
     For each way: the blocks its window groups and its full groups hold after every step
     and at the end, the bytes at the end (pages of 8-byte floats), and whether every row
-    equals deep_model.forward's with each layer's mask (==)."""
+    equals deep_model.forward's with each layer's own mask (==)."""
     compared, rows = {}, {}
     for way, frees in (("freeing", True), ("keeping", False)):
-        pool = HybridPool(params, windows, len(layer_groups(windows))
-                          * math.ceil(len(ids) / block_size), block_size, frees)
+        groups = layer_groups(params["shape"])
+        pool = HybridPool(params, len(groups) * math.ceil(len(ids) / block_size), block_size,
+                          frees)
         seq, held, rows[way] = pool.sequence(), [], []
         for position, token_id in enumerate(ids):
             rows[way].append(forward_step(params, seq, token_id, position))
             held.append(seq.blocks_held())
-        by_kind = [[sum(n for n, group in zip(step, pool.groups)
-                        if (group.window is None) == full) for step in held]
-                   for full in (False, True)]
+        by_kind = [[sum(n for n, group in zip(step, groups) if (group.window is None) == full)
+                    for step in held] for full in (False, True)]
         compared[way] = {"window_blocks_by_step": by_kind[0],
                          "full_blocks_by_step": by_kind[1],
                          "window_blocks_at_the_end": by_kind[0][-1],
@@ -413,19 +404,15 @@ def comparison_lines(compared, label):
     return lines
 
 
-WINDOW, BLOCK_SIZE = 8, 4
-PATTERNS = {"alternating, as gpt-oss": [WINDOW, None] * 2,
-            "five window layers to a full one, as Gemma 3": [WINDOW] * 5 + [None]}
+BLOCK_SIZE = 2   # against a window of 4 (hybrid.WINDOW), as 16 against gpt-oss's 128
 
 
 def experiment(lab):
-    """Compare freeing and keeping on deep_ids for two patterns of a grouped-query model.
+    """Compare freeing and keeping along deep_ids for each of hybrid.tried_models().
 
-    A 4-layer model whose window layers alternate with full ones, and a 6-layer one of five
-    window layers to a full one; windows of 8, blocks of 4, 4 heads, 2 key-value heads, the
-    lab's width, seed 0 (freeing_against_keeping)."""
+    gpt-oss's pattern (with sinks), Gemma 3's, and gpt-oss's with a shared tail; windows of
+    hybrid.WINDOW, blocks of BLOCK_SIZE (freeing_against_keeping)."""
     ids = deep_ids(lab)
     return {"positions": len(ids), "window": WINDOW, "block_size": BLOCK_SIZE,
-            "patterns": {name: freeing_against_keeping(
-                init_params(len(windows), 4, 2, WIDTH, 0), windows, ids, BLOCK_SIZE)
-                for name, windows in PATTERNS.items()}}
+            "models": {name: freeing_against_keeping(params, ids, BLOCK_SIZE)
+                       for name, params in tried_models()}}

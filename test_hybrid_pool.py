@@ -35,8 +35,10 @@ PROMPT, NEW = 8, 12           # the first story: 8 random tokens, then 12 chosen
 SHARED = (16, 12, 4)          # requests sharing the first story's first 16, 12, 4 tokens
 
 
-def masks(windows):
-    """Each layer's mask: the last window positions, or every one (a full layer)."""
+def masks(params):
+    """Each layer's mask, from the model's windows: the last window positions, or every one
+    (a full layer)."""
+    windows = params["shape"].get("windows") or [None] * params["shape"]["layers"]
     return [causal if window is None else band(window) for window in windows]
 
 
@@ -134,7 +136,7 @@ def where_story_strays(label, pool, prompt, new_tokens, live):
     if why:
         return why
     step(f"{label}: the full pass with each layer's mask (deep_model.forward)")
-    expected = deep_model.forward(params, story, masks(pool.windows))
+    expected = deep_model.forward(params, story, masks(params))
     return differ(f"{label}: the row", [None] * hit + rows, [None] * hit + expected[hit:],
                   "forward_step", fed=f"token IDs {story}, the first {hit} a prefix hit; "
                                       f"expected: the full pass with each layer's mask")
@@ -147,8 +149,8 @@ def quick_check():
     blocks of 2: a story of 8 random tokens and 12 greedy ones (where_story_strays); the
     hits of requests sharing its first 16, 12 and 4 tokens, against every length tried;
     the story of the first, the first still live; the ref counts once the first is freed."""
-    params = deep_model.init_params(*MODEL)
-    pool, live = HybridPool(params, WINDOWS, POOL_BLOCKS, BLOCK_SIZE), []
+    params = deep_model.init_params(*MODEL, windows=WINDOWS)
+    pool, live = HybridPool(params, POOL_BLOCKS, BLOCK_SIZE), []
     why = where_story_strays("the first story", pool, random_tokens(PROMPT), NEW, live)
     if why:
         return why
@@ -200,7 +202,7 @@ class Teeth(unittest.TestCase):
          r"a request sharing the first story's first 4 tokens: the prefix hit is 4 positions "
          r"from HybridPool.find, 0 expected"),
         ("the window group's hit scanned left to right", HybridPool, "_window_hit",
-         replacing(lambda node: isinstance(node, ast.Call) and _is(node, "range(most - 1, -1, -1)"),
+         replacing(lambda node: _is(node, "range(most - 1, -1, -1)"),
                    lambda node: expression("range(most)")),
          r"a request sharing the first story's first 16 tokens: the prefix hit is \d+ "
          r"positions from HybridPool.find, 16 expected"),
@@ -220,36 +222,47 @@ def random_story_case(n):
     """None if a random hybrid model's story holds what where_story_strays checks, else why.
 
     All from random.Random(n): 1 to 5 layers of width 8, a window of 1 to 8 in some of them,
-    learned or rotary positions, blocks of 1 to 4, a pool that frees or keeps, a prompt of 3
-    to 10 random tokens continued greedily to 10 to 30."""
+    learned or rotary positions, sinks or none, some layers reading an earlier layer's
+    cache, blocks of 1 to 4, a pool that frees or keeps, a prompt of 3 to 10 random tokens
+    continued greedily to 10 to 30."""
     rng = random.Random(n)
     layers, (heads, kv_heads) = rng.randint(1, 5), rng.choice(((1, 1), (2, 1), (2, 2), (4, 2)))
-    params = deep_model.init_params(layers, heads, kv_heads, 8, n,
-                                    rng.choice(("learned", "rotary")))
     window = rng.randint(1, 8)
     windows = [rng.choice((None, window)) for _ in range(layers)]
+    kv_from = list(range(layers))
+    for layer in range(1, layers):
+        kind = [e for e in range(layer) if kv_from[e] == e and windows[e] == windows[layer]]
+        if kind and rng.random() < 0.3:
+            kv_from[layer] = rng.choice(kind)
+    params = deep_model.init_params(layers, heads, kv_heads, 8, n,
+                                    rng.choice(("learned", "rotary")), windows=windows,
+                                    sinks=rng.random() < 0.5, kv_from=kv_from)
     prompt = [rng.randrange(VOCAB_SIZE) for _ in range(rng.randint(3, 10))]
-    pool = HybridPool(params, windows, 64 * layers, rng.randint(1, 4), rng.random() < 0.7)
-    label = (f"{deep_label(params)}, windows {windows}, blocks of {pool.block_size}"
-             + ("" if pool.frees else ", every block kept"))
+    pool = HybridPool(params, 64 * layers, rng.randint(1, 4), rng.random() < 0.7)
+    label = (f"{deep_label(params)}, windows {windows}, kv_from {kv_from}, blocks of "
+             f"{pool.block_size}" + ("" if pool.frees else ", every block kept"))
     return where_story_strays(label, pool, prompt, rng.randint(10, 30) - len(prompt), [])
 
 
 class Exactness(unittest.TestCase):
 
     def test_every_row_is_the_masked_pass_s_and_every_table_vllm_s_rule(self):
-        """gpt-oss's pattern (windows alternating with full layers), Gemma 3's (five window
-        layers to a full one), windows only and full layers only, freeing and keeping
-        blocks; then random models, patterns, windows and blocks (2 cases, more with
+        """gpt-oss's pattern (windows alternating with full layers, sinks), Gemma 3's (five
+        window layers to a full one), gpt-oss's with its last two layers reading earlier
+        ones' caches, windows only and full layers only, freeing and keeping blocks; then
+        random models, patterns, windows and blocks (2 cases, more with
         KV_LAB_RANDOM_CASES): what where_story_strays checks holds."""
-        for name, windows, block_size in (("gpt-oss", [3, None] * 2, 2),
-                                           ("Gemma 3", [3] * 5 + [None], 3),
-                                           ("windows only", [2, 2], 1),
-                                           ("full layers only", [None, None], 4)):
-            params = deep_model.init_params(len(windows), 2, 1, 8, 1)
+        for name, windows, block_size, hybrid in (
+                ("gpt-oss", [3, None] * 2, 2, {"sinks": True}),
+                ("Gemma 3", [3] * 5 + [None], 3, {}),
+                ("gpt-oss with a shared tail", [3, None] * 3, 2,
+                 {"kv_from": [0, 1, 2, 3, 2, 3]}),
+                ("windows only", [2, 2], 1, {}), ("full layers only", [None, None], 4, {})):
+            params = deep_model.init_params(len(windows), 2, 1, 8, 1, windows=windows,
+                                            **hybrid)
             for frees in (True, False):
                 with self.subTest(pattern=name, frees=frees):
-                    pool = HybridPool(params, windows, 64, block_size, frees)
+                    pool = HybridPool(params, 64, block_size, frees)
                     why = verdicts.checked(lambda: where_story_strays(
                         name, pool, random_tokens(6, seed=block_size), 14, []))
                     if why:
@@ -265,8 +278,9 @@ class Freeing(unittest.TestCase):
         later; keeping, every block, as the full group does either way. Both give the
         masked pass's rows; bytes are the blocks held x the page (8 bytes x 2 positions x 2
         layers x a key and a value x 2 key-value heads x head width 4)."""
-        params, ids = deep_model.init_params(*MODEL), random_tokens(24, seed=3)
-        compared = freeing_against_keeping(params, WINDOWS, ids, BLOCK_SIZE)
+        params = deep_model.init_params(*MODEL, windows=WINDOWS)
+        ids = random_tokens(24, seed=3)
+        compared = freeing_against_keeping(params, ids, BLOCK_SIZE)
         every = [math.ceil(n / BLOCK_SIZE) for n in range(1, len(ids) + 1)]
         in_window = [sum((i + 1) * BLOCK_SIZE - 1 >= n - 3 for i in range(blocks))
                      for n, blocks in enumerate(every, 1)]
@@ -286,19 +300,22 @@ class Freeing(unittest.TestCase):
     def test_layers_are_grouped_as_vllm_groups_them(self):
         """vLLM's design document's examples: 20 window and 10 full layers make three groups
         of 10; Gemma 3 27B's 52 window and 10 full layers, a full group of 10 and window
-        groups of 10, the last of 2 (padded: a block is a page of 10 layers)."""
-        groups = layer_groups([8, 8, None] * 10)
+        groups of 10, the last of 2 (padded: a block is a page of 10 layers). A layer that
+        reads another's cache is in no group."""
+        groups = layer_groups({"layers": 30, "windows": [8, 8, None] * 10})
         self.assertEqual([(g.window, len(g.layers)) for g in groups],
                          [(None, 10), (8, 10), (8, 10)])
         gemma = [None if (layer + 1) % 6 == 0 else 8 for layer in range(62)]
-        groups = layer_groups(gemma)
+        groups = layer_groups({"layers": 62, "windows": gemma})
         self.assertEqual([(g.window, len(g.layers)) for g in groups],
                          [(None, 10)] + [(8, 10)] * 5 + [(8, 2)])
         self.assertEqual(groups[0].layers, list(range(5, 62, 6)))
         self.assertEqual(sorted(layer for g in groups for layer in g.layers), list(range(62)))
-        params = deep_model.init_params(5, 1, 1, 4, 0)
-        self.assertEqual(HybridPool(params, [3, 3, None, None, None], 3, 2).page_bytes(),
-                         8 * 2 * 2 * 2 * 1 * 4)   # the single window layer's group padded
+        self.assertEqual(layer_groups({"layers": 4, "windows": [8, None, 8, None],
+                                       "kv_from": [0, 1, 0, 1]}), [(None, [1]), (8, [0])])
+        params = deep_model.init_params(5, 1, 1, 4, 0, windows=[3, 3, None, None, None])
+        self.assertEqual(HybridPool(params, 3, 2).page_bytes(),
+                         8 * 2 * 2 * 2 * 1 * 4)   # the window layers' group is a page of 2
 
 
 def random_pool_case(n):
@@ -312,10 +329,10 @@ def random_pool_case(n):
     rng = random.Random(n)
     layers, window = rng.randint(1, 4), rng.randint(1, 6)
     windows = [rng.choice((None, window)) for _ in range(layers)]
-    params = deep_model.init_params(layers, 1, 1, 4, n)
-    groups = len(layer_groups(windows))
-    pool, stories, live = HybridPool(params, windows, rng.randint(2 * groups, 30),
-                                     rng.randint(1, 3)), [], []
+    params = deep_model.init_params(layers, 1, 1, 4, n, windows=windows)
+    groups = len(layer_groups(params["shape"]))
+    pool, stories, live = HybridPool(params, rng.randint(2 * groups, 30), rng.randint(1, 3)), \
+        [], []
     for request in range(8):
         base = rng.choice(stories) if stories else []
         ids = (base[:rng.randint(0, len(base))]
@@ -355,14 +372,14 @@ class PrefixHits(unittest.TestCase):
         a few new tokens: each reuses a prefix (the longest every length tried finds), and
         its rows are deep_model.forward's on the whole story with each layer's mask, so
         each chosen token is the one the full pass chooses."""
-        params = deep_model.init_params(*MODEL)
-        pool, prompt = HybridPool(params, WINDOWS, 64, BLOCK_SIZE), random_tokens(6, seed=7)
+        params = deep_model.init_params(*MODEL, windows=WINDOWS)
+        pool, prompt = HybridPool(params, 64, BLOCK_SIZE), random_tokens(6, seed=7)
         for turn in range(3):
             with self.subTest(story=turn):
                 hit = brute_hit(pool, prompt)
                 story, rows, _ = greedy_story(pool, prompt, 8)
                 self.assertEqual(hit > 0, turn > 0, "a prefix reused")
-                expected = deep_model.forward(params, story, masks(WINDOWS))
+                expected = deep_model.forward(params, story, masks(params))
                 self.assertEqual(len(rows), len(story) - hit)
                 self.assertTrue(rows == expected[hit:], "rows equal to the masked full pass")
                 self.assertEqual(story[len(prompt):],
@@ -378,9 +395,8 @@ class Sharing(unittest.TestCase):
         (evicting A's findable ones) until the pool refuses it: B's blocks keep B's tokens,
         the ref counts follow the live tables, and once C is freed B goes on with the
         masked pass's rows."""
-        windows = [3, None]
-        params = deep_model.init_params(2, 2, 1, 8, 2)
-        pool = HybridPool(params, windows, 16, 2)
+        params = deep_model.init_params(2, 2, 1, 8, 2, windows=[3, None])
+        pool = HybridPool(params, 16, 2)
         a, _, seq_a = greedy_story(pool, random_tokens(6, seed=1), 6)
         b, rows, seq_b = greedy_story(pool, a[:9] + random_tokens(2, seed=2), 2)
         self.assertEqual(len(b) - len(rows), 8)
@@ -400,33 +416,34 @@ class Sharing(unittest.TestCase):
         rows += [deep_model.forward_step(params, seq_b, token_id, len(b) + k)
                  for k, token_id in enumerate(random_tokens(4, seed=4))]
         story = b + random_tokens(4, seed=4)
-        self.assertTrue(rows == deep_model.forward(params, story, masks(windows))[8:])
+        self.assertTrue(rows == deep_model.forward(params, story, masks(params))[8:])
 
 
 class Refusals(unittest.TestCase):
 
     def test_bad_settings_are_refused_naming_them(self):
-        params = deep_model.init_params(2, 1, 1, 4, 0)
-        pool = HybridPool(params, [2, None], 8, 2)
+        """A block size, a block count or frees out of range, a model of two window sizes
+        or a latent one, what is not params or ids, a block no table holds. (A pattern of
+        the wrong length, or a window of 0, is the model's shape's to refuse:
+        deep_params.check_hybrid.)"""
+        params = deep_model.init_params(2, 1, 1, 4, 0, windows=[2, None])
+        two_windows = deep_model.init_params(2, 1, 1, 4, 0, windows=[2, 3])
+        pool = HybridPool(params, 8, 2)
         for call, fragment in (
-                (lambda: HybridPool(params, [2, None], 8, 0),
+                (lambda: HybridPool(params, 8, 0),
                  r"block_size must be an int from 1 to 64 \(the model's positions\), got 0"),
-                (lambda: HybridPool(params, [2], 8, 2),
-                 r"windows must be a list of one window or None a layer, 2 for this model, "
-                 r"got \[2\]"),
-                (lambda: HybridPool(params, [0, None], 8, 2),
-                 r"windows\[0\] must be an int from 1 to 64 .*, got 0"),
-                (lambda: HybridPool(params, [2, 3], 8, 2),
-                 r"windows holds windows of \[2, 3\]: this pool takes one window size"),
-                (lambda: HybridPool(params, [2, None], 1, 2),
+                (lambda: HybridPool(two_windows, 8, 2),
+                 r"params: the model's windows are of \[2, 3\] positions, and this pool takes "
+                 r"one window size"),
+                (lambda: HybridPool(params, 1, 2),
                  r"blocks must be an int from 2 to 100000 \(a position takes a block in each "
                  r"of the 2 groups"),
-                (lambda: HybridPool(params, [2, None], 8.0, 2), "blocks must be an int"),
-                (lambda: HybridPool(params, [2, None], 8, 2, "yes"),
+                (lambda: HybridPool(params, 8.0, 2), "blocks must be an int"),
+                (lambda: HybridPool(params, 8, 2, "yes"),
                  "frees must be True or False, got 'yes'"),
-                (lambda: HybridPool(deep_model.init_params(1, 2, 2, 8, 0, latent=4), [2], 8, 2),
+                (lambda: HybridPool(deep_model.init_params(1, 2, 2, 8, 0, latent=4), 8, 2),
                  "a latent model keeps latents, not keys and values"),
-                (lambda: HybridPool(None, [2, None], 8, 2), "params must be deep_model"),
+                (lambda: HybridPool(None, 8, 2), "params must be deep_model"),
                 (lambda: pool.sequence("ab"), "ids must be a list of token IDs, got str"),
                 (lambda: pool.sequence([96]), r"ids\[0\] = 96 is outside the vocabulary"),
                 (lambda: greedy_story(pool, [], 3), "ids is empty"),
@@ -439,8 +456,8 @@ class Refusals(unittest.TestCase):
     def test_a_step_the_pool_has_no_blocks_for_is_refused_and_changes_nothing(self):
         """Blocks of 1, a window of 2: a position takes a block in each group and the window
         frees one; the fourth position finds 1 block free of 5, where 2 are needed."""
-        params = deep_model.init_params(2, 1, 1, 4, 0)
-        pool = HybridPool(params, [2, None], 5, 1)
+        params = deep_model.init_params(2, 1, 1, 4, 0, windows=[2, None])
+        pool = HybridPool(params, 5, 1)
         seq = pool.sequence()
         for position, token_id in enumerate(random_tokens(3)):
             deep_model.forward_step(params, seq, token_id, position)
@@ -451,8 +468,8 @@ class Refusals(unittest.TestCase):
                                     r"positions, 1 free, and 2 more are needed")], state)
 
     def test_a_freed_sequence_is_refused_and_freeing_it_again_does_nothing(self):
-        params = deep_model.init_params(2, 1, 1, 4, 0)
-        pool = HybridPool(params, [2, None], 8, 2)
+        params = deep_model.init_params(2, 1, 1, 4, 0, windows=[2, None])
+        pool = HybridPool(params, 8, 2)
         _, _, seq = greedy_story(pool, random_tokens(3), 2)
         seq.free()
         seq.free()
