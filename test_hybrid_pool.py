@@ -148,7 +148,8 @@ def quick_check():
     On a 4-layer grouped-query model with a window of 4 in its even layers, in a pool of 19
     blocks of 2: a story of 8 random tokens and 12 greedy ones (where_story_strays); the
     hits of requests sharing its first 16, 12 and 4 tokens, against every length tried;
-    the story of the first, the first still live; the ref counts once the first is freed."""
+    the story of the first request, the first story still live; then the ref counts once
+    the first story is freed."""
     params = deep_model.init_params(*MODEL, windows=WINDOWS)
     pool, live = HybridPool(params, POOL_BLOCKS, BLOCK_SIZE), []
     why = where_story_strays("the first story", pool, random_tokens(PROMPT), NEW, live)
