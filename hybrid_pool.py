@@ -36,8 +36,10 @@ rows equal deep_model.forward with each layer's own mask, bit for bit.
 import math
 from collections import OrderedDict, namedtuple
 
+import svg
 from deep_model import DeepCache, deep_ids, forward, forward_step, layer_masks, own_mask
 from deep_params import kv_layers, layer_windows
+from documents import shown, table
 from hybrid import WINDOW, tried_models
 from model import CONTEXT, check_ids, check_int, excerpt
 from paged import MAX_BLOCKS
@@ -369,7 +371,7 @@ def freeing_against_keeping(params, ids, block_size):
     """Feed ids through a pool that frees window blocks and one that keeps every block.
 
     For each way: the blocks its window groups and its full groups hold after every step
-    and at the end, the bytes at the end (pages of 8-byte floats), and whether every row
+    and at the end, the bytes of a block (a page of 8-byte floats), and whether every row
     equals deep_model.forward's with each layer's own mask (==)."""
     compared, rows = {}, {}
     for way, frees in (("freeing", True), ("keeping", False)):
@@ -386,22 +388,11 @@ def freeing_against_keeping(params, ids, block_size):
                          "full_blocks_by_step": by_kind[1],
                          "window_blocks_at_the_end": by_kind[0][-1],
                          "full_blocks_at_the_end": by_kind[1][-1],
-                         "bytes_at_the_end": sum(held[-1]) * pool.page_bytes()}
+                         "page_bytes": pool.page_bytes()}
     masked = forward(params, ids, pool.masks)
     for way, result in compared.items():
         result["rows_equal_to_the_masked_pass"] = rows[way] == masked
     return compared
-
-
-def comparison_lines(compared, label):
-    """freeing_against_keeping's figures at the end of the story, in lines to print."""
-    lines = [f"{label}: blocks and bytes held after the last position"]
-    for way, result in compared.items():
-        lines.append(f"  {way}: window groups {result['window_blocks_at_the_end']} blocks, "
-                     f"full groups {result['full_blocks_at_the_end']} blocks, "
-                     f"{result['bytes_at_the_end']:,} bytes; rows equal to the masked pass: "
-                     f"{result['rows_equal_to_the_masked_pass']}")
-    return lines
 
 
 BLOCK_SIZE = 2   # against a window of 4 (hybrid.WINDOW), as 16 against gpt-oss's 128
@@ -416,3 +407,84 @@ def experiment(lab):
     return {"positions": len(ids), "window": WINDOW, "block_size": BLOCK_SIZE,
             "models": {name: freeing_against_keeping(params, ids, BLOCK_SIZE)
                        for name, params in tried_models()}}
+
+
+# ---- what Part 6 shows of it (documents.py fills its marks) --------------------------
+
+WAYS = ("freeing", "keeping")
+WAY_SHAPE = {"window_blocks_by_step": [svg.COUNT], "full_blocks_by_step": [svg.COUNT],
+             "window_blocks_at_the_end": svg.COUNT, "full_blocks_at_the_end": svg.COUNT,
+             "page_bytes": svg.COUNT}
+
+
+def _models(record):
+    """The record's hybrid_pool models, checked: {name: {way: its figures}}."""
+    entry = svg.checked(record, {"hybrid_pool": {"positions": svg.COUNT,
+                                                 "block_size": svg.COUNT}})["hybrid_pool"]
+    models = entry.get("models")
+    if not isinstance(models, dict) or not models or len(models) > svg.MOST_ITEMS:
+        raise ValueError(f"the record's hybrid_pool.models is {excerpt(models)}, not an "
+                         f"object of 1 to {svg.MOST_ITEMS} models")
+    for name, ways in models.items():
+        where = f"hybrid_pool.models.{name}"
+        svg.checked(ways, dict.fromkeys(WAYS, WAY_SHAPE), where)
+        for way in WAYS:
+            if not isinstance(ways[way].get("rows_equal_to_the_masked_pass"), bool):
+                raise ValueError(f"the record's {where}.{way}.rows_equal_to_the_masked_pass "
+                                 f"is not true or false")
+    return models
+
+
+def bytes_at_the_end(way):
+    """The bytes of the blocks a pool holds after the last position, one way's figures."""
+    return (way["window_blocks_at_the_end"] + way["full_blocks_at_the_end"]) * way["page_bytes"]
+
+
+def freeing_table(record, timing):
+    """Section 35's table: each model's blocks and bytes held at the end, freeing or keeping.
+
+    Freeing the window blocks that fell behind, or keeping them all."""
+    rows = []
+    for name, ways in _models(record).items():
+        cells = [name]
+        for way in WAYS:
+            cells += [f"{ways[way]['window_blocks_at_the_end']:,}",
+                      f"{ways[way]['full_blocks_at_the_end']:,}",
+                      svg.bytes_label(bytes_at_the_end(ways[way]))]
+        rows.append(cells + [shown(all(ways[way]["rows_equal_to_the_masked_pass"]
+                                       for way in WAYS))])
+    header = ["model"]
+    for way in WAYS:
+        header += [f"{way}: window blocks", "full blocks", "bytes"]
+    return table(header + ["rows equal to the masked pass, both ways"], rows)
+
+
+def blocks_picture(record, timing):
+    """Section 35's picture: the blocks each model's pool holds after each position.
+
+    Freeing its window blocks (solid) or keeping them all (dashed)."""
+    models = _models(record)
+    steps = max(len(ways[way]["window_blocks_by_step"]) for ways in models.values()
+                for way in WAYS)
+    held = {(name, way): [w + f for w, f in zip(ways[way]["window_blocks_by_step"],
+                                               ways[way]["full_blocks_by_step"])]
+            for name, ways in models.items() for way in WAYS}
+    most = max(max(blocks) for blocks in held.values())
+    xticks, yticks = svg.ticks(steps), svg.ticks(max(most, 1))
+    panel = svg.Panel((90, 50, 360, 290), (0, xticks[-1]), (0, yticks[-1]))
+    body = panel.axes(xticks, yticks, "positions fed", "blocks the pool holds")
+    entries = []
+    for i, ((name, way), blocks) in enumerate(held.items()):
+        color, marker = svg.style(i)
+        chosen = sorted({*range(0, len(blocks), 8), len(blocks) - 1})
+        body += panel.line([(n + 1, blocks[n], f"{name}, {way}: {blocks[n]:,} blocks after "
+                                               f"{n + 1} positions") for n in chosen],
+                           color, way == "keeping", marker)
+        entries.append((f"{name}, {way}", color, marker, way == "keeping"))
+    below = 70 + 18 * len(entries) + 4
+    notes = [f"blocks of {record['hybrid_pool']['block_size']} positions;",
+             "solid: window blocks behind the", "window freed; dashed: kept"]
+    return svg.page("A pool that frees its window layers' old blocks holds a fraction",
+                    body + svg.legend(480, 70, entries, 11)
+                    + [svg.text(480, below + 18 * i, note, 11) for i, note in enumerate(notes)],
+                    height=max(svg.HEIGHT, below + 18 * len(notes)))

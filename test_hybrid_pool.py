@@ -291,12 +291,11 @@ class Freeing(unittest.TestCase):
                 self.assertTrue(result["rows_equal_to_the_masked_pass"])
                 self.assertEqual(result["window_blocks_by_step"], window_blocks)
                 self.assertEqual(result["full_blocks_by_step"], every)
-                self.assertEqual(result["bytes_at_the_end"],
+                self.assertEqual(hybrid_pool.bytes_at_the_end(result),
                                  (window_blocks[-1] + every[-1]) * 8 * 2 * 2 * 2 * 2 * 4)
         self.assertEqual((compared["freeing"]["window_blocks_at_the_end"],
                           compared["keeping"]["window_blocks_at_the_end"]), (2, 12))
-        self.assertIn("freeing: window groups 2 blocks, full groups 12 blocks, 7,168 bytes",
-                      "\n".join(hybrid_pool.comparison_lines(compared, "gpt-oss")))
+        self.assertEqual(hybrid_pool.bytes_at_the_end(compared["freeing"]), 7168)
 
     def test_layers_are_grouped_as_vllm_groups_them(self):
         """vLLM's design document's examples: 20 window and 10 full layers make three groups
@@ -484,3 +483,28 @@ class Refusals(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class TheRecord(unittest.TestCase):
+    """What the recorded run (support.recorded) says of the hybrid pool."""
+
+    def test_freeing_holds_the_window_s_blocks_and_keeping_every_block_same_rows(self):
+        """For each model: the rows equal the masked pass both ways; the full groups hold
+        every block both ways; freeing, the window groups hold at most the blocks a window
+        spans (ceil((W - 1) / block size) + 1 a group), keeping, as many as the full ones a
+        group; so keeping holds more bytes."""
+        record = support.recorded("hybrid_pool")
+        every = math.ceil(record["positions"] / record["block_size"])
+        spans = math.ceil((record["window"] - 1) / record["block_size"]) + 1
+        for name, ways in record["models"].items():
+            freeing, keeping = ways["freeing"], ways["keeping"]
+            groups = keeping["window_blocks_at_the_end"] // every
+            with self.subTest(model=name):
+                self.assertTrue(freeing["rows_equal_to_the_masked_pass"])
+                self.assertTrue(keeping["rows_equal_to_the_masked_pass"])
+                self.assertEqual(keeping["window_blocks_at_the_end"], groups * every)
+                self.assertEqual(freeing["full_blocks_at_the_end"],
+                                 keeping["full_blocks_at_the_end"])
+                self.assertLessEqual(max(freeing["window_blocks_by_step"]), groups * spans)
+                self.assertLess(hybrid_pool.bytes_at_the_end(freeing),
+                                hybrid_pool.bytes_at_the_end(keeping))

@@ -46,6 +46,7 @@ import documents
 import eviction
 import forks
 import hybrid
+import hybrid_pool
 import latent_attention
 import trace_lesson
 import lossy
@@ -118,6 +119,7 @@ STAGES = (
     Stage(5, "bytes_read", bandwidth.experiment),
     Stage(5, "one_gpu", one_gpu.experiment),
     Stage(6, "hybrid_models", hybrid.experiment),
+    Stage(6, "hybrid_pool", hybrid_pool.experiment),
 )
 PARTS = max(stage.part for stage in STAGES)
 
