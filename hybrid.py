@@ -146,7 +146,7 @@ REAL_MODELS = (
 BYTES_PER_NUMBER = 2
 # (tokens each, requests): hf-mem issue #70's gpt-oss-20b case (8,192 tokens, 32
 # sequences: https://github.com/alvarobartt/hf-mem/issues/70), and one long request
-WORKLOADS = ((8192, 32), (131072, 1))
+WORKLOADS = ((8192, 32), (32768, 1))
 
 
 def cache_bytes(model, tokens, requests=1, windows_as_full=False):
