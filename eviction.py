@@ -17,7 +17,7 @@ every row the positions that row read (reads): model.forward with that mask give
 same rows, bit for bit, which the experiment checks on every story. So what eviction
 changes is what the dropped positions would have added, and nothing else.
 """
-from math import fsum
+from math import fsum, isnan
 
 import model
 from documents import shown, table
@@ -31,12 +31,14 @@ class EvictingCache(KVCache):
     They share the positions kept (kept, in order), their keys, values and scores, and the
     rows' reads. After each row (for SnapKV, from the end of its prompt on), while it holds
     budget positions or more, it drops the one whose score is lowest (the earliest of
-    equals) among all but the recent - 1 latest; score(weights) is each kind's own."""
+    equals) among all but the recent - 1 latest (recent: half the budget unless given);
+    score(weights) is each kind's own."""
 
     keeps_every_position = stores_exactly = False
 
-    def __init__(self, params, budget, recent):
+    def __init__(self, params, budget, recent=None):
         model.check_int("budget", budget, 2, model.CONTEXT, " (positions a row reads)")
+        recent = budget // 2 if recent is None else recent
         model.check_int("recent", recent, 1, budget, " (the budget)")
         self._belong_to(params)
         self.budget, self.recent = budget, recent
@@ -75,6 +77,11 @@ class EvictingCache(KVCache):
         if len(weights) != len(self.kept):
             raise ValueError(f"attended got {len(weights)} weights for the {len(self.kept)} "
                              f"positions held")
+        # min and max skip a NaN, or stop at one (refused), so a NaN left shows in the fsum
+        if weights and not (set(map(type, weights)) == {float} and min(weights) >= 0.0
+                            and max(weights) <= 1.0 and not isnan(fsum(weights))):
+            raise ValueError(f"weights must be floats from 0 to 1, one for each of the "
+                             f"{len(self.kept)} positions held, got {model.excerpt(weights)}")
         self.reads.append(list(self.kept))
         self.score(weights)
         while len(self.kept) >= self.budget and self.evicts():
@@ -116,9 +123,6 @@ class HeavyHitterCache(EvictingCache):
     whatever their score (default: half the budget is a window, as H2O's paper splits
     it)."""
 
-    def __init__(self, params, budget, recent=None):
-        super().__init__(params, budget, budget // 2 if recent is None else recent)
-
     def score(self, weights):
         self.scores = [held + w for held, w in zip(self.scores, weights)]
 
@@ -127,9 +131,6 @@ class KeyNormCache(EvictingCache):
     """K-norm's cache: a position's score is minus its key's squared norm.
 
     So the keys of largest norm go first; the recent - 1 latest positions are kept."""
-
-    def __init__(self, params, budget, recent=None):
-        super().__init__(params, budget, budget // 2 if recent is None else recent)
 
     def first_score(self, k):
         return -fsum(x * x for x in k)
@@ -184,8 +185,20 @@ def snapkv_choice(rows, keep, kernel):
     """Give the keep positions before the window that the window attended to most, sorted.
 
     Positions before the window: those the rows (the window's weights) do not end on; their
-    weights are pooled over kernel neighbours."""
-    before = len(rows[-1]) - len(rows)
+    weights are pooled over kernel neighbours. Refuses no rows, rows that are not a window's
+    (each one position longer than the one before), a keep below 0 and a kernel check_kernel
+    refuses."""
+    if not isinstance(rows, list) or not rows:
+        raise ValueError(f"rows must be a non-empty list of the window's rows of weights, got "
+                         f"{model.excerpt(rows)}")
+    lengths = [len(row) for row in rows]
+    before = lengths[0] - 1   # the window's first row reads them and its own position
+    if not lengths[0] or lengths != list(range(lengths[0], lengths[0] + len(rows))):
+        raise ValueError(f"rows must be the window's rows of weights, the first of one or more, "
+                         f"each one position longer than the one before: got rows of "
+                         f"{', '.join(map(str, lengths))} weights")
+    model.check_int("keep", keep, 0)
+    check_kernel(kernel)
     mean = [fsum(row[p] for row in rows) / len(rows) for p in range(before)]
     half = kernel // 2
     pooled = [fsum(mean[max(0, p - half):p + half + 1]) / kernel for p in range(before)]

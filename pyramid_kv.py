@@ -23,7 +23,7 @@ from deep_params import check_params, init_params
 from documents import bold, shown, table
 from eviction import check_kernel, snapkv_choice
 from instruments import largest_gap
-from model import CONTEXT, WIDTH, check_int
+from model import CONTEXT, WIDTH, check_int, excerpt
 
 KINDS = ("pyramid", "uniform")
 
@@ -35,7 +35,20 @@ def layer_budgets(budget, layers, prompt_tokens, window, beta, kind="pyramid"):
     PyramidKV's code: of the chosen part (budget - window on average) the last layer gets a
     beta-th (rounded down) and the first the rest of twice the average, at most all
     prompt_tokens - window; the layers between, the arithmetic sequence from one to the
-    other, each rounded half to even, so that the layers add up to layers x budget."""
+    other, each rounded half to even, so that the layers add up to layers x budget.
+
+    Refuses a kind not in KINDS, and counts that are not ints in range: layers and beta at
+    least 1, a window below the prompt's positions, a budget above the window and at most
+    the prompt's positions (a layer cannot keep more), the prompt within the model's."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be \"pyramid\" or \"uniform\", got {excerpt(kind)}")
+    check_int("layers", layers, 1)
+    check_int("window", window, 1, CONTEXT - 1)
+    check_int("prompt_tokens", prompt_tokens, window + 1, CONTEXT,
+              " (more than the window, within the model's positions)")
+    check_int("budget", budget, window + 1, prompt_tokens,
+              " (more than the window, at most the prompt's positions)")
+    check_int("beta", beta, 1)
     if kind == "uniform" or layers == 1:
         return [budget] * layers
     chosen = budget - window
@@ -58,20 +71,13 @@ class PyramidKVCache(DeepCache):
     def __init__(self, params, budget, prompt_tokens, kind="pyramid", window=4, kernel=3,
                  beta=20):
         check_params(params)
-        if kind not in KINDS:
-            raise ValueError(f"kind must be \"pyramid\" or \"uniform\", got {kind!r}")
-        check_int("window", window, 1, CONTEXT - 1)
-        check_int("prompt_tokens", prompt_tokens, window + 1, CONTEXT,
-                  " (more than the window, within the model's positions)")
-        check_int("budget", budget, window + 1, prompt_tokens,
-                  " (more than the window, at most the prompt's positions)")
-        check_kernel(kernel)
-        check_int("beta", beta, 1)
         layers = range(params["shape"]["layers"])
+        budgets = layer_budgets(budget, len(layers), prompt_tokens, window, beta, kind)
+        check_kernel(kernel)
         super().__init__(params, [lambda i, layer=layer: self._reads_of(layer, i)
                                   for layer in layers])
         self.prompt_tokens, self.window, self.kernel = prompt_tokens, window, kernel
-        self.budgets = layer_budgets(budget, len(layers), prompt_tokens, window, beta, kind)
+        self.budgets = budgets
         self.kept = [None] * len(layers)
         self.reads = [[] for _ in layers]
         self.window_rows = [[] for _ in layers]   # per layer, the heads' mean weights

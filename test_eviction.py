@@ -4,6 +4,8 @@ mask; what cannot be done with a cache that drops positions is refused, saying w
 import ast
 import contextlib
 import functools
+import math
+import re
 import unittest
 from math import fsum
 from types import SimpleNamespace
@@ -249,8 +251,17 @@ class Eviction(unittest.TestCase):
                     "most_positions_a_row_read_after_the_prompt"], 0)
 
     def test_bad_budgets_and_settings_are_refused_by_name(self):
+        """A budget, recent, window, prompt or kernel out of range or not an int (None and
+        "8" too, which a default recent of budget // 2 met first), each named; weights that
+        are not a finite float from 0 to 1 for each position held, refused by attended
+        before any score changes."""
         for call, fragment in ((lambda: eviction.HeavyHitterCache(PARAMS, 1), "budget"),
                                (lambda: eviction.KeyNormCache(PARAMS, 8.0), "budget"),
+                               (lambda: eviction.HeavyHitterCache(PARAMS, None),
+                                r"budget must be an int from 2 to 64 \(positions a row reads\), "
+                                r"got None"),
+                               (lambda: eviction.KeyNormCache(PARAMS, "8"),
+                                "budget must be an int from 2 to 64 .*, got '8'"),
                                (lambda: eviction.HeavyHitterCache(PARAMS, 8, 9), "recent"),
                                (lambda: eviction.SnapKVCache(PARAMS, 8, 0), "prompt_tokens"),
                                (lambda: eviction.SnapKVCache(PARAMS, 8, 5, window=8), "window"),
@@ -263,6 +274,33 @@ class Eviction(unittest.TestCase):
         cache = eviction.HeavyHitterCache(PARAMS, 8)
         with self.assertRaisesRegex(ValueError, "attended got 2 weights for the 0 positions"):
             cache.attended([0.5, 0.5])
+        feed(PARAMS, cache, self.IDS[:3])
+        support.assert_each_refused(self, [
+            (lambda weights=weights: cache.attended(weights),
+             r"weights must be floats from 0 to 1, one for each of the 3 positions held, got "
+             + re.escape(repr(weights)))
+            for weights in ([0.5, math.nan, 0.5], [1e308, 0.0, 0.0], [0.5, -0.5, 1.0],
+                            [0.5, 0.5, math.inf], [1, 0.0, 0.0], [0.5, "0.5", 0.0])],
+            lambda: (list(cache.scores), list(cache.kept), [list(r) for r in cache.reads]))
+
+    def test_snapkv_choice_refuses_no_rows_and_bad_counts_by_name(self):
+        """No rows (an IndexError), a kernel of 0 (a division by zero) or an even one, a keep
+        below 0 (which would slice from the end), rows that are not the window's (row i one
+        position longer than row i - 1): each a ValueError naming it."""
+        rows = [[0.5, 0.25, 0.25], [0.25, 0.25, 0.25, 0.25]]
+        for args, fragment in ((([], 1, 3), r"rows must be a non-empty list of the window's "
+                                             r"rows of weights, got \[\]"),
+                               ((rows, 1, 0), "kernel must be an int >= 1, got 0"),
+                               ((rows, 1, 2), "kernel must be odd"),
+                               ((rows, -1, 3), "keep must be an int >= 0, got -1"),
+                               (([[1.0], [0.5, 0.25, 0.25]], 1, 3),
+                                r"rows must be the window's rows of weights, the first of one "
+                                r"or more, each one position longer than the one before: got "
+                                r"rows of 1, 3 weights"),
+                               (([[]], 0, 1), "got rows of 0 weights")):
+            with self.subTest(args=args), self.assertRaisesRegex(ValueError, fragment):
+                eviction.snapkv_choice(*args)
+        self.assertEqual(eviction.snapkv_choice(rows, 1, 3), [0])
 
 
 class TheRecord(unittest.TestCase):

@@ -266,6 +266,25 @@ class Refusals(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "params must be deep_model.init_params"):
             PyramidKVCache(None, 6, 12)
 
+    def test_layer_budgets_refuses_what_the_cache_refuses_naming_it(self):
+        """The budgets alone refuse what PyramidKVCache refuses of them, each named: a beta
+        of 0 (a division by zero) or -1 (a negative budget), a misspelt kind (taken for
+        "pyramid"), a budget beyond the prompt (a layer would keep more than it has), no
+        layer."""
+        for args, fragment in (((16, 4, 48, 4, 0), "beta must be an int >= 1, got 0"),
+                               ((16, 4, 48, 4, -1), "beta must be an int >= 1, got -1"),
+                               ((16, 4, 48, 4, 20.0), "beta must be an int >= 1, got 20.0"),
+                               ((16, 4, 48, 4, 20, "pyramdi"),
+                                "kind must be \"pyramid\" or \"uniform\", got 'pyramdi'"),
+                               ((60, 4, 48, 4, 20), r"budget must be an int from 5 to 48 \(more "
+                                                    r"than the window, at most the prompt's "
+                                                    r"positions\), got 60"),
+                               ((16, 0, 48, 4, 20), "layers must be an int >= 1, got 0"),
+                               ((16, 4, 48, 0, 20), "window must be an int from 1 to 63"),
+                               ((16, 4, 65, 4, 20), "prompt_tokens must be an int from 5 to 64")):
+            with self.subTest(args=args), self.assertRaisesRegex(ValueError, fragment):
+                pyramid_kv.layer_budgets(*args)
+
     def test_a_refused_step_leaves_the_cache_as_it_was(self):
         """After the prompt (its choice made), a step with other params, out of order or
         with a token outside the vocabulary is refused, and one that fails part-way (a
