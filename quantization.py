@@ -43,8 +43,20 @@ HADAMARD = [[x / math.sqrt(model.WIDTH) for x in row] for row in _sylvester(mode
 
 
 def turned(vector):
-    """vector times the Hadamard matrix (each number a correctly rounded sum)."""
+    """vector, of 16 numbers, times the Hadamard matrix (each number a correctly rounded sum)."""
+    if len(vector) != model.WIDTH:   # a shorter one's products would stop early
+        raise ValueError(f"turned takes a vector of {model.WIDTH} numbers (the Hadamard "
+                         f"matrix's size), got {len(vector)}")
     return [model.dot(row, vector) for row in HADAMARD]
+
+
+def _check_sizes(bits, group=1, residual=1):
+    """Refuse bits other than BITS' (16 or 9 would pack no level in a byte), and a group or a
+    residual that a GroupedCache cannot have."""
+    if not model.is_int(bits) or bits not in BITS:
+        raise ValueError(f"bits must be 2, 4, 8 or 64, got {model.excerpt(bits)}")
+    model.check_int("group", group, 1, model.CONTEXT, " (positions)")
+    model.check_int("residual", residual, 1, model.CONTEXT, " (the newest positions, kept exact)")
 
 
 def _f32(x):
@@ -77,7 +89,12 @@ def _unpacked(data, bits):
 def keys_by_channel(keys, bits):
     """Store a group of keys: per channel, a zero point and a scale over the group (_grid).
 
-    Each number becomes its level, packed position by position; at 64 bits, the numbers."""
+    Each number becomes its level, packed position by position; at 64 bits, the numbers.
+    keys: one or more, each of 16 numbers."""
+    _check_sizes(bits)
+    if not keys or any(len(key) != model.WIDTH for key in keys):
+        raise ValueError(f"keys must be a non-empty list of keys of {model.WIDTH} numbers, got "
+                         f"{model.excerpt(keys)}")
     if bits == 64:
         return (array("d", [x for key in keys for x in key]),)
     top = 2 ** bits - 1
@@ -91,6 +108,7 @@ def value_by_token(value, bits):
     """Store one value: one zero point and one scale over its 16 numbers (_grid).
 
     Each number becomes its level, packed; at 64 bits, the numbers."""
+    _check_sizes(bits)
     if bits == 64:
         return (array("d", value),)
     top = 2 ** bits - 1
@@ -145,11 +163,7 @@ class GroupedCache(KVCache):
     stores_exactly = fixed_once_kept = False
 
     def __init__(self, params, bits, group, residual, rotate=False, flush="groups"):
-        if not model.is_int(bits) or bits not in BITS:
-            raise ValueError(f"bits must be 2, 4, 8 or 64, got {model.excerpt(bits)}")
-        model.check_int("group", group, 1, model.CONTEXT, " (positions)")
-        model.check_int("residual", residual, 1, model.CONTEXT, " (the newest positions, "
-                        "kept exact)")
+        _check_sizes(bits, group, residual)
         if not isinstance(rotate, bool):
             raise ValueError(f"rotate must be True or False, got {model.excerpt(rotate)}")
         if flush not in FLUSHES:
@@ -291,7 +305,11 @@ def bytes_by_formula(bits, group, residual, positions):
 
     16 numbers a key and 16 a value, bits / 8 bytes each once quantized, 8 while exact; 4 bytes
     each zero point and scale, one of each per channel of a group of keys (the last perhaps short)
-    and per value. The exact: those fed since the last flush, 1 to residual."""
+    and per value. The exact: those fed since the last flush, 1 to residual. Refuses what
+    GroupedCache refuses of bits, group and residual, and positions beyond what it holds."""
+    _check_sizes(bits, group, residual)
+    model.check_int("positions", positions, 1, model.CONTEXT, " (the positions a GroupedCache "
+                    "holds)")
     exact = (positions - 1) % residual + 1
     quantized = positions - exact
     grids = 0 if bits == 64 else model.WIDTH * math.ceil(quantized / group) + quantized

@@ -12,7 +12,8 @@ import support
 import verdicts
 from instruments import is_call_of, replacing
 from kv_cache import KVCache, feed
-from quantization import GroupedCache, RotatedCache, bytes_by_formula
+from quantization import (GroupedCache, RotatedCache, bytes_by_formula, keys_by_channel,
+                          value_by_token)
 from support import PARAMS, STORIES, TOK, assert_equal
 from verdicts import Layer, differ, step, strayed
 
@@ -288,6 +289,31 @@ class Grouped(unittest.TestCase):
             with self.subTest(args=args, named=named), self.assertRaisesRegex(ValueError,
                                                                               fragment):
                 GroupedCache(PARAMS, *args, **named)
+
+    def test_the_formula_and_the_quantizers_refuse_bad_arguments_by_name(self):
+        """bytes_by_formula: no positions, no group or residual (divisions by zero), -5
+        positions (a negative size) or 3 bits (a size for a format the cache lacks);
+        keys_by_channel and value_by_token: bits of no format (16 and 9 packed no level to a
+        byte), no keys; turned: a vector other than the Hadamard matrix's 16 numbers (3 gave
+        16 back)."""
+        key = self.exact.keys[0]
+        for call, fragment in (
+                (lambda: bytes_by_formula(4, 8, 16, 0), r"positions must be an int from 1 to "
+                                                        r"64 \(.*\), got 0"),
+                (lambda: bytes_by_formula(4, 8, 16, -5), "positions must be .*, got -5"),
+                (lambda: bytes_by_formula(4, 8, 0, 20), "residual must be an int from 1 to 64"),
+                (lambda: bytes_by_formula(4, 0, 16, 20), "group must be an int from 1 to 64"),
+                (lambda: bytes_by_formula(3, 8, 16, 20), "bits must be 2, 4, 8 or 64, got 3"),
+                (lambda: keys_by_channel([key], 16), "bits must be 2, 4, 8 or 64, got 16"),
+                (lambda: keys_by_channel([key], 9), "bits must be 2, 4, 8 or 64, got 9"),
+                (lambda: value_by_token(key, 16), "bits must be 2, 4, 8 or 64, got 16"),
+                (lambda: keys_by_channel([], 4), r"keys must be a non-empty list of keys of 16 "
+                                                 r"numbers, got \[\]"),
+                (lambda: keys_by_channel([key, key[:3]], 4), r"keys must be .*, got \[\["),
+                (lambda: quantization.turned([1.0, 2.0, 3.0]),
+                 r"turned takes a vector of 16 numbers \(the Hadamard matrix's size\), got 3")):
+            with self.subTest(fragment=fragment), self.assertRaisesRegex(ValueError, fragment):
+                call()
 
     def test_what_it_cannot_store_is_refused_before_anything_changes(self):
         cache = GroupedCache(PARAMS, 4, 8, 8, rotate=True)
