@@ -31,8 +31,19 @@ PROCESSORS = 4   # by_batch cuts each dot product so that rows x pieces fills th
 FORMATS = {16: ("e", 65504.0), 32: ("f", 3.4028234663852886e38)}   # struct's code, largest
 
 
+def _check_product(rows, cols):
+    """Refuse no rows, and a row that is not as long as every column (zip would stop early)."""
+    if not isinstance(rows, (list, tuple)) or not rows:
+        raise ValueError(f"rows must be a non-empty list of rows, got {model.excerpt(rows)}")
+    for index, x in enumerate(rows):
+        if len(x) != len(cols[0]):
+            raise ValueError(f"rows[{index}] has {len(x)} numbers, and each column of the "
+                             f"matrix {len(cols[0])}: a row takes one number per input")
+
+
 def exact(rows, cols):
     """rows times the matrix given by its columns, each output one fsum (model.linear)."""
+    _check_product(rows, cols)
     return [linear(x, cols) for x in rows]
 
 
@@ -41,7 +52,12 @@ def in_pieces(rows, cols, pieces, bits=16):
 
     Each dot product is cut into pieces runs of consecutive terms, each run's sum (an fsum)
     rounded to the nearest float of bits (16 or 32), the runs' total (an fsum of those)
-    rounded to it again, and that output, once, to the nearest 16-bit float."""
+    rounded to it again, and that output, once, to the nearest 16-bit float. pieces: an int
+    of at least 1."""
+    _check_product(rows, cols)
+    model.check_int("pieces", pieces, 1)
+    if not model.is_int(bits) or bits not in FORMATS:
+        raise ValueError(f"bits must be 16 or 32, got {model.excerpt(bits)}")
     if pieces == 1:                        # one run: its sum is the total, rounded once
         return [_output(_rounded(linear(x, cols), bits), bits) for x in rows]
     terms = len(cols[0])
@@ -70,11 +86,13 @@ def _pieces(rows):
 
 def by_batch(rows, cols):
     """in_pieces with _pieces(rows) pieces, every sum rounded to 16 bits."""
+    _check_product(rows, cols)   # before _pieces counts the rows
     return in_pieces(rows, cols, _pieces(rows))
 
 
 def by_batch_float32(rows, cols):
     """in_pieces with by_batch's pieces, every sum rounded to 32 bits, the output to 16."""
+    _check_product(rows, cols)
     return in_pieces(rows, cols, _pieces(rows), bits=32)
 
 

@@ -34,7 +34,12 @@ MOST_PARTIALS = 2100 // 53 + 2   # floats span 2**-1074 to 2**1024, 53 bits a pa
 
 
 def _scores(q, keys):
-    return [dot(q, k_j) * SCALE for k_j in keys]
+    try:
+        return [dot(q, k_j) * SCALE for k_j in keys]
+    except ValueError:   # fsum's "-inf + inf in fsum", which names no input
+        raise ValueError("q and keys hold infinities whose products meet with both signs in a "
+                         "score: inf - inf has no value (a key of -inf masks a position only "
+                         "against a query of numbers >= 0)") from None
 
 
 def _masked(scores):
@@ -44,11 +49,19 @@ def _masked(scores):
     return all(s == -math.inf for s in scores)
 
 
-def _check_keys(keys):
-    """Refuse a row with no keys, as softmax_row does (a kernel would divide 0 by 0)."""
+def _check_row(q, keys, values):
+    """Refuse a row with no keys, as softmax_row does (a kernel would divide 0 by 0); a
+    query not as wide as the keys (its dot products would stop early); a key without its
+    value."""
     if not keys:
         raise ValueError("the attention got no keys: the row attends to no position (a "
                          "position attends at least to itself)")
+    if len(q) != len(keys[0]):
+        raise ValueError(f"q has {len(q)} numbers, and each key {len(keys[0])}: a query is "
+                         f"as wide as the keys it reads")
+    if len(values) != len(keys):
+        raise ValueError(f"the attention got {len(values)} values for {len(keys)} keys: one "
+                         f"value a key")
 
 
 def online(q, keys, values, rows=1):
@@ -57,7 +70,7 @@ def online(q, keys, values, rows=1):
     The output so far (not yet divided by the sum) and the sum are rescaled by exp(old
     maximum - new maximum) whenever a block raises the maximum. A block whose scores are all
     -inf (masked) adds nothing, as its zero weights do in softmax_row."""
-    _check_keys(keys)
+    _check_row(q, keys, values)
     top, total, out = -math.inf, 0.0, [0.0] * len(values[0])
     for first in range(0, len(keys), BLOCK):
         scores = _scores(q, keys[first:first + BLOCK])
@@ -68,17 +81,18 @@ def online(q, keys, values, rows=1):
         weights = [exp(s - new_top) for s in scores]
         total = total * rescale + fsum(weights)
         out = _summed(lambda: [o * rescale + dot(weights, column) for o, column
-                               in zip(out, zip(*values[first:first + BLOCK]))])
+                               in zip(out, zip(*values[first:first + BLOCK]))], values)
         top = new_top
     if top == -math.inf:   # every score -inf: softmax_row's 0 / 0 (NaN) too
         return [math.nan] * len(out)
     return [o / total for o in out]
 
 
-def _summed(sums):
-    """sums(), refusing clearly what overflows a float: a kernel's output not yet divided
-    by its sum (up to BLOCK or a part's values, each times up to 1) can overflow where
-    forward_step's (the weights divided first) does not."""
+def _summed(sums, values):
+    """sums() of values, refusing clearly what overflows a float: a kernel's output not yet
+    divided by its sum (up to BLOCK or a part's values, each times up to 1) can overflow
+    where forward_step's (the weights divided first) does not; and inf and -inf in a column
+    of values."""
     try:
         return sums()
     except OverflowError:
@@ -86,6 +100,17 @@ def _summed(sums):
                          f"divided by the softmax's sum overflow a float (beyond "
                          f"{sys.float_info.max:g}); keep values within 1e300, or use "
                          f"an exact kind") from None
+    except ValueError:
+        _refuse_both_infinities(values)
+        raise
+
+
+def _refuse_both_infinities(values):
+    """Refuse values holding inf and -inf in one column, where a sum failed with fsum's
+    ValueError ("-inf + inf in fsum", which names no input)."""
+    if any(math.inf in column and -math.inf in column for column in zip(*values)):
+        raise ValueError("values hold inf and -inf in one column: their weighted sum, inf - "
+                         "inf, has no value; keep values finite") from None
 
 
 def parts_of(length, parts):
@@ -107,7 +132,8 @@ def _part(q, keys, values):
         return -math.inf, 0.0, [0.0] * len(values[0])
     top = max(scores)
     weights = [exp(s - top) for s in scores]
-    return top, fsum(weights), _summed(lambda: [dot(weights, column) for column in zip(*values)])
+    return top, fsum(weights), _summed(lambda: [dot(weights, column) for column in zip(*values)],
+                                       values)
 
 
 def split(parts):
@@ -120,7 +146,7 @@ def split(parts):
     check_int("parts", parts, 1)
 
     def attention(q, keys, values, rows=1):
-        _check_keys(keys)
+        _check_row(q, keys, values)
         found = [_part(q, keys[p.start:p.stop], values[p.start:p.stop])
                  for p in parts_of(len(keys), parts)]
         top = max(part_top for part_top, _, _ in found)
@@ -129,7 +155,8 @@ def split(parts):
         factors = [exp(part_top - top) for part_top, _, _ in found]
         total = fsum(part_total * f for (_, part_total, _), f in zip(found, factors))
         return _summed(lambda: [fsum(o * f for o, f in zip(outputs, factors)) / total
-                                for outputs in zip(*(part_out for _, _, part_out in found))])
+                                for outputs in zip(*(part_out for _, _, part_out in found))],
+                       values)
     return attention
 
 
@@ -168,17 +195,21 @@ def exact(parts):
     check_int("parts", parts, 1)
 
     def attention(q, keys, values, rows=1):
-        _check_keys(keys)
+        _check_row(q, keys, values)
         cuts = [(keys[p.start:p.stop], values[p.start:p.stop]) for p in parts_of(len(keys), parts)]
         top = max(max(_scores(q, part_keys)) for part_keys, _ in cuts)
         total = fsum([x for part_keys, _ in cuts
                       for x in exact_partials(exp(s - top) for s in _scores(q, part_keys))])
         columns = [[] for _ in values[0]]
-        for part_keys, part_values in cuts:
-            weights = [exp(s - top) / total for s in _scores(q, part_keys)]
-            for column, part_column in zip(columns, zip(*part_values)):
-                column += exact_partials(w * v for w, v in zip(weights, part_column))
-        return [fsum(column) for column in columns]
+        try:
+            for part_keys, part_values in cuts:
+                weights = [exp(s - top) / total for s in _scores(q, part_keys)]
+                for column, part_column in zip(columns, zip(*part_values)):
+                    column += exact_partials(w * v for w, v in zip(weights, part_column))
+            return [fsum(column) for column in columns]
+        except ValueError:   # fsum's, or exact_partials' (a sum beyond the largest float)
+            _refuse_both_infinities(values)
+            raise
     return attention
 
 

@@ -387,6 +387,28 @@ class Refusals(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "beyond the 64 positions"):
             batched.forward_rows(PARAMS, [(long, 5, model.CONTEXT)])
 
+    def test_the_products_refuse_bad_pieces_bits_and_rows_by_name(self):
+        """in_pieces: pieces of 0 (a division by zero), -1 (taken as one), 2.5, True, and bits
+        of no format (8); every product: no rows (by_batch's pieces divided by zero), and rows
+        of 3 numbers against columns of 16 (zip stopped at 3): each a ValueError naming it."""
+        cols, row = model.columns(PARAMS)["Wq"], [0.5] * model.WIDTH
+        for call, fragment in (
+                (lambda: batched.in_pieces([row], cols, 0), "pieces must be an int >= 1, got 0"),
+                (lambda: batched.in_pieces([row], cols, -1), "pieces must be an int >= 1, got -1"),
+                (lambda: batched.in_pieces([row], cols, 2.5), "pieces must be .*, got 2.5"),
+                (lambda: batched.in_pieces([row], cols, True), "pieces must be .*, got True"),
+                (lambda: batched.in_pieces([row], cols, 2, bits=8), "bits must be 16 or 32, got 8"),
+                *((lambda product=product: product([], cols),
+                   r"rows must be a non-empty list of rows, got \[\]")
+                  for product in (batched.exact, batched.by_batch, batched.by_batch_float32,
+                                  batched.batch_invariant)),
+                *((lambda product=product: product([row, row[:3]], cols),
+                   r"rows\[1\] has 3 numbers, and each column of the matrix 16")
+                  for product in (batched.exact, batched.by_batch, batched.by_batch_float32,
+                                  batched.batch_invariant))):
+            with self.subTest(fragment=fragment), self.assertRaisesRegex(ValueError, fragment):
+                call()
+
     def test_a_paged_sequence_takes_only_the_rows_of_the_kernel_it_is_for(self):
         """A sequence made for the exact arithmetic (pool.sequence()) refuses a kernel's
         batched rows; one made for a kernel refuses forward_step's, prefill's, exact

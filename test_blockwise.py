@@ -318,6 +318,26 @@ class Heuristic(unittest.TestCase):
             with self.subTest(fragment=fragment), self.assertRaisesRegex(ValueError, fragment):
                 call()
 
+    def test_a_query_of_another_width_and_sums_of_inf_and_minus_inf_are_refused(self):
+        """Every kind refuses, naming it: a query of 3 numbers against keys of 4 (the dot
+        products stopped at 3), values fewer than the keys, and infinities that meet with
+        both signs in one sum, of a score (q and keys) or of a column of values (fsum's
+        "-inf + inf in fsum", which named neither)."""
+        q, keys = [1.0, -1.0, 0.5, 0.5], [[0.5] * 4, [0.25] * 4, [0.1] * 4]
+        values = [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]
+        for name, kind in blockwise.KINDS.items():
+            for args, fragment in (((q[:3], keys, values), "q has 3 numbers, and each key 4"),
+                                   ((q, keys, values[:2]), "the attention got 2 values for 3 "
+                                                           "keys: one value a key"),
+                                   ((q, [[math.inf] * 4] + keys[1:], values),
+                                    "q and keys hold infinities whose products meet with both "
+                                    "signs in a score"),
+                                   ((q, keys, [[math.inf, 1.0], [-math.inf, 1.0], [1.0, 1.0]]),
+                                    "values hold inf and -inf in one column")):
+                with self.subTest(kind=name, fragment=fragment), \
+                        self.assertRaisesRegex(ValueError, fragment):
+                    kind(*args)
+
     def test_bad_split_counts_and_attentions_are_refused(self):
         import paged
         import serving
