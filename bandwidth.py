@@ -101,7 +101,8 @@ def cache_bytes_per_token(model):
     """A model's cache in bytes a token, 2 a number.
 
     A key and a value of 128 numbers per key-value head and layer, or a latent and a rotary
-    key per layer."""
+    key per layer. Refuses a model without them (_check_model)."""
+    _check_model(model)
     return 2 * cache_floats(model["layers"], model.get("kv_heads"), 128, model.get("latent"),
                             model.get("rotary_key", 0))
 
@@ -130,13 +131,23 @@ def cache_outweighs_weights(model, batch):
 
 
 def _check_request(model, batch):
-    """Refuse a model that is not a dict as LLAMA_2_7B (its layers, kv_heads or latent and
-    rotary_key, and weight_bytes_read), or a batch that is not an int >= 1."""
-    if not isinstance(model, dict) or not {"layers", "weight_bytes_read"} <= set(model) \
-            or not {"kv_heads", "latent"} & set(model):
-        raise ValueError("model must be a dict as bandwidth.LLAMA_2_7B: its layers, kv_heads "
-                         "(or latent and rotary_key) and weight_bytes_read")
+    """Refuse a model that is not a dict as LLAMA_2_7B (_check_model, with its
+    weight_bytes_read), or a batch that is not an int >= 1."""
+    _check_model(model, ("layers", "weight_bytes_read"))
     check_int("batch", batch, 1)
+
+
+def _check_model(model, needed=("layers",)):
+    """Refuse a model that is not a dict as LLAMA_2_7B, naming what it lacks of needed and
+    of kv_heads (or latent and rotary_key)."""
+    if not isinstance(model, dict):
+        raise ValueError(f"model must be a dict as bandwidth.LLAMA_2_7B, got {excerpt(model)}")
+    missing = [key for key in needed if key not in model]
+    if not {"kv_heads", "latent"} & set(model):
+        missing.append("kv_heads (or latent and rotary_key)")
+    if missing:
+        raise ValueError(f"model must be a dict as bandwidth.LLAMA_2_7B; this one has no "
+                         f"{', '.join(missing)}")
 
 
 # ---- the experiment (a stage of trace_kv.py) ---------------------------------------

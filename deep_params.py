@@ -11,7 +11,7 @@ every layer full, no sinks, each layer its own cache.
 import math
 import random
 
-from model import CONTEXT, VOCAB_SIZE, check_int, check_shape, check_values, excerpt
+from model import CONTEXT, VOCAB_SIZE, check_int, check_seed, check_shape, check_values, excerpt
 
 SHAPE = ("layers", "heads", "kv_heads", "width", "positions", "latent", "rotary_key")
 HYBRID = {"windows": None, "sinks": False, "kv_from": None}   # and their defaults
@@ -39,6 +39,7 @@ def init_params(layers, heads, kv_heads, width, seed, positions="learned", laten
     shape.update((name, value) for name, value in zip(HYBRID, (windows, sinks, kv_from))
                  if value is not HYBRID[name])
     check_model_shape(**shape)
+    check_seed(seed)
     rng = random.Random(seed)
 
     def made(name, dims):   # a matrix of rows x columns, std 1 / sqrt(rows); g 1, b 0

@@ -78,12 +78,6 @@ def check_tokenizer(tok):
                          f"got {type(tok).__name__}")
 
 
-def check_seed(seed, name="seed"):
-    """Refuse a seed that is not an int (random.Random would take None, 1.5 or "a")."""
-    if not model.is_int(seed):
-        raise ValueError(f"{name} must be an int, got {seed!r}")
-
-
 def check_seeds(seeds):
     """Refuse seeds that are not a list, a tuple or a range of ints.
 
@@ -93,14 +87,14 @@ def check_seeds(seeds):
         raise ValueError(f"seeds must be a list, a tuple or a range of ints, one a "
                          f"continuation, got {type(seeds).__name__}")
     for index, seed in enumerate(seeds):
-        check_seed(seed, f"seeds[{index}]")
+        model.check_seed(seed, f"seeds[{index}]")
 
 
 def check_request(tok, prompt, max_new_tokens, temperature, top_k, seed):
     """The prompt's token IDs, after refusing every bad argument of generate."""
     check_tokenizer(tok)
     check_settings(temperature, top_k, len(tok.vocab))
-    check_seed(seed)
+    model.check_seed(seed)
     model.check_int("max_new_tokens", max_new_tokens, 0)
     if not isinstance(prompt, str) or not prompt:
         raise ValueError(f"prompt must be a non-empty string, got {prompt!r}")

@@ -89,7 +89,8 @@ def init_params(seed):
     """Fresh parameters from a seed.
 
     Embeddings random with std 0.5, weight matrices with std 1/sqrt(inputs), layer-norm
-    gains 1, biases 0."""
+    gains 1, biases 0. seed: an int (check_seed)."""
+    check_seed(seed)
     rng = random.Random(seed)
     params = {}
     for name, shape in SHAPES.items():
@@ -183,6 +184,12 @@ def check_int(name, value, low, high=None, why=""):
     if not is_int(value) or value < low or (high is not None and value > high):
         span = f">= {low}" if high is None else f"from {low} to {high}"
         raise ValueError(f"{name} must be an int {span}{why}, got {excerpt(value)}")
+
+
+def check_seed(seed, name="seed"):
+    """Refuse a seed that is not an int (random.Random would take None, 1.5 or "a")."""
+    if not is_int(seed):
+        raise ValueError(f"{name} must be an int, got {excerpt(seed)}")
 
 
 def check_token_id(token_id, what="token ID"):

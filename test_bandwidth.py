@@ -238,7 +238,15 @@ class Refusals(unittest.TestCase):
                  "batch must be an int >= 1"),
                 (lambda: bandwidth.bound(bandwidth.LLAMA_2_7B, -5), "context must be an int >= 0"),
                 (lambda: bandwidth.bound(bandwidth.LLAMA_2_7B, 5, 1, 0), "bandwidth must be"),
-                (lambda: bandwidth.bound({"layers": 32}, 5), "model must be a dict as")):
+                (lambda: bandwidth.bound({"layers": 32}, 5), "model must be a dict as"),
+                (lambda: bandwidth.bound({"layers": 32, "kv_heads": 8}, 5),
+                 "has no weight_bytes_read"),
+                (lambda: bandwidth.cache_bytes_per_token({}),
+                 r"model must be a dict as bandwidth\.LLAMA_2_7B; this one has no layers, "
+                 r"kv_heads \(or latent and rotary_key\)"),
+                (lambda: bandwidth.cache_bytes_per_token({"latent": 512}), "has no layers$"),
+                (lambda: bandwidth.cache_bytes_per_token(None), "model must be a dict as "
+                                                                 "bandwidth.LLAMA_2_7B, got None")):
             with self.subTest(fragment=fragment), self.assertRaisesRegex(ValueError, fragment):
                 call()
 

@@ -3,6 +3,7 @@ makes has the shape its docstring gives, worked out plainly here, the spread of 
 its gains 1.0 and its biases 0.0; check_params takes what init_params makes and refuses a parameter one row or
 entry short, or holding nan; shapes too large to build are refused at once."""
 import math
+import re
 import time
 import unittest
 
@@ -201,6 +202,14 @@ class QuickCheckTeeth(unittest.TestCase):
 
 
 class Refusals(unittest.TestCase):
+
+    def test_a_seed_that_is_not_an_int_is_refused(self):
+        """None (random.Random would seed from the clock), 1.5, True and "0" (it would take
+        them): refused by name, as generate refuses them, before a weight is made."""
+        for seed in (None, 1.5, True, "0"):
+            with self.subTest(seed=seed), self.assertRaisesRegex(
+                    ValueError, f"seed must be an int, got {re.escape(repr(seed))}"):
+                deep_params.init_params(1, 4, 4, 16, seed)
 
     def test_shapes_too_large_to_build_are_refused_at_once(self):
         """A million layers (about 100 GB), a width of a billion, and the same sizes in a

@@ -2,6 +2,7 @@
 arithmetic of reference.md (The model), and the refusals of bad input."""
 import math
 import random
+import re
 import unittest
 from math import fsum
 
@@ -284,6 +285,14 @@ class RefusalTest(unittest.TestCase):
         for bad in (-1, 96, True, 1.0, "3", None):
             with self.subTest(token_id=bad), self.assertRaises(ValueError):
                 model.forward(self.params, [1, bad, 2])
+
+    def test_init_params_refuses_a_seed_that_is_not_an_int(self):
+        """None (random.Random would seed from the clock), 1.5, True and "0" (it would take
+        them), as generate refuses them."""
+        for seed in (None, 1.5, True, "0"):
+            with self.subTest(seed=seed), self.assertRaisesRegex(
+                    ValueError, f"seed must be an int, got {re.escape(repr(seed))}"):
+                model.init_params(seed)
 
     def test_weights_whose_sums_overflow_are_refused_by_name(self):
         """Weights of 1e308 overflow fsum inside a row (or meet inf - inf): forward names
