@@ -16,6 +16,7 @@ How a matrix product adds its terms is the product's business, passed in as prod
 - batch_invariant: the pieces of by_batch for a full batch, whatever the batch, so a
   row gets the same numbers in every batch, though not the exact ones.
 """
+import math
 import struct
 from collections import Counter
 from math import fsum
@@ -140,7 +141,8 @@ def forward_rows(params, items, product=exact, attention=exact_attention):
     forward_step refuses, a paged sequence made for another product's rows (its pool shares
     blocks only among sequences computed alike) and a batch its caches have no room for; the
     caches keep the new keys and values only once every row is computed, so a refusal on the
-    way (a key a cache cannot store, a sum a kernel cannot hold) changes nothing either."""
+    way (a key a cache cannot store, a sum a kernel cannot hold, an attention that gives
+    other than WIDTH finite floats: ItemRefused) changes nothing either."""
     _check_items(params, items, computed_by(product))
     cols = items[0][0].columns
     x0s = [add(params["tok_emb"][token_id], params["pos_emb"][i]) for _, token_id, i in items]
@@ -152,9 +154,10 @@ def forward_rows(params, items, product=exact, attention=exact_attention):
         keys.append(cache.stored(k))       # as the cache will give it back
         values.append(cache.stored(v))
     mixed = []
-    for (cache, _, i), q in zip(items, qs):
+    for index, ((cache, _, i), q) in enumerate(zip(items, qs)):
         keys, values = held[id(cache)]
         mixed.append(attention(q, keys[:i + 1], values[:i + 1], len(items)))   # positions 0..i
+        _check_mixed(mixed[-1], attention, index, i)
     x1s = [add(x0, o) for x0, o in zip(x0s, product(mixed, cols["Wo"]))]
     h2s = [layernorm(x1, params["ln2_g"], params["ln2_b"]) for x1 in x1s]
     hidden = [relu(add(z, params["b1"])) for z in product(h2s, cols["W1"])]
@@ -165,6 +168,26 @@ def forward_rows(params, items, product=exact, attention=exact_attention):
     for (cache, token_id, _), k, v in zip(items, ks, vs):
         cache.append(token_id, k, v)   # every row computed: the caches keep what they read
     return logits
+
+
+class ItemRefused(ValueError):
+    """forward_rows' refusal of what was computed for one item: item, its index in items;
+    why, the refusal in words (serving.serve names the item's request with it)."""
+
+    def __init__(self, item, why):
+        super().__init__(f"items[{item}]: {why}")
+        self.item, self.why = item, why
+
+
+def _check_mixed(mixed, attention, item, position):
+    """Refuse what attention gave for items[item] unless a row's mixed values, WIDTH finite
+    floats (fewer would leave Wo's product short; a NaN, every logit NaN)."""
+    if not (isinstance(mixed, (list, tuple)) and len(mixed) == model.WIDTH
+            and set(map(type, mixed)) == {float} and all(map(math.isfinite, mixed))):
+        name = getattr(attention, "__name__", None) or model.excerpt(attention)
+        raise ItemRefused(item, f"the attention {name} gave {model.excerpt(mixed)} at position "
+                                f"{position}, where a row's mixed values are {model.WIDTH} "
+                                f"finite floats")
 
 
 def _check_items(params, items, kernel):

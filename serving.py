@@ -11,8 +11,8 @@ from collections import deque
 import blockwise
 import generate
 import model
-from batched import (batch_invariant, by_batch, by_batch_float32, computed_by, exact,
-                     exact_attention, forward_rows)
+from batched import (ItemRefused, batch_invariant, by_batch, by_batch_float32, computed_by,
+                     exact, exact_attention, forward_rows)
 from documents import LAB, bold, shown, table
 from instruments import chosen_rows, largest_gap, recording
 from paged import BlockPool, check_pool
@@ -52,7 +52,9 @@ def serve(params, tok, requests, pool, max_batch, log=None, product=exact,
     again, and the requests that chose a token, summed over the steps). log(step, request
     index, event), if given, is told each "prefill", "decode", "preempted" and "finished" as
     it happens. If anything raises (log itself, say), every block serve took goes back to
-    the pool."""
+    the pool, and pool.prefix_hits counts only the blocks found by admissions whose rows
+    were computed; what an attention gives that is not a row's mixed values is refused,
+    naming the request."""
     log = _checked_settings(params, tok, requests, pool, max_batch, log, product, attention)
     served = [_Served(params, tok, index, request, pool)
               for index, request in enumerate(requests)]    # every request checked first
@@ -144,8 +146,11 @@ class _Steps:
         """Feed every running request its chosen token, the rows in one batch."""
         if not self.running:
             return
-        rows = forward_rows(self.params, [request.next_item() for request in self.running],
-                            self.product, self.attention)
+        items = [request.next_item() for request in self.running]
+        try:
+            rows = forward_rows(self.params, items, self.product, self.attention)
+        except ItemRefused as refused:   # name the request
+            raise ValueError(f"request {self.running[refused.item].index}: {refused.why}") from None
         for request, logits in zip(self.running, rows):
             request.fed(logits, self.counts)
             self.log(self.counts["steps"], request.index, "decode")
@@ -185,7 +190,8 @@ class _Served:
     def admit(self, counts, product, attention):
         """Prefill the tokens so far into a new sequence, in one pass, after the full
         blocks the pool has cached for them (never the last position: its logits are
-        needed); False, with nothing changed, if the pool lacks room."""
+        needed); False, with nothing changed, if the pool lacks room. If the rows fail, the
+        blocks found are not counted as hits, in pool.prefix_hits either."""
         ids = self.generation.ids
         # The product's kernel (the attention does not matter here: in this one-block
         # model a key or value depends on its own token and position alone).
@@ -194,14 +200,19 @@ class _Served:
             return False
         self.seq = self.pool.sequence(ids[:-1], kernel)
         found, start = len(self.seq.table), len(self.seq)   # the full blocks found cached
+        items = [(self.seq, token_id, at) for at, token_id in enumerate(ids[start:], start)]
+        try:
+            self.logits = forward_rows(self.params, items, product, attention)[-1]
+        except BaseException as failed:   # no row was computed from the blocks found
+            self.pool.prefix_hits -= found
+            if isinstance(failed, ItemRefused):
+                raise ValueError(f"request {self.index}: {failed.why}") from None
+            raise
         counts["prefix_hits"] += found
         if self.computed:   # readmitted: it held every position but its last token's
             counts["readmitted_positions"] += self.computed
             counts["readmitted_prefix_hits"] += found
             counts["recomputed_rows"] += self.computed - start
-        self.logits = forward_rows(self.params, [(self.seq, token_id, position) for position,
-                                                 token_id in enumerate(ids[start:], start)],
-                                   product, attention)[-1]
         counts["rows"] += len(ids) - start
         self.computed = max(self.computed, len(ids))
         return True

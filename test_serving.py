@@ -494,6 +494,39 @@ class Serve(unittest.TestCase):
                                   pool, 2, log=log)
                 self.assertEqual((pool.ref_counts, pool.free_blocks()), ([0] * 6, 6))
 
+    def test_an_attention_that_gives_no_row_s_mixed_values_is_refused_naming_the_request(self):
+        """An attention that gives 3 numbers at a prefill row (of a prompt whose full blocks
+        the pool has cached), or NaN at one decode row of the second request running (its
+        position no other row reaches): refused naming the request, the attention and what
+        it gave. Afterwards every block is free, and pool.prefix_hits counts the cached
+        blocks of an admission that computed its rows, not of the refused one."""
+        short = {"prompt": "tom ran.", "max_new_tokens": 3}
+        long = {"prompt": "mia was sad. tom ran to the park.", "max_new_tokens": 4}
+        prompt_tokens = len(TOK.encode(long["prompt"]))
+        late = prompt_tokens + 2   # keys its second decode row reads, more than any other row
+
+        def three_numbers(q, keys, values, rows):
+            return batched.exact_attention(q, keys, values, rows)[:3]
+
+        def nan_late(q, keys, values, rows):
+            mixed = batched.exact_attention(q, keys, values, rows)
+            return [math.nan] + mixed[1:] if len(keys) == late else mixed
+        pool = paged.BlockPool(PARAMS, 32, 4)
+        serving.serve(PARAMS, TOK, [long], pool, 1)   # its prompt's full blocks stay cached
+        for attention, requests, fragment, found in (
+                (three_numbers, [long], r"^request 0: the attention three_numbers gave "
+                                        r"\[[^]]+\] at position \d+, where a row's mixed "
+                                        r"values are 16 finite floats$", 0),
+                (nan_late, [short, long], rf"^request 1: the attention nan_late gave \[nan, .* "
+                                          rf"at position {late - 1}, where",
+                 (prompt_tokens - 1) // 4)):
+            with self.subTest(attention=attention.__name__):
+                hits = pool.prefix_hits
+                with self.assertRaisesRegex(ValueError, fragment):
+                    serving.serve(PARAMS, TOK, requests, pool, 2, attention=attention)
+                self.assertEqual((pool.free_blocks(), pool.ref_counts), (32, [0] * 32))
+                self.assertEqual(pool.prefix_hits, hits + found)
+
     def test_peak_blocks_counts_the_blocks_held_during_a_step(self):
         pool = paged.BlockPool(PARAMS, 8, 4)
         _, counts = serving.serve(PARAMS, TOK, [{"prompt": "mia was sad.", "max_new_tokens": 1}],
