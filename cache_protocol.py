@@ -21,6 +21,14 @@ class ListRoom:
         """Nothing to refuse."""
 
 
+def check_positions(token_ids, keys, values):
+    """Refuse new positions given as lists of different lengths: each needs its token ID, its
+    key and its value (zip would keep the fewest; list += would keep them all)."""
+    if not len(token_ids) == len(keys) == len(values):
+        raise ValueError(f"extend got {len(token_ids)} token IDs, {len(keys)} keys and "
+                         f"{len(values)} values: one of each a position")
+
+
 class CacheProtocol:
     """What every cache of the lesson's model offers, and all that code using a cache relies on.
 
@@ -29,7 +37,8 @@ class CacheProtocol:
       tokens                the token ID of every position held, in order
       keys, values          what attention reads: a key and a value per position kept
       len()                 how many positions it holds
-      append, extend        keep one more position, or several (refused, keeping none)
+      append, extend        keep one more position, or several (refused, keeping none;
+                            check_positions refuses lists of different lengths)
       copy, crop, free      fork it; forget the positions from a length on; end it
       room_for(positions)   whether it can keep that many more positions
       room_left()           what limits the positions it can keep, in words

@@ -21,6 +21,7 @@ from math import fsum, isnan
 
 import model
 from documents import shown, table
+from cache_protocol import check_positions
 from kv_cache import KVCache
 from lossy import Series, declared, measure
 
@@ -59,6 +60,7 @@ class EvictingCache(KVCache):
         return self._values[:]
 
     def extend(self, token_ids, keys, values):
+        check_positions(token_ids, keys, values)
         for token_id, k, v in zip(token_ids, keys, values):
             self.kept.append(len(self.tokens))
             self.tokens.append(token_id)
@@ -168,6 +170,12 @@ class SnapKVCache(EvictingCache):
     def evicts(self):
         """Not before the end of the prompt: its rows read every prompt position."""
         return len(self.reads) >= self.prompt_tokens
+
+    def _forget_from(self, length):
+        """Forget them (all or none); all, with the window's rows and the choice made."""
+        super()._forget_from(length)
+        if not length:   # stale rows would be scored with the next prompt's
+            self.last_rows, self.recent = [], self.budget
 
 
 def check_kernel(kernel):

@@ -23,7 +23,7 @@ import time
 
 import generate
 import model
-from cache_protocol import CacheProtocol
+from cache_protocol import CacheProtocol, check_positions
 from instruments import recording
 from model import SCALE, add, dot, layernorm, linear, relu, softmax_row
 
@@ -55,6 +55,7 @@ class KVCache(CacheProtocol):
 
     def extend(self, token_ids, keys, values):
         """Keep several more positions, in order."""
+        check_positions(token_ids, keys, values)
         self.tokens += token_ids
         self.keys += keys
         self.values += values

@@ -14,6 +14,7 @@ from collections import namedtuple
 
 import model
 import svg
+from cache_protocol import check_positions
 from documents import shown, table
 from instruments import largest_gap, sums_in_another_order
 from generate import Generation
@@ -103,6 +104,7 @@ class QuantizedCache(KVCache):
         return _unpack(self.format, _pack(self.format, vector))
 
     def extend(self, token_ids, keys, values):
+        check_positions(token_ids, keys, values)
         stored_keys = [_pack(self.format, k) for k in keys]   # all packed before any is kept
         stored_values = [_pack(self.format, v) for v in values]
         self.tokens += token_ids
@@ -162,6 +164,7 @@ class WindowCache(KVCache):
                 for p in self._kept()]
 
     def extend(self, token_ids, keys, values):
+        check_positions(token_ids, keys, values)
         for token_id, k, v in zip(token_ids, keys, values):
             position = len(self)
             if position < self.sinks:

@@ -9,6 +9,7 @@ from collections import OrderedDict
 
 import generate
 import model
+from cache_protocol import check_positions
 from documents import LAB, shown, table
 from kv_cache import KVCache, feed, generate_cached
 from stories import story_ids
@@ -308,6 +309,7 @@ class PagedSequence(KVCache):
         sequence makes it its own: a copy if another table holds it too, or cut to its own
         positions if a crop left it longer. Refused, with nothing changed, when the pool
         lacks the blocks."""
+        check_positions(token_ids, keys, values)
         pool = self.pool
         pool.check_room([(self, len(token_ids))])
         if token_ids and self._room_in_last_block():

@@ -18,6 +18,7 @@ from array import array
 
 import model
 import documents
+from cache_protocol import check_positions
 from documents import shown
 from instruments import largest_gap
 from kv_cache import KVCache, feed
@@ -200,6 +201,7 @@ class GroupedCache(KVCache):
                                 else "with a 32-bit zero point and scale")
 
     def extend(self, token_ids, keys, values):
+        check_positions(token_ids, keys, values)
         for vector in [*keys, *values]:   # all checked before any is kept
             self._check(vector)
         for token_id, k, v in zip(token_ids, keys, values):
