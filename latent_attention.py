@@ -29,8 +29,10 @@ Folded = namedtuple("Folded", "params blocks")
 Folded.__doc__ = """A latent model's weights folded for the absorbed path, once per model:
 params, and per layer "to_latent" (each head's columns of Wuk, rows of its map from the
 query to latent space), "out" (Wuv_h Wo_h for every head, stacked head by head, by
-columns) and "of" (a 1-tuple of the params' block it was folded from: absorbed_step checks
-that it is its params', by identity, reading no weight)."""
+columns) and "of" (the params' block it was folded from, and a copy of the matrices it folded
+as they were: absorbed_step checks that the block is its params', by identity, and that
+they have not changed in place since, by ==)."""
+FOLDED = ("Wuk", "Wuv", "Wo")   # what fold reads of each layer
 
 
 def fold(params):
@@ -60,14 +62,16 @@ def _fold(params):
                for h in range(heads) for row in block["Wuv"]]   # row m of Wuv_h times Wo_h
         blocks.append({"to_latent": [[row[h * d:(h + 1) * d] for row in block["Wuk"]]
                                      for h in range(heads)],
-                       "out": [list(column) for column in zip(*out)], "of": (block,)})
+                       "out": [list(column) for column in zip(*out)],
+                       "of": (block, {name: [row[:] for row in block[name]] for name in FOLDED})})
     return Folded(params, blocks)
 
 
 def _check_folded(folded):
     """Refuse a Folded that fold(folded.params) would not give: not one block of the right
     sizes for each layer, folded from that layer of its params (by identity, as a cache
-    belongs to its params: a deep copy is another model)."""
+    belongs to its params: a deep copy is another model), whose matrices it folded have
+    not changed in place since (a list == a copy of it: a few microseconds a step)."""
     params, blocks = folded.params, folded.blocks
     heads = params["shape"]["heads"]
     if not isinstance(blocks, list) or len(blocks) != len(params["blocks"]):
@@ -78,11 +82,15 @@ def _check_folded(folded):
             fits = (len(made["to_latent"]) == heads and len(made["out"]) == len(block["Wo"])
                     and len(made["out"][0]) == heads * len(block["Wuv"])
                     and made["of"][0] is block)
+            changed = [name for name in FOLDED if block[name] != made["of"][1][name]]
         except (TypeError, KeyError, IndexError):
             fits = False
         if not fits:
             raise ValueError(f"folded's block {layer} is not fold(params)'s for its params "
                              f"(another model's, or made by hand): fold(params) again")
+        if changed:
+            raise ValueError(f"folded's block {layer} was folded before its params changed "
+                             f"{' and '.join(changed)} in place: fold(params) again")
 
 
 def absorbed_step(folded, cache, token_id, position):

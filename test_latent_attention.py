@@ -341,9 +341,31 @@ class Refusals(unittest.TestCase):
                 latent_attention.Folded(params, made), cache, 5, 0), fragment)
             for made, fragment in (([], "a block for each of its params' 2 layers"),
                                    (blocks[:1], "a block for each"),
+                                   ([blocks[0], dict(blocks[1], of=blocks[1]["of"][:1])],
+                                    "block 1 is not fold"),
                                    ([blocks[0], other[1]], "block 1 is not fold"),
                                    ([{}, blocks[1]], "block 0 is not fold"))),
             lambda: deep_snapshot(cache))
+
+    def test_a_fold_taken_before_its_params_changed_in_place_is_refused(self):
+        """A fold, then one weight of Wuk, Wuv or Wo changed in place (the rows 0.0289 from
+        the full pass, silently): refused naming the layer and the matrix, the cache
+        unchanged; a change to a matrix the fold did not take (W1), or a weight set to the
+        value it had, leaves the fold good."""
+        params = deep_model.init_params(2, 4, 4, 16, 0, "rotary", 8)
+        folded, cache = latent_attention.fold(params), deep_model.DeepCache(params)
+        for layer, name in ((1, "Wuv"), (0, "Wuk"), (1, "Wo")):
+            row = params["blocks"][layer][name][2]
+            kept = row[3]
+            row[3] = kept + 0.5
+            assert_each_refused(self, [(
+                lambda: latent_attention.absorbed_step(folded, cache, 5, 0),
+                rf"folded's block {layer} was folded before its params changed {name} in place: "
+                rf"fold\(params\) again")], lambda: deep_snapshot(cache))
+            row[3] = kept + 0.0   # the value it had, as another float
+        params["blocks"][0]["W1"][0][0] += 0.5
+        latent_attention.absorbed_step(folded, cache, 5, 0)
+        self.assertEqual(len(cache), 1)
 
     def test_the_formulas_refuse_a_misspelt_path_and_negative_counts(self):
         latent = deep_model.init_params(1, 4, 4, 16, 0, "rotary", 8)["shape"]
