@@ -22,13 +22,23 @@ def sample_from_forks(params, tok, prompt, seeds, pool):
     The prompt is prefilled once into a sequence of pool, forked once per seed of the list
     seeds, each continued at temperature 1.0 with its seed from the prompt's last row
     (computed once). Gives the results, and the blocks the pool had taken when the last
-    ended. On the way out, normally or not, all go back."""
+    ended. On the way out, normally or not, all go back. A pool whose free blocks could not
+    hold every continuation at its longest (a context, or 60 new tokens) is refused first."""
     ids = generate.check_request(tok, prompt, 60, 1.0, None, 0)
     check_pool(pool, params)
     if isinstance(seeds, (list, tuple, range)) and len(seeds) > len(pool.blocks):
         raise ValueError(f"seeds: {len(seeds):,} continuations need a block of their own each, "
                          f"more than the pool's {len(pool.blocks)} blocks")
     generate.check_seeds(seeds)
+    most = max(len(ids), min(len(ids) + 60, model.CONTEXT) - 1)   # positions a fork may hold
+    full = len(ids) // pool.block_size   # the prompt's full blocks, held once for every fork
+    needed = max(pool.blocks_to_hold(len(ids)), full + len(seeds) * (pool.blocks_to_hold(most)
+                                                                     - full))
+    if needed > pool.free_blocks():
+        raise ValueError(f"pool: {len(seeds)} continuations of a prompt of {len(ids)} tokens may "
+                         f"need {needed} blocks of {pool.block_size} positions (its {full} full "
+                         f"blocks held once, and up to {most} positions each), and the pool has "
+                         f"{pool.free_blocks()} free; make a larger pool")
     seq, forks, results = pool.sequence(), [], []
     try:
         last = feed(params, seq, ids)[-1]

@@ -118,7 +118,8 @@ class BlockPool:
         if blocks > self.free_blocks():
             raise ValueError(f"the pool is out of blocks: it has {len(self.blocks)} blocks of "
                              f"{self.block_size} positions, {self.free_blocks()} free, and "
-                             f"{blocks} more are needed; free a sequence or make a larger pool")
+                             f"{blocks} more {'is' if blocks == 1 else 'are'} needed; free a "
+                             f"sequence or make a larger pool")
 
     def room_for_sequence(self, ids, positions, computed_by=None):
         """Say whether a new sequence for ids could then hold that many positions.

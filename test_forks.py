@@ -123,7 +123,8 @@ class Forks(unittest.TestCase):
         """Seeds that are not a list, a tuple or a range (an iterator would be read up by
         the forks, leaving none to continue them; an int), seeds generate would refuse
         (None, 1.5, "a", True), more seeds than the pool has blocks (ten million, refused at
-        once), and a pool that is not one of these params', each refused
+        once), a pool that is not one of these params', and one too small for what the
+        forks may hold (a context each: it said "1 more are needed" part-way), each refused
         by name with the pool as it was; a range and a tuple are taken."""
         pool, prompt = paged.BlockPool(PARAMS, 48, 4), OPENINGS[4]
         other = paged.BlockPool(model.init_params(1), 48, 4)
@@ -145,6 +146,14 @@ class Forks(unittest.TestCase):
                     self.assertRaisesRegex(ValueError, fragment):
                 forks.sample_from_forks(PARAMS, TOK, prompt, seeds, given)
             assert_equal(self, support.pool_snapshot(pool), before, "the pool")
+        small = paged.BlockPool(PARAMS, 41, 4)   # one block short of three contexts
+        before = support.pool_snapshot(small)
+        with self.assertRaisesRegex(ValueError, r"^pool: 3 continuations of a prompt of 14 "
+                                                r"tokens may need 42 blocks of 4 positions "
+                                                r"\(its 3 full blocks held once, and up to 63 "
+                                                r"positions each\), and the pool has 41 free"):
+            forks.sample_from_forks(PARAMS, TOK, prompt, (0, 1, 3), small)
+        assert_equal(self, support.pool_snapshot(small), before, "the small pool")
         for seeds in (range(1, 3), (1, 2)):
             results, _ = forks.sample_from_forks(PARAMS, TOK, prompt, seeds, pool)
             self.assertEqual([r["text"] for r in results],

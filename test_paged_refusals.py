@@ -130,7 +130,7 @@ class Refusals(unittest.TestCase):
         feed(PARAMS, seq, self.ids[:10])   # blocks of 4, 4 and 2: two free slots, no free block
         self.assert_refused(pool, lambda: prefill.prefill(PARAMS, seq, self.ids[10:13], 10),
                             "the pool is out of blocks: it has 3 blocks of 4 positions, 0 free, "
-                            "and 1 more are needed")
+                            "and 1 more is needed")
         fork = seq.copy()                  # takes no block...
         self.assert_refused(pool, lambda: forward_step(PARAMS, fork, self.ids[10], 10),
                             "out of blocks")   # ...until it writes to the shared last one
