@@ -154,10 +154,10 @@ def forward_rows(params, items, product=exact, attention=exact_attention):
         keys.append(cache.stored(k))       # as the cache will give it back
         values.append(cache.stored(v))
     mixed = []
-    for index, ((cache, _, i), q) in enumerate(zip(items, qs)):
+    for (cache, _, i), q in zip(items, qs):
         keys, values = held[id(cache)]
         mixed.append(attention(q, keys[:i + 1], values[:i + 1], len(items)))   # positions 0..i
-        _check_mixed(mixed[-1], attention, index, i)
+    _check_mixed(mixed, attention, items)
     x1s = [add(x0, o) for x0, o in zip(x0s, product(mixed, cols["Wo"]))]
     h2s = [layernorm(x1, params["ln2_g"], params["ln2_b"]) for x1 in x1s]
     hidden = [relu(add(z, params["b1"])) for z in product(h2s, cols["W1"])]
@@ -171,23 +171,27 @@ def forward_rows(params, items, product=exact, attention=exact_attention):
 
 
 class ItemRefused(ValueError):
-    """forward_rows' refusal of what was computed for one item: item, its index in items;
-    why, the refusal in words (serving.serve names the item's request with it)."""
+    """A refusal of what forward_rows computed for one item of its batch.
+
+    item: its index in items; why: the refusal in words (serving.serve names the item's
+    request with it)."""
 
     def __init__(self, item, why):
         super().__init__(f"items[{item}]: {why}")
         self.item, self.why = item, why
 
 
-def _check_mixed(mixed, attention, item, position):
-    """Refuse what attention gave for items[item] unless a row's mixed values, WIDTH finite
-    floats (fewer would leave Wo's product short; a NaN, every logit NaN)."""
-    if not (isinstance(mixed, (list, tuple)) and len(mixed) == model.WIDTH
-            and set(map(type, mixed)) == {float} and all(map(math.isfinite, mixed))):
-        name = getattr(attention, "__name__", None) or model.excerpt(attention)
-        raise ItemRefused(item, f"the attention {name} gave {model.excerpt(mixed)} at position "
-                                f"{position}, where a row's mixed values are {model.WIDTH} "
-                                f"finite floats")
+def _check_mixed(mixed, attention, items):
+    """Refuse what attention gave an item unless a row's mixed values, WIDTH finite floats.
+
+    Fewer would leave Wo's product short; a NaN would make every logit NaN."""
+    for item, (row, (_, _, position)) in enumerate(zip(mixed, items)):
+        if not (isinstance(row, (list, tuple)) and len(row) == model.WIDTH
+                and set(map(type, row)) == {float} and all(map(math.isfinite, row))):
+            name = getattr(attention, "__name__", None) or model.excerpt(attention)
+            raise ItemRefused(item, f"the attention {name} gave {model.excerpt(row)} at "
+                                    f"position {position}, where a row's mixed values are "
+                                    f"{model.WIDTH} finite floats")
 
 
 def _check_items(params, items, kernel):

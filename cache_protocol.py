@@ -22,8 +22,10 @@ class ListRoom:
 
 
 def check_positions(token_ids, keys, values):
-    """Refuse new positions given as lists of different lengths: each needs its token ID, its
-    key and its value (zip would keep the fewest; list += would keep them all)."""
+    """Refuse new positions given as lists of different lengths.
+
+    Each position needs its token ID, its key and its value (zip would keep the fewest;
+    list += would keep them all)."""
     if not len(token_ids) == len(keys) == len(values):
         raise ValueError(f"extend got {len(token_ids)} token IDs, {len(keys)} keys and "
                          f"{len(values)} values: one of each a position")
