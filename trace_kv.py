@@ -56,6 +56,7 @@ import paged
 import prefill
 import pyramid_kv
 import quantization
+import recurrent
 import serving
 import speculative
 from documents import TIMES, TRACE
@@ -120,6 +121,7 @@ STAGES = (
     Stage(5, "one_gpu", one_gpu.experiment),
     Stage(6, "hybrid_models", hybrid.experiment),
     Stage(6, "hybrid_pool", hybrid_pool.experiment),
+    Stage(6, "recurrent", recurrent.experiment),
 )
 PARTS = max(stage.part for stage in STAGES)
 
