@@ -69,6 +69,7 @@ def ctrl_c_in_one_line():
 def run_command(main):
     """Run a command's main(), ending it in one line on Ctrl-C and silently on a closed pipe.
 
+    A save of the lab's set of files (write_together) stopped midway is finished first.
     Ctrl-C gives exit code 130, a closed pipe (as in python3 trace_kv.py | head) 141: the
     codes a shell gives a program stopped by those signals."""
     name = os.path.basename(sys.argv[0])
@@ -76,6 +77,10 @@ def run_command(main):
     # written removes its temporary file; exit code 143, as a shell gives.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
+        try:
+            finish_saving(LAB)   # a save of the lab's set stopped midway: all new, first
+        except (OSError, ValueError) as e:
+            sys.exit(f"{name}: error: {e}")
         try:
             main()
         finally:
@@ -124,13 +129,15 @@ def _target(path):
 def write_atomically(path, text):
     """Write text to path through a temporary file beside it and a rename.
 
-    path is never left half written."""
-    tmp = _write_temporary(path, text)
+    path is never left half written, and no temporary file is left, whatever interrupts it:
+    the temporary file is named first and made inside the try that removes it."""
+    path, _ = _target(path)
+    tmp = _temporary(path)
     try:
+        _write_temporary(tmp, text)
         os.replace(tmp, path)
     except BaseException as failed:
-        with contextlib.suppress(FileNotFoundError):   # an interrupt just after the rename
-            os.unlink(tmp)
+        _remove(tmp)   # gone already if the interrupt came just after the rename
         raise _named(failed, path) from None
 
 
@@ -139,8 +146,10 @@ def write_together(folder, texts):
 
     Whatever interrupts it, and whatever other save runs at once, they are then all old or all
     new. Under folder's lock (LOCK), every temporary file is written first, then a journal of
-    the renames (JOURNAL), then the renames; a save stopped between the journal and its last
-    rename (killed outright) is finished by the next one, before anything else."""
+    the renames (JOURNAL), then the renames, with Ctrl-C and SIGTERM held from the journal to
+    the last rename (a signal then is taken once the set is all new); a save stopped between
+    the journal and its last rename (killed outright) is finished by the next one, or by
+    finish_saving, before anything else."""
     for name in texts:   # all checked before any is written
         if os.path.basename(name) != name or name in ("", ".", ".."):
             raise ValueError(f"{name!r}: a file name in {folder} is needed, not a path")
@@ -148,25 +157,31 @@ def write_together(folder, texts):
     journal = os.path.join(folder, JOURNAL)
     with _lock(folder):
         _finish_renames(folder)
-        temporary = {}
+        temporary = {name: _temporary(path) for name, path in paths.items()}
         try:
             for name, text in texts.items():
-                temporary[name] = os.path.basename(_write_temporary(paths[name], text))
-            renames = [[temporary[name], name] for name in texts]
-            write_atomically(journal, json.dumps({"format": JOURNAL_FORMAT, "renames": renames}))
+                try:
+                    _write_temporary(temporary[name], text)
+                except OSError as failed:
+                    raise _named(failed, paths[name]) from None
+            renames = [[os.path.basename(temporary[name]), name] for name in texts]
+            with _signals_held():
+                write_atomically(journal, json.dumps({"format": JOURNAL_FORMAT,
+                                                      "renames": renames}))
+                _finish_renames(folder)
         finally:
             if os.path.exists(journal):   # every file written: the set is new
                 _finish_renames(folder)
-            else:                         # not all of them: the set stays old
+            else:                         # renamed, or not all written: the set stays old
                 for tmp in temporary.values():
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(os.path.join(folder, tmp))
+                    _remove(tmp)
 
 
 def finish_saving(folder):
     """Finish the save of a set in folder stopped midway through its renames, if any.
 
-    The set is write_together's; its files are then all new."""
+    The set is write_together's; its files are then all new. Every command does this first
+    (run_command, for the lab's folder), and so do the tests, as they read the lab's files."""
     if os.path.exists(os.path.join(folder, JOURNAL)):
         with _lock(folder):
             _finish_renames(folder)
@@ -174,7 +189,7 @@ def finish_saving(folder):
 
 def _finish_renames(folder):
     """Do what is left of the journal's renames (a temporary file already gone is already
-    renamed), then remove the journal. Called with the lock held."""
+    renamed), then remove the journal; Ctrl-C and SIGTERM held. Called with the lock held."""
     journal = os.path.join(folder, JOURNAL)
     if not os.path.exists(journal):
         return
@@ -185,26 +200,28 @@ def _finish_renames(folder):
                     for name in pair) for pair in renames):
         raise ValueError(f"{journal}: not a journal of a save (expected \"renames\": pairs "
                          "of file names); remove it, then save again")
-    for tmp, name in renames:
-        if os.path.exists(os.path.join(folder, tmp)):
-            try:
-                os.replace(os.path.join(folder, tmp), os.path.join(folder, name))
-            except OSError as e:
-                raise _named(e, os.path.join(folder, name)) from None
-    os.unlink(journal)
+    with _signals_held():
+        for tmp, name in renames:
+            if os.path.exists(os.path.join(folder, tmp)):
+                try:
+                    os.replace(os.path.join(folder, tmp), os.path.join(folder, name))
+                except OSError as e:
+                    raise _named(e, os.path.join(folder, name)) from None
+        os.unlink(journal)
 
 
 @contextlib.contextmanager
 def _lock(folder):
     """Hold folder's save lock: the file LOCK, locked by the operating system (so a killed
     holder frees it), and removed by its last holder. Waits up to LOCK_SECONDS for another
-    save, then refuses."""
+    save, then refuses. Its descriptor is opened and closed with Ctrl-C and SIGTERM held,
+    so that no interrupt finds it open and unnamed, or named and closed."""
     path = os.path.join(folder, LOCK)
     deadline = time.monotonic() + LOCK_SECONDS
-    while True:
-        fd = None
-        try:
-            with _signals_held():   # a descriptor named before an interrupt could lose it
+    fd = None
+    try:
+        while True:
+            with _signals_held():
                 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             while not _locked(fd):
                 if time.monotonic() > deadline:
@@ -214,22 +231,26 @@ def _lock(folder):
                 time.sleep(0.05)
             if _same_file(fd, path):   # not a file its last holder has since removed
                 break
-        except BaseException:
-            if fd is not None:
+            with _signals_held():
                 os.close(fd)
-            raise
-        os.close(fd)
-    try:
+                fd = None
         yield
+        with _signals_held():   # in the try: an interrupt before it finds fd still named
+            _unlock(fd, path)
+            fd = None
     finally:
-        if os.name == "nt":   # Windows removes no open file: close first
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        else:                 # POSIX: remove it while holding it, so no one takes it over
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            os.close(fd)
+        if fd is not None:
+            _unlock(fd, path)
+
+
+def _unlock(fd, path):
+    """Give up the lock on path, open as fd: remove the file, and close fd."""
+    if os.name == "nt":   # Windows removes no open file: close first
+        os.close(fd)
+        _remove(path, OSError)
+    else:                 # POSIX: remove it while holding it, so no one takes it over
+        _remove(path, OSError)
+        os.close(fd)
 
 
 def _locked(fd):
@@ -254,8 +275,10 @@ def _same_file(fd, path):
 
 @contextlib.contextmanager
 def _signals_held():
-    """Hold Ctrl-C and SIGTERM until the block ends (POSIX; elsewhere a no-op): a file
-    opened inside has its descriptor stored before their exception can be raised."""
+    """Hold Ctrl-C and SIGTERM until the block ends (POSIX; elsewhere a no-op).
+
+    A signal that comes meanwhile is taken as the block ends: a file opened inside has its
+    descriptor stored first, and renames inside are all done first."""
     if not hasattr(signal, "pthread_sigmask"):
         yield
         return
@@ -266,12 +289,12 @@ def _signals_held():
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
-def _write_temporary(path, text):
-    """Write text to a new temporary file beside path, on disk: its path. It is named
-    after the target and this process (.NAME.tmp-PID-RANDOM.part, NAME a hash of a name
-    too long to lengthen); any of the target's that a process no longer running left (a
-    save killed outright) is removed first, and no one else's. Created with O_EXCL, not
-    by the tempfile module, whose lock an interrupt can leave held."""
+def _temporary(path):
+    """Name a new temporary file beside path, for _write_temporary; nothing is made yet.
+
+    It is named after the target and this process (.NAME.tmp-PID-RANDOM.part, NAME a hash of
+    a name too long to lengthen); any of the target's that a process no longer running left (a
+    save killed outright) is removed first, and no one else's."""
     path, folder = _target(path)
     name = os.path.basename(path)
     if len(name.encode("utf-8")) > NAME_MAX - 32:   # the temporary name adds 32 at most
@@ -281,27 +304,32 @@ def _write_temporary(path, text):
         pid = entry[len(prefix):].partition("-")[0]
         if entry.startswith(prefix) and entry.endswith(".part") and pid.isdigit() \
                 and not _running(int(pid)):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(folder, entry))
-    tmp = os.path.join(folder, f"{prefix}{os.getpid()}-{os.urandom(4).hex()}.part")
+            _remove(os.path.join(folder, entry))
+    return os.path.join(folder, f"{prefix}{os.getpid()}-{os.urandom(4).hex()}.part")
+
+
+def _write_temporary(tmp, text):
+    """Make the file tmp (_temporary's name) holding text, on disk; the caller removes it.
+
+    Made with O_EXCL, not by the tempfile module, whose lock an interrupt can leave held; its
+    descriptor is closed whatever interrupts."""
     fd = None
     try:
-        try:
-            with _signals_held():
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL
-                             | getattr(os, "O_BINARY", 0), 0o644)
-            with open(fd, "w", encoding="utf-8", newline="\n", closefd=False) as f:
-                f.write(text)
-            os.fsync(fd)
-        finally:
-            if fd is not None:
-                os.close(fd)
-    except BaseException as failed:
-        if fd is not None:   # created here (O_EXCL), so ours to remove
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        raise _named(failed, path) from None
-    return tmp
+        with _signals_held():
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                         | getattr(os, "O_BINARY", 0), 0o644)
+        with open(fd, "w", encoding="utf-8", newline="\n", closefd=False) as f:
+            f.write(text)
+        os.fsync(fd)
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _remove(path, missing=FileNotFoundError):
+    """Remove the file path, if there is one (an error of the kind missing is let pass)."""
+    with contextlib.suppress(missing):
+        os.unlink(path)
 
 
 def _running(pid):

@@ -19,6 +19,7 @@ from unittest import mock
 
 import generate
 import kv_cache
+import lab_files
 import model
 from generate import load_trained, never_ending
 from instruments import plant, recording, replacing, where_raised
@@ -36,7 +37,11 @@ ON_PURPOSE = ("If you did not mean to change this, `git diff` shows what did (an
 
 
 def lab_file(name):
-    """The text of one of the lab's files."""
+    """The text of one of the lab's files.
+
+    A save of the record and the documents stopped among its renames is finished first (the
+    set is then all new), as every command of the lab does."""
+    lab_files.finish_saving(HERE)
     with open(os.path.join(HERE, name), encoding="utf-8") as f:
         return f.read()
 

@@ -1,6 +1,8 @@
 """Tests of the lab's file and command-line handling (lab_files.py): writes that never
 leave a half-written or temporary file, sets of files that are all old or all new, JSON
 read back with its refusals, and commands that end quietly on Ctrl-C or a closed pipe."""
+import contextlib
+import dis
 import io
 import os
 import random
@@ -188,51 +190,40 @@ class WriteTogether(support.InAFolder):
         lab_files.write_together(self.folder, self.NEW)
         self.assert_set(self.NEW)
 
-    def test_an_interrupt_at_a_random_call_leaves_one_whole_set_and_no_file_or_descriptor(self):
-        """Ctrl-C (KeyboardInterrupt) raised at a random call that a save makes to the
-        system (open, fsync, replace, unlink), before or after it (an open only before: a
-        real Ctrl-C is held while a save opens a file); after finish_saving, the set is all
-        old or all new, with no temporary file or descriptor left. 40 cases by default."""
+    @unittest.skipUnless(hasattr(signal, "pthread_sigmask"), "signals are held on POSIX only")
+    def test_an_interrupt_at_any_point_of_a_save_leaves_one_whole_set_and_nothing_else(self):
+        """Ctrl-C (KeyboardInterrupt) at a random one of every point where Python takes a
+        signal while a set is saved (InterruptPoints): the folder holds the old set or the
+        new one at once, and nothing else (no temporary file, journal or lock), and no
+        descriptor is left open. A --write's save is this one with more files. 40 of the
+        save's 500-odd points by default; KV_LAB_RANDOM_CASES=600 runs every one."""
         descriptors = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else None
+        waits = mock.patch.object(lab_files, "LOCK_SECONDS", 0.2)   # for a lock left held
+        waits.start()
+        self.addCleanup(waits.stop)
+        lab_files.write_together(self.folder, self.NEW)
+        with InterruptPoints() as points:
+            lab_files.write_together(self.folder, self.OLD)
+        order = list(range(1, points.counted + 1))
+        random.Random(0).shuffle(order)   # case n: the point order[n], every one by turns
 
         def trial(number):
-            rng = random.Random(number)
-            old = dict(self.OLD) if number % 2 else dict(self.NEW)
-            new = self.NEW if number % 2 else self.OLD
+            old, new = (self.OLD, self.NEW) if number % 2 else (self.NEW, self.OLD)
             lab_files.write_together(self.folder, old)
-            before = descriptors and sorted(os.listdir(descriptors))
-            at, after, calls = rng.randint(1, 14), rng.random() < 0.5, []
-
-            def interrupting(name, real):
-                def call(*args, **kwargs):
-                    calls.append(real)
-                    if len(calls) == at and not (after and name != "open"):
-                        raise KeyboardInterrupt
-                    result = real(*args, **kwargs)
-                    if len(calls) == at:
-                        raise KeyboardInterrupt
-                    return result
-                return call
-            patches = [mock.patch(f"lab_files.os.{name}", interrupting(name, getattr(os, name)))
-                       for name in ("open", "fsync", "replace", "unlink")]
-            for patch in patches:
-                patch.start()
-            try:
-                lab_files.write_together(self.folder, new)
-            except KeyboardInterrupt:
-                pass
-            finally:
-                for patch in patches:
-                    patch.stop()
-            lab_files.finish_saving(self.folder)
+            before = descriptors and os.listdir(descriptors)
+            with InterruptPoints(order[number % len(order)]) as point:
+                try:
+                    lab_files.write_together(self.folder, new)
+                except KeyboardInterrupt:   # not a with: contextlib's code counts its points
+                    pass
             found = {}
             for name in os.listdir(self.folder):
                 with open(os.path.join(self.folder, name), encoding="utf-8") as f:
                     found[name] = f.read()
             if found not in (old, new):
-                return f"interrupted at call {at} ({'after' if after else 'before'}): {found}"
-            if descriptors and sorted(os.listdir(descriptors)) != before:
-                return f"interrupted at call {at}: a descriptor left open"
+                return f"interrupted at {point.where}, the folder holds {found}"
+            if descriptors and sorted(os.listdir(descriptors)) != sorted(before):
+                return f"interrupted at {point.where}, a descriptor is left open"
             return None
         support.check_random_cases(self, 40, trial)
 
@@ -280,23 +271,60 @@ class WriteTogether(support.InAFolder):
             return None
         support.check_random_cases(self, 4, trial)
 
-    def test_a_save_stopped_among_its_renames_is_finished_by_the_next(self):
-        real, done = os.replace, []
+    def stop_among_the_renames(self, texts):
+        """Save texts, stopped among its renames as a save killed outright is: a.json
+        renamed, b.svg not, the journal left."""
+        real = os.replace
 
         def replace(source, target):
-            done.append(target)
             if target.endswith("b.svg"):   # after the journal and a.json
                 raise KeyboardInterrupt
             real(source, target)
         with mock.patch("lab_files.os.replace", replace), self.assertRaises(KeyboardInterrupt):
-            lab_files.write_together(self.folder, self.NEW)
+            lab_files.write_together(self.folder, texts)
         self.assertIn(lab_files.JOURNAL, os.listdir(self.folder))
+
+    def test_a_save_stopped_among_its_renames_is_finished_by_the_next(self):
+        self.stop_among_the_renames(self.NEW)
         lab_files.finish_saving(self.folder)
         self.assert_set(self.NEW)
-        with mock.patch("lab_files.os.replace", replace), self.assertRaises(KeyboardInterrupt):
-            lab_files.write_together(self.folder, self.OLD)
+        self.stop_among_the_renames(self.OLD)
         lab_files.write_together(self.folder, {"d.json": "d\n"})   # finishes the old first
         self.assert_set({**self.OLD, "d.json": "d\n"})
+
+    def test_every_command_and_the_tests_finish_a_stopped_save_first(self):
+        """Before anything else: a command (run_command, for the lab's folder) and the
+        tests, as they read the lab's files (support.lab_file)."""
+        for owner, name, first in (
+                (lab_files, "LAB", lambda: lab_files.run_command(mock.Mock())),
+                (support, "HERE", lambda: support.lab_file("a.json"))):
+            with self.subTest(first=name):
+                self.stop_among_the_renames(self.NEW)
+                with mock.patch.object(owner, name, self.folder), \
+                        mock.patch("sys.argv", ["generate.py"]):
+                    first()
+                self.assert_set(self.NEW)
+                lab_files.write_together(self.folder, self.OLD)
+
+    @unittest.skipUnless(hasattr(signal, "pthread_kill"), "signals are held on POSIX only")
+    def test_a_signal_among_the_renames_is_taken_once_the_set_is_whole(self):
+        """Ctrl-C, or SIGTERM as run_command handles it, sent as the first file is renamed:
+        the save ends with all of its renames done and no journal, then the signal is taken."""
+        real = os.replace
+
+        def replace(source, target):
+            real(source, target)
+            if target.endswith("a.json"):
+                signal.pthread_kill(threading.main_thread().ident, signum)
+        for signum, handler, taken in (
+                (signal.SIGINT, signal.default_int_handler, KeyboardInterrupt),
+                (signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum), SystemExit)):
+            with self.subTest(signal=signum.name):
+                self.addCleanup(signal.signal, signum, signal.signal(signum, handler))
+                with mock.patch("lab_files.os.replace", replace), self.assertRaises(taken):
+                    lab_files.write_together(self.folder, self.NEW)
+                self.assert_set(self.NEW)
+                lab_files.write_together(self.folder, self.OLD)
 
     def test_a_save_waits_for_another_and_refuses_after_a_while(self):
         with mock.patch.object(lab_files, "LOCK_SECONDS", 0.2), lab_files._lock(self.folder), \
@@ -407,6 +435,65 @@ class QuietExits(unittest.TestCase):
                 self.assertEqual(running.returncode, 141, stderr)
                 self.assertEqual(stderr, "")
 
+
+_CONTEXTLIB = contextlib.__file__
+
+
+class InterruptPoints:
+    """Raise KeyboardInterrupt at the point number at of the lab_files code run in the block
+    (and of contextlib's, which its with-statements run), as a signal would; count them in
+    counted, and name the one in where.
+
+    The points are where CPython takes a signal (3.10 and later): just after a call returns,
+    at a function's start or a generator's resumption, at a jump taken; and each call of a
+    function written in C (a system call among them) raising in place of running, but
+    os.close, which never raises for a signal (PEP 475). None while the signals are held."""
+
+    def __init__(self, at=None):
+        self.at, self.counted, self.where = at, 0, None
+        self.instructions = {}
+
+    def __enter__(self):
+        sys.settrace(self.trace)
+        sys.setprofile(self.profile)
+        return self
+
+    def __exit__(self, *exception):
+        sys.settrace(None)
+        sys.setprofile(None)
+
+    def point(self, where):
+        if signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, ()):
+            return
+        self.counted += 1
+        if self.counted == self.at:
+            self.where = where
+            raise KeyboardInterrupt
+
+    def trace(self, frame, event, arg):
+        if frame.f_code.co_filename not in (lab_files.__file__, _CONTEXTLIB):
+            return None
+        frame.f_trace_opcodes = True
+        code, last = frame.f_code, [None]
+        if code not in self.instructions:
+            listed = list(dis.get_instructions(code))
+            self.instructions[code] = {i.offset: (i.opname, after.offset) for i, after in
+                                       zip(listed, listed[1:] + listed[-1:])}
+        table = self.instructions[code]
+
+        def opcode(frame, event, arg):
+            if event == "opcode":
+                previous, last[0] = last[0], frame.f_lasti
+                if previous is None or table[previous][1] != frame.f_lasti or \
+                        table[previous][0].startswith(("CALL", "YIELD_VALUE")):
+                    self.point(f"{code.co_name} line {frame.f_lineno}")
+            return opcode
+        return opcode
+
+    def profile(self, frame, event, arg):
+        if event == "c_call" and arg is not os.close and \
+                frame.f_code.co_filename in (lab_files.__file__, _CONTEXTLIB):
+            self.point(f"{frame.f_code.co_name} line {frame.f_lineno}, calling {arg.__name__}")
 
 if __name__ == "__main__":
     unittest.main()

@@ -45,8 +45,7 @@ def readme():
 
 
 def lab_json(name):
-    with open(os.path.join(HERE, name), encoding="utf-8") as f:
-        return json.load(f)
+    return json.loads(lab_file(name))
 
 
 def link_problems(texts, folder=HERE):
