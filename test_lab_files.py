@@ -119,6 +119,25 @@ class TestWriteAtomically(support.InAFolder):
             os.fstat(opened[0])
         self.assert_only_files()
 
+    @unittest.skipUnless(hasattr(signal, "pthread_sigmask"), "signals are held on POSIX only")
+    def test_an_interrupt_at_any_point_leaves_the_old_file_or_the_new_and_nothing_else(self):
+        """Ctrl-C at each point where Python takes a signal in a write (InterruptPoints):
+        no temporary file, no open descriptor."""
+        self.write_old_file()
+        with InterruptPoints() as points:
+            lab_files.write_atomically(self.path, "the old checkpoint\n")
+        descriptors = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else None
+        for at in range(1, points.counted + 1):
+            before = descriptors and sorted(os.listdir(descriptors))
+            with InterruptPoints(at) as point:
+                try:
+                    lab_files.write_atomically(self.path, "the new checkpoint\n")
+                except KeyboardInterrupt:
+                    pass
+            with self.subTest(at=point.where):
+                self.assert_only_files("best.json")
+                self.assertEqual(descriptors and sorted(os.listdir(descriptors)), before)
+
     def test_the_tempfile_module_and_its_lock_are_not_used(self):
         with mock.patch("tempfile.mkstemp", side_effect=AssertionError("mkstemp")), \
                 mock.patch("tempfile._get_candidate_names", side_effect=AssertionError("lock")):
