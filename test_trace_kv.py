@@ -169,14 +169,25 @@ class TheWorkerPool(unittest.TestCase):
             trace_kv.run(workers=2, stories=1, parts=1)
         self.assertLess(time.monotonic() - start, 3)
 
-    def test_a_run_of_no_story_is_refused_at_once(self):
+    def test_a_run_of_no_story_and_other_bad_arguments_are_refused_at_once(self):
         """A run of 0 stories would give every stage of openings no case, and wait for
-        them for ever: refused, like any count but an int from 1, before the lab loads."""
-        for bad in (0, -1, 1.5, True, "2"):
-            with self.subTest(stories=bad), recording(trace_kv, "load_trained") as loads, \
-                    self.assertRaisesRegex(ValueError, "stories must be an int >= 1"):
-                trace_kv.run(workers=1, stories=bad, parts=1)
-            self.assertEqual(loads, [])
+        them for ever: refused, like any count but an int from 1, before the lab loads; so
+        are no workers, Parts that are not 1 to 5, and a folder that is not one."""
+        for name, bad, fragment in (
+                *(("stories", bad, r"stories must be an int >= 1") for bad in
+                  (0, -1, 1.5, True, "2")),
+                *(("workers", bad, r"workers must be an int from 1 to 64") for bad in
+                  (0, False, 65, 2.5, "2")),
+                *(("parts", bad, rf"parts must be an int from 1 to {trace_kv.PARTS}")
+                  for bad in (0, -3, 99, True, 2.5, "1")),
+                *(("folder", bad, r"folder must be the path of a folder of the lab's files, "
+                                  rf"got {re.escape(repr(bad))}$")
+                  for bad in (5, None, os.path.join(HERE, "nowhere"), trace_kv.__file__))):
+            arguments = dict({"workers": 1, "parts": 1}, **{name: bad})
+            with self.subTest(**{name: bad}), recording(trace_kv, "load_trained") as loads:
+                with self.assertRaisesRegex(ValueError, fragment):
+                    trace_kv.run(**arguments)
+                self.assertEqual(loads, [])
 
     def test_workers_start_with_the_default_signal_handlers(self):
         def interrupted(signum, frame):

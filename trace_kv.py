@@ -137,10 +137,14 @@ def run(full_timing=False, folder=LAB, progress=None, workers=None, stories=None
     records) also what timings() measures afterwards, in this process alone.
     progress(stage, done, total), if given, is told each stage done."""
     progress = progress or (lambda stage, done, total: None)
-    workers = workers or os.cpu_count() or 1
+    workers = os.cpu_count() or 1 if workers is None else workers
     model.check_int("workers", workers, 1, MAX_WORKERS, " (each process loads the lab)")
     if stories is not None:   # a stage of no cases would never be done
         model.check_int("stories", stories, 1, None, " (the first test openings to run)")
+    model.check_int("parts", parts, 1, PARTS, " (the stages of Parts 1 to parts run)")
+    if not isinstance(folder, (str, os.PathLike)) or not os.path.isdir(folder):
+        raise ValueError(f"folder must be the path of a folder of the lab's files, got "
+                         f"{model.excerpt(folder)}")
     stages = [stage for stage in STAGES if stage.part <= parts]
     start = time.perf_counter()
     lab = _load(folder, stories)
