@@ -137,7 +137,7 @@ def run(full_timing=False, folder=LAB, progress=None, workers=None, stories=None
     records) also what timings() measures afterwards, in this process alone.
     progress(stage, done, total), if given, is told each stage done."""
     progress = progress or (lambda stage, done, total: None)
-    workers = os.cpu_count() or 1 if workers is None else workers
+    workers = (os.cpu_count() or 1) if workers is None else workers
     model.check_int("workers", workers, 1, MAX_WORKERS, " (each process loads the lab)")
     if stories is not None:   # a stage of no cases would never be done
         model.check_int("stories", stories, 1, None, " (the first test openings to run)")
