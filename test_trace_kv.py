@@ -210,6 +210,20 @@ def _alive(pid):
 
 class RecordFiles(unittest.TestCase):
 
+    def test_a_write_names_the_documents_whose_figures_changed_and_no_other(self):
+        """A README whose mark is stale is named; a document whose marks hold is not; a
+        second write names no document."""
+        with tempfile.TemporaryDirectory() as folder:
+            for name, text in (("README.md", "<!--fig stories-->59<!--/--> stories\n"),
+                               ("part2-x.md", "<!--fig stories-->60<!--/--> stories\n")):
+                with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+                    f.write(text)
+            timing = {"python": "3"}
+            self.assertEqual(trace_kv.save_records({"stories": 60}, timing, folder),
+                             [trace_kv.TRACE, trace_kv.TIMES, "the figures of README.md"])
+            self.assertEqual(trace_kv.save_records({"stories": 60}, timing, folder, False),
+                             [trace_kv.TRACE])
+
     def test_a_failed_write_keeps_the_previous_records_and_leaves_no_temporary_file(self):
         previous = {trace_kv.TRACE: "the previous trace\n", trace_kv.TIMES: "the previous times\n"}
         with tempfile.TemporaryDirectory() as folder:

@@ -288,21 +288,33 @@ def save_records(record, timing, folder=LAB, times=True):
 
     Every document's marked figures and blocks, and the pictures it marks, are drawn before any
     file is written; the time figures come from timing, written to kv-time.json too if times
-    (else timing is what kv-time.json holds, kept). Returns the names of what it wrote."""
-    texts, drawn = {}, {}
+    (else timing is what kv-time.json holds, kept). Returns the names of what it wrote that
+    changed: the records, the documents whose figures changed, the pictures redrawn."""
+    texts, drawn, changed = {}, {}, []
     for name in documents.documents(folder):
         with open(os.path.join(folder, name), encoding="utf-8") as f:
             text = f.read()
         try:
             texts[name] = documents.rendered(text, record, timing, folder)
+            if texts[name] != text:
+                changed.append(name)
             drawn.update(documents.pictures(text, record, timing, folder))
         except (KeyError, IndexError, TypeError, ValueError) as e:
             raise ValueError(f"{name}: a mark cannot be filled from this run "
                              f"({type(e).__name__}: {e}); nothing was written") from None
     records = {TRACE: _dumps(record), **({TIMES: _dumps(timing)} if times else {})}
+    pictures = [name for name, svg_text in drawn.items() if _old(folder, name) != svg_text]
     write_together(folder, {**records, **drawn, **texts})
-    return list(records) + ([f"the figures and pictures of {', '.join(texts)}"]
-                            if texts else [])
+    return list(records) + ([f"the figures of {', '.join(changed)}"] if changed else []) + pictures
+
+
+def _old(folder, name):
+    """The text of folder's file name, or None if it cannot be read."""
+    try:
+        with open(os.path.join(folder, name), encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def unknown_names(folder=LAB):
@@ -464,7 +476,9 @@ def _write(record, timing, times, folder):
     except (OSError, ValueError) as e:
         sys.exit(f"trace_kv.py: error: {e}")
     where = "" if folder == LAB else f" in {_shown(folder)}"
-    print(f"wrote {', '.join(written[:-1])} and {written[-1]}{where}; "
+    unchanged = len(written) == (2 if times else 1)
+    print(f"wrote {', '.join(written[:-1])}{' and ' * (len(written) > 1)}{written[-1]}{where}; "
+          + ("no document's figure or picture changed; " if unchanged else "")
           + ("the times are this machine's now: keep them only from an idle machine "
              "(CONTRIBUTING.md)" if times else
              f"{TIMES} and the time figures kept as they were (--write --times records "
