@@ -287,16 +287,22 @@ def check_step(params, cache, token_id, position):
     What kv_cache.forward_step refuses, in its order: a cache made for other params, a
     position out of order or past the table, a token outside the vocabulary; and a mask
     that gives the position no held positions."""
-    if not isinstance(cache, DeepCache) or cache.params is not params:
-        raise ValueError("this cache was made for different parameters; start a new "
-                         "cache with DeepCache(params)")
+    check_cache_step(DeepCache, params, cache, token_id, position)
+    layer_masks(cache.mask, len(cache.layers), position + 1, position)
+
+
+def check_cache_step(kind, params, cache, token_id, position):
+    """Refuse a cache that is not a kind made for params, a position out of order or past
+    the table, and a token outside the vocabulary, in that order."""
+    if not isinstance(cache, kind) or cache.params is not params:
+        raise ValueError(f"this cache was made for different parameters; start a new "
+                         f"cache with {kind.__name__}(params)")
     if not is_int(position) or position != len(cache):
         raise ValueError(f"expected position {len(cache)}, got {position!r}")
     if position >= CONTEXT:
         raise ValueError(f"position {position} is beyond the {CONTEXT} positions of the "
                          f"model's table")
     check_token_id(token_id)
-    layer_masks(cache.mask, len(cache.layers), position + 1, position)
 
 
 def forward_step(params, cache, token_id, position):

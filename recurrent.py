@@ -36,11 +36,11 @@ from itertools import accumulate
 from os.path import commonprefix
 
 import svg
-from deep_model import angles, attend, deep_ids, heads_of, rotate
+from deep_model import angles, attend, check_cache_step, deep_ids, heads_of, rotate
 from documents import shown, table
 from instruments import largest_gap
-from model import (CONTEXT, VOCAB_SIZE, add, check_ids, check_int, check_token_id, dot,
-                   excerpt, is_int, layernorm, linear, relu)
+from model import (CONTEXT, VOCAB_SIZE, add, check_ids, check_int, dot, excerpt, layernorm,
+                   linear, relu)
 from recurrent_params import (TOKENS, Checkpoint, check_checkpoint, check_params,
                               init_params, kv_numbers, pattern_kinds, real_caches,
                               state_numbers, zero_state)
@@ -242,15 +242,7 @@ def check_step(params, cache, token_id, position):
 
     What deep_model.forward_step refuses, in its order: a cache made for other params, a
     position out of order or past the table, a token outside the vocabulary."""
-    if not isinstance(cache, RecurrentCache) or cache.params is not params:
-        raise ValueError("this cache was made for different parameters; start a new "
-                         "cache with RecurrentCache(params)")
-    if not is_int(position) or position != len(cache):
-        raise ValueError(f"expected position {len(cache)}, got {position!r}")
-    if position >= CONTEXT:
-        raise ValueError(f"position {position} is beyond the {CONTEXT} positions of the "
-                         f"model's table")
-    check_token_id(token_id)
+    check_cache_step(RecurrentCache, params, cache, token_id, position)
 
 
 def forward_step(params, cache, token_id, position):
