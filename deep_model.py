@@ -292,8 +292,10 @@ def check_step(params, cache, token_id, position):
 
 
 def check_cache_step(kind, params, cache, token_id, position):
-    """Refuse a cache that is not a kind made for params, a position out of order or past
-    the table, and a token outside the vocabulary, in that order."""
+    """Refuse a step's cache, position and token that no cache of kind can take.
+
+    In this order: a cache that is not a kind made for params, a position out of order or
+    past the table, a token outside the vocabulary."""
     if not isinstance(cache, kind) or cache.params is not params:
         raise ValueError(f"this cache was made for different parameters; start a new "
                          f"cache with {kind.__name__}(params)")

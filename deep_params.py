@@ -42,18 +42,27 @@ def init_params(layers, heads, kv_heads, width, seed, positions="learned", laten
     check_seed(seed)
     rng = random.Random(seed)
 
-    def made(name, dims):   # a matrix of rows x columns, std 1 / sqrt(rows); g 1, b 0
-        if name == "sinks":   # a logit a head
-            return [rng.gauss(0.0, 1.0) for _ in range(dims[0])]
+    def vector(name, entries):   # gains 1, biases 0; a sink a learned logit a head
+        if name == "sinks":
+            return [rng.gauss(0.0, 1.0) for _ in range(entries)]
+        return [1.0 if name.endswith("_g") else 0.0] * entries
+    return {"shape": shape, **drawn(param_shapes(shape), rng, vector)}
+
+
+def drawn(wanted, rng, vector):
+    """Parameters of the shapes wanted (as param_shapes gives them), in their order.
+
+    A matrix of rows x columns drawn from rng with std 1 / sqrt(rows) (0.5 for an
+    embedding); a vector as vector(name, entries) makes it."""
+    def made(name, dims):
         if len(dims) == 1:
-            return [1.0 if name.endswith("_g") else 0.0] * dims[0]
+            return vector(name, dims[0])
         std = 0.5 if name.endswith("_emb") else dims[0] ** -0.5
         return [[rng.gauss(0.0, std) for _ in range(dims[1])] for _ in range(dims[0])]
-    wanted = param_shapes(shape)
+    wanted = dict(wanted)
     blocks = [{name: made(name, dims) for name, dims in block.items()}
               for block in wanted.pop("blocks")]
-    return {"shape": shape, "blocks": blocks,
-            **{name: made(name, dims) for name, dims in wanted.items()}}
+    return {"blocks": blocks, **{name: made(name, dims) for name, dims in wanted.items()}}
 
 
 def check_model_shape(layers, heads, kv_heads, width, positions, latent, rotary_key,

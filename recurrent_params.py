@@ -14,7 +14,7 @@ import math
 import random
 from collections import namedtuple
 
-from deep_params import check_model_shape, param_shapes as deep_shapes
+from deep_params import check_model_shape, drawn, param_shapes as deep_shapes
 from model import check_ids, check_int, check_shape, check_values, excerpt
 
 KINDS = ("recurrent", "attention")
@@ -70,18 +70,8 @@ def init_params(kinds, heads, kv_heads, width, seed):
     As deep_model.init_params makes them (std 1 / sqrt(rows), 0.5 for tok_emb, gains 1,
     biases 0), but bg 2.0: gates near sigmoid(2) = 0.88, a memory of a few positions."""
     shape = shape_of(kinds, heads, kv_heads, width)
-    rng = random.Random(seed)
-
-    def made(name, dims):
-        if len(dims) == 1:
-            return [1.0 if name.endswith("_g") else 2.0 if name == "bg" else 0.0] * dims[0]
-        std = 0.5 if name.endswith("_emb") else dims[0] ** -0.5
-        return [[rng.gauss(0.0, std) for _ in range(dims[1])] for _ in range(dims[0])]
-    wanted = param_shapes(shape)
-    blocks = [{name: made(name, dims) for name, dims in block.items()}
-              for block in wanted.pop("blocks")]
-    return {"shape": shape, "blocks": blocks,
-            **{name: made(name, dims) for name, dims in wanted.items()}}
+    return {"shape": shape, **drawn(param_shapes(shape), random.Random(seed), lambda name,
+            entries: [1.0 if name.endswith("_g") else 2.0 if name == "bg" else 0.0] * entries)}
 
 
 def check_params(params):

@@ -183,7 +183,7 @@ class QuickCheckTeeth(unittest.TestCase):
         ("a block's shapes not checked", deep_params, "check_params",
          swapping("check_shape(block[name], wanted_dims, where)", "pass"),
          r": check_params took blocks\[0\]\['\w+'\] one short"),
-        ("a std of 1 / sqrt(columns), not rows", deep_params, "init_params",
+        ("a std of 1 / sqrt(columns), not rows", deep_params, "drawn",
          swapping("dims[0] ** (-0.5)", "dims[1] ** (-0.5)"),
          r"init_params\(2, 4, 2, 16, 0\), .*: W_out's numbers have a mean square of \S+, "
          r"about 0\.0625 expected"),

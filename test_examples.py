@@ -74,14 +74,14 @@ def session_problems(session, name, folder=HERE):
     typing it into python3 there: None, or what doctest reports of its first mismatch."""
     test = doctest.DocTestParser().get_doctest(session, {}, name, None, 0)
     report = io.StringIO()
-    runner = doctest.DocTestRunner(optionflags=doctest.REPORT_ONLY_FIRST_FAILURE)
+    runner = doctest.DocTestRunner(verbose=False, optionflags=doctest.REPORT_ONLY_FIRST_FAILURE)
     before = os.getcwd()
     os.chdir(folder)
     try:
-        runner.run(test, out=report.write)
+        failed = runner.run(test, out=report.write).failed
     finally:
         os.chdir(before)
-    return report.getvalue() or None
+    return report.getvalue() if failed else None
 
 
 def run_shown(command, shown, folder=HERE):
