@@ -42,7 +42,7 @@ from deep_params import kv_layers, layer_windows
 from documents import shown, table
 from hybrid import WINDOW, tried_models
 from model import CONTEXT, check_ids, check_int, excerpt
-from paged import MAX_BLOCKS
+from paged import MAX_BLOCKS, NumberedBlocks
 
 Group = namedtuple("Group", "window layers")   # window None: a group of full layers
 
@@ -75,14 +75,14 @@ class Block:
         self.ref_count, self.prefix = 0, None
 
 
-class HybridPool:
+class HybridPool(NumberedBlocks):
     """Keep the keys and values of a hybrid model's sequences in one pool of numbered blocks.
 
     The model's shape gives each layer's window (window: that of its window layers, None
     if none); groups are layer_groups'. The pool alone takes, shares and releases blocks
     and counts the tables holding each; a full block nobody holds stays findable on the
-    free list until it is taken again. frees=False keeps every block of a window group
-    (only the mask hides them)."""
+    free list until it is taken again (paged.NumberedBlocks). frees=False keeps every
+    block of a window group (only the mask hides them)."""
 
     def __init__(self, params, blocks, block_size, frees=True):
         by_columns = DeepCache(params)   # checks the params; its matrices by columns
@@ -110,15 +110,6 @@ class HybridPool:
         self.free_list = OrderedDict.fromkeys(range(blocks))   # the next one taken first
         self.prefix_index = {}   # (group, tokens 0 to a full block's end) -> its block id
 
-    @property
-    def ref_counts(self):
-        """How many block tables hold each block."""
-        return [block.ref_count for block in self.blocks]
-
-    def free_blocks(self):
-        """Blocks no table holds: empty, or full and findable until they are taken."""
-        return len(self.free_list)
-
     def page_bytes(self):
         """The bytes of one block, as 8-byte floats: vLLM's page.
 
@@ -127,14 +118,6 @@ class HybridPool:
         shape = self.params["shape"]
         return (8 * self.block_size * max(len(group.layers) for group in self.groups) * 2
                 * shape["kv_heads"] * (shape["width"] // shape["heads"]))
-
-    def check_free(self, needed):
-        """Refuse to go on, naming the blocks short, unless needed blocks are free."""
-        if needed > self.free_blocks():
-            raise ValueError(f"the pool is out of blocks: it has {len(self.blocks)} blocks of "
-                             f"{self.block_size} positions, {self.free_blocks()} free, and "
-                             f"{needed} more are needed; free a sequence or make a larger "
-                             f"pool")
 
     def take(self):
         """Give a free block to one table, empty (a findable one taken leaves the index)."""
@@ -146,28 +129,8 @@ class HybridPool:
         self.blocks[block_id].ref_count = 1
         return block_id
 
-    def share(self, block_id):
-        """One more table holds the block (a findable one nobody held leaves the free list)."""
-        block = self.blocks[block_id]
-        if block.ref_count == 0:
-            del self.free_list[block_id]
-        block.ref_count += 1
-
-    def release(self, block_id):
-        """Let one table less hold the block; when none does, it joins the free list.
-
-        A full block goes to its back, findable until taken; any other, emptied, to its
-        front."""
-        block = self.blocks[block_id]
-        if block.ref_count == 0:
-            raise ValueError(f"block {block_id} is held by no table: release a block once for "
-                             f"each table that took or shared it")
-        block.ref_count -= 1
-        if block.ref_count == 0:
-            self.free_list[block_id] = None
-            if block.prefix is None:
-                self.blocks[block_id] = Block()
-                self.free_list.move_to_end(block_id, last=False)
+    def _empty(self, block_id):
+        self.blocks[block_id] = Block()
 
     def write(self, block_id, group, token_id, vectors, tokens):
         """Write one more position into a block of group: its token, keys and values.

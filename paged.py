@@ -32,7 +32,62 @@ class Block:
         self.ref_count, self.prefix, self.computed_by = 0, None, None
 
 
-class BlockPool:
+class NumberedBlocks:
+    """What every pool of numbered blocks does the same: count, share and release them.
+
+    A pool has blocks (each with a ref_count and a prefix, None until it is full and
+    findable), block_size and free_list (an OrderedDict of the block ids no table holds,
+    the next one taken first); _empty(block_id) empties a block it gets back."""
+
+    @property
+    def ref_counts(self):
+        """How many block tables hold each block."""
+        return [block.ref_count for block in self.blocks]
+
+    def free_blocks(self):
+        """Blocks no table holds: empty, or full and findable until they are needed."""
+        return len(self.free_list)
+
+    def check_free(self, blocks):
+        """Refuse to go on, naming the blocks short, unless that many blocks are free."""
+        if blocks > self.free_blocks():
+            raise ValueError(f"the pool is out of blocks: it has {len(self.blocks)} blocks of "
+                             f"{self.block_size} positions, {self.free_blocks()} free, and "
+                             f"{blocks} more {'is' if blocks == 1 else 'are'} needed; free a "
+                             f"sequence or make a larger pool")
+
+    def block(self, block_id):
+        """The block of block_id, refusing an id the pool does not have."""
+        model.check_int("block id", block_id, 0, len(self.blocks) - 1)
+        return self.blocks[block_id]
+
+    def share(self, block_id):
+        """One more table holds the block (a findable block leaves the free list)."""
+        block = self.block(block_id)
+        if block.ref_count == 0:
+            if block.prefix is None:
+                raise ValueError(f"block {block_id} is free and holds nothing to share")
+            del self.free_list[block_id]
+        block.ref_count += 1
+
+    def release(self, block_id):
+        """Let one table less hold the block.
+
+        When none does, a full block stays findable at the back of the free list; any other
+        is emptied and goes to its front."""
+        block = self.block(block_id)
+        if block.ref_count == 0:
+            raise ValueError(f"block {block_id} is held by no table: release a block once "
+                             f"for each table that took or shared it")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_list[block_id] = None
+            if block.prefix is None:
+                self._empty(block_id)
+                self.free_list.move_to_end(block_id, last=False)
+
+
+class BlockPool(NumberedBlocks):
     """Keep the keys and values of a fixed number of blocks, each of block_size positions.
 
     The blocks are shared by the sequences made from the pool (each holds a block table: the
@@ -55,15 +110,6 @@ class BlockPool:
         self.prefix_index = {}   # tokens of positions 0 to a full block's end -> block ids
         self.free_list = OrderedDict.fromkeys(range(blocks))   # the next one taken first
         self.prefix_hits = self.evictions = 0
-
-    @property
-    def ref_counts(self):
-        """How many block tables hold each block."""
-        return [block.ref_count for block in self.blocks]
-
-    def free_blocks(self):
-        """Blocks no table holds: empty, or full and cached until they are needed."""
-        return len(self.free_list)
 
     def sequence(self, ids=(), computed_by=None):
         """Start a new sequence on the pool's longest cached prefix of ids.
@@ -109,17 +155,10 @@ class BlockPool:
 
     def check_room(self, demands):
         """Refuse to go on, naming the blocks short, unless room_for(demands)."""
-        self._check_free(self._blocks_for(demands))
+        self.check_free(self._blocks_for(demands))
 
     def _blocks_for(self, demands):
         return sum(seq.blocks_needed(positions) for seq, positions in demands)
-
-    def _check_free(self, blocks):
-        if blocks > self.free_blocks():
-            raise ValueError(f"the pool is out of blocks: it has {len(self.blocks)} blocks of "
-                             f"{self.block_size} positions, {self.free_blocks()} free, and "
-                             f"{blocks} more {'is' if blocks == 1 else 'are'} needed; free a "
-                             f"sequence or make a larger pool")
 
     def room_for_sequence(self, ids, positions, computed_by=None):
         """Say whether a new sequence for ids could then hold that many positions.
@@ -141,11 +180,6 @@ class BlockPool:
         """The blocks a sequence of that many positions holds."""
         return math.ceil(positions / self.block_size)
 
-    def block(self, block_id):
-        """The Block of block_id, refusing an id the pool does not have."""
-        model.check_int("block id", block_id, 0, len(self.blocks) - 1)
-        return self.blocks[block_id]
-
     def take(self, tokens=(), keys=(), values=(), computed_by=None):
         """Give a free block for one table, holding copies of the given positions.
 
@@ -155,7 +189,7 @@ class BlockPool:
             raise ValueError(f"a block holds up to {self.block_size} positions, one token, "
                              f"key and value each; got {len(tokens)} tokens, {len(keys)} "
                              f"keys and {len(values)} values")
-        self._check_free(1)
+        self.check_free(1)
         block_id, _ = self.free_list.popitem(last=False)
         block = self.blocks[block_id]
         if block.prefix is not None:
@@ -165,30 +199,9 @@ class BlockPool:
         block.ref_count, block.computed_by = 1, computed_by
         return block_id
 
-    def share(self, block_id):
-        """One more table holds the block (a cached block leaves the free list)."""
-        block = self.block(block_id)
-        if block.ref_count == 0:
-            if block.prefix is None:
-                raise ValueError(f"block {block_id} is free and holds nothing to share")
-            del self.free_list[block_id]
-        block.ref_count += 1
-
-    def release(self, block_id):
-        """Let one table less hold the block.
-
-        When none does, a full block stays findable at the back of the free list; any other
-        is emptied and goes to its front."""
-        block = self.block(block_id)
-        if block.ref_count == 0:
-            raise ValueError(f"block {block_id} is held by no table: release a block once "
-                             f"for each table that took or shared it")
-        block.ref_count -= 1
-        if block.ref_count == 0:
-            self.free_list[block_id] = None
-            if block.prefix is None:
-                block.tokens, block.keys, block.values = [], [], []
-                self.free_list.move_to_end(block_id, last=False)
+    def _empty(self, block_id):
+        block = self.blocks[block_id]
+        block.tokens, block.keys, block.values = [], [], []
 
     def append(self, block_id, token_id, k, v, prefix):
         """Write one more position into a block that one table holds.

@@ -416,11 +416,7 @@ def _entry(record):
                                      "kv_numbers": svg.COUNT, "formula": [svg.COUNT]}],
         "prefix": {"attention_reuse": [svg.COUNT], "checkpoints": [{
             "every": svg.COUNT, "positions_reused": [svg.COUNT],
-            "checkpoints_stored": svg.COUNT, "numbers_stored": svg.COUNT}]},
-        "real_models": [{"model": str, "recurrent_layers": svg.COUNT,
-                         "attention_layers": svg.COUNT, "state_bytes": svg.COUNT,
-                         "attention_layer_bytes": [svg.COUNT], "model_bytes": [svg.COUNT],
-                         "every_layer_attention_bytes": [svg.COUNT]}]}})["recurrent"]
+            "checkpoints_stored": svg.COUNT, "numbers_stored": svg.COUNT}]}}})["recurrent"]
 
 
 def lengths_table(record, timing):
@@ -449,23 +445,3 @@ def checkpoints_table(record, timing):
                  "—", "—", "—"])
     return table(["a checkpoint", "positions each request reuses", "checkpoints stored",
                   "numbers they hold", "rows equal to the full pass"], rows)
-
-
-def real_models_table(record, timing):
-    """Section 36's table of real hybrids: a state against an attention layer, and the model."""
-    rows = []
-    for model in _entry(record)["real_models"]:
-        if len(model["attention_layer_bytes"]) != len(TOKENS):
-            raise ValueError(f"the record's real model {model['model']} must give its bytes at "
-                             f"{len(TOKENS)} lengths, {TOKENS}; got {excerpt(model)}")
-        rows.append([model["model"], f"{model['recurrent_layers']} recurrent, "
-                     f"{model['attention_layers']} attention",
-                     svg.bytes_label(model["state_bytes"]),
-                     *map(svg.bytes_label, model["attention_layer_bytes"]),
-                     svg.bytes_label(model["model_bytes"][-1]),
-                     svg.bytes_label(model["every_layer_attention_bytes"][-1])])
-    return table(["model, 16-bit", "layers", "a recurrent layer's state, at any length",
-                  *(f"an attention layer's keys and values, {tokens:,} tokens"
-                    for tokens in TOKENS),
-                  f"the model's cache, {TOKENS[-1]:,} tokens",
-                  "the same were every layer attention"], rows)

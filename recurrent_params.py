@@ -3,7 +3,7 @@ runs them), as deep_params.py is deep_model.py's: the kinds a layer may be and t
 patterns of real hybrids, the shape of every parameter, random parameters, the check that
 refuses any other make; what a cache of such a model holds, by formula, and the check
 that refuses a checkpoint (a copy of what a cache held) it could not hold; and real
-hybrids' caches, from their public configs.
+hybrids' caches, from their public configs, with the table of them that Part 6 shows.
 
 A shape is deep_model's (heads, kv_heads, width; rotary positions) with kinds: one
 "recurrent" or "attention" a layer. An attention layer's block is deep_model's; a
@@ -14,7 +14,9 @@ import math
 import random
 from collections import namedtuple
 
+import svg
 from deep_params import check_model_shape, drawn, param_shapes as deep_shapes
+from documents import table
 from model import check_ids, check_int, check_shape, check_values, excerpt
 
 KINDS = ("recurrent", "attention")
@@ -198,3 +200,27 @@ def real_caches():
                       "every_layer_attention_bytes": [layers * each for each in layer],
                       "tokens_as_large": math.ceil(state / (layer[0] / TOKENS[0]))})
     return found
+
+
+def real_models_table(record, timing):
+    """Section 36's table of real hybrids: a state against an attention layer, and the model."""
+    models = svg.checked(record, {"recurrent": {"real_models": [{
+        "model": str, "recurrent_layers": svg.COUNT, "attention_layers": svg.COUNT,
+        "state_bytes": svg.COUNT, "attention_layer_bytes": [svg.COUNT],
+        "model_bytes": [svg.COUNT], "every_layer_attention_bytes": [svg.COUNT]}]}})
+    rows = []
+    for model in models["recurrent"]["real_models"]:
+        if len(model["attention_layer_bytes"]) != len(TOKENS):
+            raise ValueError(f"the record's real model {model['model']} must give its bytes at "
+                             f"{len(TOKENS)} lengths, {TOKENS}; got {excerpt(model)}")
+        rows.append([model["model"], f"{model['recurrent_layers']} recurrent, "
+                     f"{model['attention_layers']} attention",
+                     svg.bytes_label(model["state_bytes"]),
+                     *map(svg.bytes_label, model["attention_layer_bytes"]),
+                     svg.bytes_label(model["model_bytes"][-1]),
+                     svg.bytes_label(model["every_layer_attention_bytes"][-1])])
+    return table(["model, 16-bit", "layers", "a recurrent layer's state, at any length",
+                  *(f"an attention layer's keys and values, {tokens:,} tokens"
+                    for tokens in TOKENS),
+                  f"the model's cache, {TOKENS[-1]:,} tokens",
+                  "the same were every layer attention"], rows)
