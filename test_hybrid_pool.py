@@ -448,7 +448,9 @@ class Refusals(unittest.TestCase):
                 (lambda: pool.sequence([96]), r"ids\[0\] = 96 is outside the vocabulary"),
                 (lambda: greedy_story(pool, [], 3), "ids is empty"),
                 (lambda: greedy_story(pool, [1], -1), "new_tokens must be an int >= 0"),
-                (lambda: pool.release(0), "block 0 is held by no table")):
+                (lambda: pool.release(0), "block 0 is held by no table"),
+                (lambda: pool.release(8), "block id must be an int from 0 to 7"),
+                (lambda: pool.share(0), "block 0 is free and holds nothing to share")):
             with self.subTest(fragment=fragment), self.assertRaisesRegex(ValueError, fragment):
                 call()
         self.assertEqual(pool.free_blocks(), 8)
@@ -481,9 +483,6 @@ class Refusals(unittest.TestCase):
                 call()
 
 
-if __name__ == "__main__":
-    unittest.main()
-
 
 class TheRecord(unittest.TestCase):
     """What the recorded run (support.recorded) says of the hybrid pool."""
@@ -508,3 +507,7 @@ class TheRecord(unittest.TestCase):
                 self.assertLessEqual(max(freeing["window_blocks_by_step"]), groups * spans)
                 self.assertLess(hybrid_pool.bytes_at_the_end(freeing),
                                 hybrid_pool.bytes_at_the_end(keeping))
+
+
+if __name__ == "__main__":
+    unittest.main()
