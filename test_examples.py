@@ -1,5 +1,5 @@
 """The commands, sessions and code the course's documents show, against the lab: every
-`$ python3` example prints what is shown (but the seconds, which vary), every exercise's
+`$ python3` example and Python session prints what is shown (but the seconds), every exercise's
 answer does what it says in a copy of the lab's folder (its edit of the code made there),
 and every excerpt is in its function."""
 import doctest
@@ -116,6 +116,22 @@ class Examples(unittest.TestCase):
                 if found:
                     self.fail(f"{name} line {line}, `{command}`: {found}.\n{ON_PURPOSE}: "
                               f"run the command and copy what it prints.")
+
+    def test_every_session_prints_what_the_documents_show(self):
+        """Each Python session outside the exercises (whose answers are replayed below) is
+        replayed from the lab's folder, as a learner types it there."""
+        answers = "".join(exercise.answer for exercise in exercises(self.texts))
+        sessions = [(name, line, "\n".join(lines) + "\n")
+                    for name, text in self.texts.items()
+                    for line, kind, lines in fenced_blocks(text)
+                    if kind == "pycon" and "\n".join(lines) not in answers]
+        self.assertTrue(sessions)
+        for name, line, session in sessions:
+            with self.subTest(f"{name} line {line}"):
+                found = session_problems(session, f"{name} line {line}")
+                if found:
+                    self.fail(f"{name} line {line}: {found}\n{ON_PURPOSE}: type it into "
+                              f"python3 in the lab's folder and copy what it prints.")
 
     def test_each_part_ends_with_two_or_three_exercises_and_their_answers(self):
         found = exercises(self.texts)
