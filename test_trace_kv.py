@@ -22,6 +22,7 @@ import lab_files
 import model
 import support
 import trace_kv
+import trace_records
 from instruments import recording
 from support import HERE, lab_file
 
@@ -44,7 +45,7 @@ class Workers(unittest.TestCase):
         self.assertEqual(len(loads), 1)
         shared, timing = trace_kv.run(workers=2, stories=1, parts=1)
         self.assertEqual(timing["workers"], 2)
-        self.assertEqual(trace_kv.differing_keys(alone, shared), [])
+        self.assertEqual(trace_records.differing_keys(alone, shared), [])
         self.assertEqual(json.dumps(alone), json.dumps(shared))   # byte for byte, in order
         self.assertIn("prefix_sharing", alone)
         self.assertNotIn("ladder", alone)
@@ -219,9 +220,9 @@ class RecordFiles(unittest.TestCase):
                 with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
                     f.write(text)
             timing = {"python": "3"}
-            self.assertEqual(trace_kv.save_records({"stories": 60}, timing, folder),
+            self.assertEqual(trace_records.save_records({"stories": 60}, timing, folder),
                              [trace_kv.TRACE, trace_kv.TIMES, "the figures of README.md"])
-            self.assertEqual(trace_kv.save_records({"stories": 60}, timing, folder, False),
+            self.assertEqual(trace_records.save_records({"stories": 60}, timing, folder, False),
                              [trace_kv.TRACE])
 
     def test_a_failed_write_keeps_the_previous_records_and_leaves_no_temporary_file(self):
@@ -234,12 +235,12 @@ class RecordFiles(unittest.TestCase):
                 with self.subTest(failing=target):
                     with mock.patch(target, side_effect=OSError("disk full")):
                         with self.assertRaises(OSError):
-                            trace_kv.save_records({"stories": 60}, {"python": "3"}, folder)
+                            trace_records.save_records({"stories": 60}, {"python": "3"}, folder)
                     self.assertEqual(sorted(os.listdir(folder)), sorted(previous))
                     for name, text in previous.items():
                         with open(os.path.join(folder, name), encoding="utf-8") as f:
                             self.assertEqual(f.read(), text)
-            trace_kv.save_records({"stories": 60}, {"python": "3"}, folder)
+            trace_records.save_records({"stories": 60}, {"python": "3"}, folder)
             with open(os.path.join(folder, trace_kv.TRACE), encoding="utf-8") as f:
                 self.assertEqual(json.load(f), {"stories": 60})
 
@@ -247,17 +248,17 @@ class RecordFiles(unittest.TestCase):
         with tempfile.TemporaryDirectory() as folder:
             path = os.path.join(folder, trace_kv.TRACE)
             with self.assertRaisesRegex(ValueError, "cannot read .*--write"):
-                trace_kv.read_record(path)
+                trace_records.read_record(path)
             for text in ("{ not json", "[1, 2]", "\xff", "[" * 100_000 + "]" * 100_000):
                 with open(path, "w", encoding="latin-1") as f:
                     f.write(text)
                 with self.subTest(text=text[:20]), self.assertRaisesRegex(ValueError, "--write"):
-                    trace_kv.read_record(path)
+                    trace_records.read_record(path)
         record = {"stories": 60, "greedy_identical": 60, "work": {"cached_rows": 5}}
         changed = dict(record, greedy_identical=59, work={"cached_rows": 6}, extra=1)
-        self.assertEqual(trace_kv.differing_keys(record, changed),
+        self.assertEqual(trace_records.differing_keys(record, changed),
                          ["extra", "greedy_identical", "work"])
-        self.assertEqual(trace_kv.differing_keys(record, dict(record)), [])
+        self.assertEqual(trace_records.differing_keys(record, dict(record)), [])
 
     def test_check_fails_fast_in_one_line_when_the_record_is_missing(self):
         with tempfile.TemporaryDirectory() as folder:
@@ -333,8 +334,8 @@ class Summary(unittest.TestCase):
         out, err = self.run_main()
         self.assertTrue(out.startswith("Exactness\n"), out)
         self.assertIn("The full record: ", out)
-        self.assertIn(trace_kv.last_duration(), err)
-        self.assertIn(" s in ", trace_kv.last_duration())
+        self.assertIn(trace_records.last_duration(), err)
+        self.assertIn(" s in ", trace_records.last_duration())
         out, _ = self.run_main("--json")
         self.assertEqual(json.loads(out), self.record)
         out, _ = self.run_main("--check")
@@ -384,11 +385,11 @@ class Summary(unittest.TestCase):
                 files = {"README.md": "Python <!--fig time.python-->x<!--/-->\n",
                          trace_kv.TIMES: times}
                 files = self.write_main(folder, files, *flags)
-                self.assertEqual(files[trace_kv.TRACE], trace_kv._dumps(self.record))
+                self.assertEqual(files[trace_kv.TRACE], trace_records.dumps(self.record))
                 python = "2.7" if times and not flags else self.timing["python"]
                 self.assertEqual(files["README.md"],
                                  f"Python <!--fig time.python-->{python}<!--/-->\n")
-                self.assertEqual(files[trace_kv.TIMES], trace_kv._dumps(self.timing)
+                self.assertEqual(files[trace_kv.TIMES], trace_records.dumps(self.timing)
                                  if python != "2.7" else kept)
                 self.assertEqual(self.timed, python != "2.7")
         for bad in ("{ not json", "[1]"):
@@ -425,7 +426,7 @@ class Summary(unittest.TestCase):
         with tempfile.TemporaryDirectory() as folder:
             tmp = f".{trace_kv.TRACE}.tmp-99999999-0a1b2c3d.part"   # a killed process's
             with open(os.path.join(folder, tmp), "w", encoding="utf-8") as f:
-                f.write(trace_kv._dumps(self.record))
+                f.write(trace_records.dumps(self.record))
             with open(os.path.join(folder, lab_files.JOURNAL), "w", encoding="utf-8") as f:
                 json.dump({"format": lab_files.JOURNAL_FORMAT,
                            "renames": [[tmp, trace_kv.TRACE]]}, f)
