@@ -1,6 +1,7 @@
 """Tests of trace_kv.py: its stages shared by workers, a failing or killed stage, the
 record's files and the command's output. That the record, kv-trace.json, is what the
 whole run records now is test_whole_trace's."""
+import ast
 import io
 import json
 import multiprocessing
@@ -21,7 +22,9 @@ import kv_cache
 import lab_files
 import model
 import support
+import instruments
 import trace_kv
+import trace_lesson
 import trace_records
 from instruments import recording
 from support import HERE, lab_file
@@ -66,6 +69,33 @@ class FailingStage(unittest.TestCase):
                          r"^stage sums_in_another_order \(Part 1\) failed: ValueError: chunk "
                          r"size must be an int >= 1, got 0 \(in .*model\.py line \d+, "
                          r"check_int\)$")
+
+
+class DeclaredRecords(unittest.TestCase):
+
+    def test_a_stage_that_records_an_undeclared_key_or_misses_one_fails_the_run_naming_it(self):
+        """Planted in the real stage: a key added to what it returns, or one dropped."""
+        added = instruments.replacing(
+            lambda node: isinstance(node, ast.Dict) and len(node.keys) == 2,
+            lambda node: ast.Dict([*node.keys, ast.Constant("gap_second_story")],
+                                  [*node.values, ast.Constant(0.0)]))
+        dropped = instruments.replacing(
+            lambda node: isinstance(node, ast.Dict) and len(node.keys) == 2,
+            lambda node: ast.Dict(node.keys[:1], node.values[:1]))
+        for planting, problem in (
+                (added, "the record's sums_in_another_order has a key 'gap_second_story' "
+                        "that is not declared"),
+                (dropped, "the record's sums_in_another_order has no key "
+                          "'largest_logit_gap_first_story_in_both_paths'")):
+            planted = instruments.plant(trace_lesson, "reordered_sums", planting)
+            stages = tuple(stage._replace(function=planted) for stage in trace_kv.STAGES
+                           if stage.name == "sums_in_another_order")   # the only stage run
+            with self.subTest(problem=problem), mock.patch.object(trace_kv, "STAGES", stages), \
+                    self.assertRaises(trace_kv.StageFailed) as failed:
+                trace_kv.run(workers=1, stories=1, parts=1)
+            self.assertEqual(str(failed.exception),
+                             "stage sums_in_another_order (Part 1) recorded what "
+                             f"trace_lesson.RECORDS does not declare: {problem}")
 
 
 @unittest.skipUnless(hasattr(signal, "SIGKILL")
@@ -243,6 +273,31 @@ class RecordFiles(unittest.TestCase):
             trace_records.save_records({"stories": 60}, {"python": "3"}, folder)
             with open(os.path.join(folder, trace_kv.TRACE), encoding="utf-8") as f:
                 self.assertEqual(json.load(f), {"stories": 60})
+
+    def test_write_names_a_misspelt_mark_at_any_depth_before_anything_runs(self):
+        """Checked against the stages' declarations (no record in the folder): a first key,
+        a second key, a key inside a list's item, a field picking an item, a time key."""
+        marks = ("laddr.stories", "ladder.rungz", "ladder.rungs.0.cahce",
+                 "eviction.rungs.cahce=heavy.positions_kept", "time.speedupp",
+                 "time.cost_by_length.0.speedupp")
+        good = "<!--fig ladder.rungs.1.positions_kept--> <!--fig time.cost_by_length.0.speedup-->"
+        with tempfile.TemporaryDirectory() as folder:
+            with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as f:
+                f.write(good.replace("-->", "-->1<!--/-->") + "\n"
+                        + "".join(f"<!--fig {mark}-->1<!--/-->\n" for mark in marks))
+            with mock.patch.object(trace_kv, "run") as run, self.assertRaises(SystemExit) as ended:
+                trace_kv.main(["--write", "--folder", folder])
+            run.assert_not_called()
+            self.assertEqual(os.listdir(folder), ["README.md"])
+        lines = str(ended.exception.code).splitlines()[1:]
+        self.assertEqual(len(lines), len(marks), lines)
+        for line, mark, problem in zip(lines, marks, (
+                "no entry 'laddr' in the record,", "no entry 'rungz' in the record's ladder",
+                "no entry 'cahce' in the record's ladder.rungs.0",
+                "the record's eviction.rungs's items have no field 'cahce'",
+                "no entry 'speedupp' in kv-time.json,",
+                "no entry 'speedupp' in kv-time.json's cost_by_length.0")):
+            self.assertIn(f"<!--fig {mark}-->1<!--/-->: {problem}", line)
 
     def test_check_names_a_missing_or_unreadable_record_and_the_keys_that_differ(self):
         with tempfile.TemporaryDirectory() as folder:

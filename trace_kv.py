@@ -58,6 +58,7 @@ import quantization
 import recurrent
 import serving
 import speculative
+import svg
 from documents import TIMES, TRACE
 from generate import load_trained
 from instruments import where_raised
@@ -81,7 +82,8 @@ function, called as function(lab, [case,] *needs) with the results of the stages
 needs; cases, if given, to run one call per case (for instance each opening), whose
 results gather(lab, results) makes one (a list, without gather); and record: "key" (the
 record holds the result under name), "top" (the result's keys join the record's top
-level) or None (only later stages read it)."""
+level) or None (only later stages read it). A stage that records declares its record's
+shape in its function's module (RECORDS, found by declared), checked after each run."""
 
 
 def each_opening(lab):
@@ -149,16 +151,13 @@ def run(full_timing=False, folder=LAB, progress=None, workers=None, stories=None
     start = time.perf_counter()
     lab = _load(folder, stories)
     done = _run_stages(stages, lab, _workers(workers, folder, stories), workers, progress)
-    record = {}
-    for stage in stages:
-        if stage.record == "top":
-            record.update(done[stage.name])
-        elif stage.record == "key":
-            record[stage.name] = done[stage.name]
+    record = _recorded(stages, done)
     timing = generators_timing(done["runs"], record["work"], workers)
     timing["run_seconds"] = round(time.perf_counter() - start, 1)   # every stage, all told
     if full_timing:
         timing.update(trace_lesson.timings(lab, done["runs"]))
+    svg.checked(timing, {**TIMING, **(trace_lesson.TIMED if full_timing else {})}, "time",
+                strict=True)   # what the time marks are checked against
     return record, timing
 
 
@@ -208,6 +207,54 @@ def _run_stages(stages, lab, pool, workers, progress):
         raise
     pool.shutdown()
     return done
+
+
+def declared(stage):
+    """The shape of the record stage writes, as its module declares it beside the stage.
+
+    Its module's RECORDS[stage's name], in svg.checked's shapes (for a stage whose record is
+    "top", the top-level keys it adds). A ValueError says what to add if there is none."""
+    module = sys.modules[stage.function.__module__]
+    shapes = getattr(module, "RECORDS", {})
+    if not isinstance(shapes, dict) or stage.name not in shapes:
+        raise ValueError(f"{module.__name__}.py declares no record for its stage {stage.name} "
+                         f"(Part {stage.part}): add {stage.name!r}: its shape (svg.checked's) "
+                         f"to the module's RECORDS dict, beside {stage.function.__name__}")
+    return shapes[stage.name]
+
+
+def record_shape(stages=None):
+    """The shape of the record stages (default: every stage) write, as they declare it."""
+    shape = {}
+    for stage in STAGES if stages is None else stages:
+        if stage.record == "top":
+            shape.update(declared(stage))
+        elif stage.record == "key":
+            shape[stage.name] = declared(stage)
+    return shape
+
+
+def _recorded(stages, done):
+    """The record of stages' results, each checked strictly against its declared shape.
+
+    A stage that records a key its module does not declare, or misses one it does, fails
+    the run, named with the key (declared keeps the declarations true)."""
+    record = {}
+    for stage in stages:
+        if stage.record is None:
+            continue
+        try:
+            svg.checked(done[stage.name], declared(stage),
+                        stage.name if stage.record == "key" else "", strict=True)
+        except ValueError as e:
+            raise StageFailed(f"stage {stage.name} (Part {stage.part}) recorded what "
+                              f"{stage.function.__module__}.RECORDS does not declare: {e}"
+                              ) from None
+        if stage.record == "top":
+            record.update(done[stage.name])
+        else:
+            record[stage.name] = done[stage.name]
+    return record
 
 
 class StageFailed(Exception):
@@ -260,6 +307,13 @@ def _start_worker(folder, stories):
 
 
 # ---- timing (kv-time.json: it varies, and is never compared) ------------------------
+
+# The shape (svg.checked's) of what every run times; with --times, trace_lesson.TIMED's too
+TIMING = {
+    "uncached_seconds": svg.COUNT, "cached_seconds": svg.COUNT, "speedup": svg.COUNT,
+    "uncached_microseconds_per_row": svg.COUNT, "cached_microseconds_per_row": svg.COUNT,
+    "workers": svg.COUNT, "machine": str, "python": str, "run_seconds": svg.COUNT}
+
 
 def generators_timing(runs, total, workers):
     """The greedy seconds of both generators over the openings, per story and per row."""
@@ -331,8 +385,8 @@ def main(argv=None):
         parser.error("--times records the times with --write: add --write")
     try:
         finish_saving(args.folder)   # a --write stopped midway: its files all new, first
-        unknown = (unknown_names([stage.name for stage in STAGES], args.folder)
-                   if args.write else [])   # in a moment
+        unknown = (unknown_names(record_shape(), {**TIMING, **trace_lesson.TIMED},
+                                 args.folder) if args.write else [])   # in a moment
         if unknown:
             sys.exit("trace_kv.py: error: marks that name nothing, so nothing was run or "
                      "written:\n  " + "\n  ".join(unknown))

@@ -53,21 +53,17 @@ def _old(folder, name):
         return None
 
 
-def unknown_names(stages, folder=LAB):
+def unknown_names(shape, time_shape, folder=LAB):
     """A line for each mark of folder's documents that names nothing (documents.unknown_names).
 
-    stages: the names of the stages that will record. Checked in a moment, before --write's
-    long run."""
-    try:
-        recorded = read_json(os.path.join(folder, TRACE), None, "a record of trace_kv.py")
-    except (OSError, ValueError):
-        recorded = {}
+    shape and time_shape: the record's and the timing's, as the stages declare them (in
+    svg.checked's shapes), so that no record needs to be read. Checked in a moment, before
+    --write's long run."""
     problems = []
     for name in documents.documents(folder):
         with open(os.path.join(folder, name), encoding="utf-8") as f:
-            problems += [f"{name} {line}" for line in documents.unknown_names(
-                f.read(), recorded if isinstance(recorded, dict) else {},
-                stages)]
+            problems += [f"{name} {line}"
+                         for line in documents.unknown_names(f.read(), shape, time_shape)]
     return problems
 
 
