@@ -18,6 +18,7 @@ import unittest
 from contextlib import redirect_stderr, redirect_stdout
 from unittest import mock
 
+import documents
 import kv_cache
 import lab_files
 import model
@@ -476,6 +477,20 @@ class Summary(unittest.TestCase):
             with open(os.path.join(folder, name), encoding="utf-8") as f:
                 after[name] = f.read()
         return after
+
+    def test_write_rebuilds_a_missing_or_unreadable_record_in_a_folder_of_the_lab(self):
+        """A copy of the lab's documents and data, without kv-trace.json or with one that
+        cannot be read: --write (the recorded run in place of run()) checks every mark
+        against the stages' declarations, not the record, and writes the record and every
+        document byte for byte as the lab holds them."""
+        names = [*documents.documents(), "best.json", "tokenizer.json", "corpus.txt"]
+        for old in (None, "{ not json"):
+            with self.subTest(old=old), tempfile.TemporaryDirectory() as folder:
+                files = self.write_main(folder, {trace_kv.TRACE: old, trace_kv.TIMES: None,
+                                                 **{name: lab_file(name) for name in names}})
+                self.assertEqual(files[trace_kv.TRACE], lab_file(trace_kv.TRACE))
+                for name in documents.documents():
+                    self.assertEqual(files[name], lab_file(name), name)
 
     def test_a_write_stopped_among_its_renames_is_finished_before_anything_else(self):
         with tempfile.TemporaryDirectory() as folder:
