@@ -155,6 +155,20 @@ def _check_model(model, needed=("layers",)):
 HELD = (0, 16, CONTEXT - 1)
 
 
+# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
+# against it strictly (exactly these keys), and the documents' marks before a run.
+RECORDS = {
+    "bytes_read": {
+        "lesson": [{"held": svg.COUNT, "weights": svg.COUNT, "cache": svg.COUNT}],
+        "lesson_cache_outweighs_weights_from_batch": svg.COUNT,
+        "shapes": [{
+            "layers": svg.COUNT, "kv_heads": svg.COUNT, "positions": str,
+            "latent": (*svg.COUNT, None), "rotary_key": svg.COUNT, "path": str,
+            "weights": svg.COUNT, "cache_full_context": svg.COUNT,
+            "cache_outweighs_weights_from_batch": svg.COUNT}]},
+}
+
+
 def experiment(lab):
     """Count the numbers one decode step reads, for the lesson's model and Part 5's shapes.
 

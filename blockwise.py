@@ -18,6 +18,7 @@ FlashAttention-2 does.
 """
 import math
 import sys
+import svg
 from math import exp, fsum
 
 from batched import exact_attention, forward_rows
@@ -246,6 +247,17 @@ def heuristic(q, keys, values, rows):
 
 KINDS = {"online": online, **{f"split {parts}": split(parts) for parts in (1, 2, 4, 8, 16)},
          **{f"exact {parts}": exact(parts) for parts in (1, 8)}}
+
+
+# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
+# against it strictly (exactly these keys), and the documents' marks before a run.
+RECORDS = {
+    "blockwise": {
+        "stories": svg.COUNT, "longest_row": svg.COUNT,
+        "kinds": [{
+            "kind": str, "parts": (*svg.COUNT, None), "largest_logit_gap": svg.COUNT,
+            "greedy_stories_changed": svg.COUNT, "scores_held": svg.COUNT}]},
+}
 
 
 def story_kinds(lab, index, runs):

@@ -20,6 +20,7 @@ import tempfile
 
 import generate
 import model
+import svg
 from lab_files import read_json, write_atomically
 from kv_cache import KVCache, feed, generate_cached
 from stories import story_ids
@@ -127,6 +128,14 @@ def _cache_problem(tokens, keys, values):
 
 
 # ---- the experiment (a stage of trace_kv.py) ---------------------------------------
+
+# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
+# against it strictly (exactly these keys), and the documents' marks before a run.
+RECORDS = {
+    "cache_files": {
+        "positions": svg.COUNT, "bytes": svg.COUNT, "bytes_per_position": svg.COUNT},
+}
+
 
 def experiment(lab, runs):
     """Measure the bytes per position of save_cache's files for the greedy stories' caches.

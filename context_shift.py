@@ -10,6 +10,7 @@ position table leaves (no turn can move its keys).
 import random
 
 import deep_model
+import svg
 from deep_model import BASE, DEEP_SHAPES, DeepCache, forward, forward_step, init_params, rotate
 from documents import shown
 from instruments import largest_gap, recording
@@ -157,6 +158,43 @@ def _learned_table(layers, kv_heads, seed, ids):
                                for layer in original.layers])
     against_recompute, = _continued(params, old, [recomputed], ids[SEQUENCE])
     return against_recompute
+
+
+# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
+# against it strictly (exactly these keys), and the documents' marks before a run.
+RECORDS = {
+    "rotary": {
+        "positions": svg.COUNT, "dropped": svg.COUNT, "continued": svg.COUNT,
+        "heads": svg.COUNT, "width": svg.COUNT, "base": svg.COUNT,
+        "shapes": [{
+            "layers": svg.COUNT, "kv_heads": svg.COUNT, "largest_logit_gap": svg.COUNT,
+            "floats_per_position": svg.COUNT,
+            "key_gap_rotated_back_vs_rotated_once": svg.COUNT,
+            "layer_1_keys_rotated_once_equal_recomputed": bool,
+            "key_gap_rotated_once_vs_recomputed": svg.COUNT,
+            "rounding": {"largest_logit_gap": svg.COUNT, "continuation_changed": bool},
+            "against_recompute": {
+                "largest_logit_gap": svg.COUNT, "continuation_changed": bool},
+            "offset_with_nothing_before": svg.optional({
+                "largest_logit_gap": svg.COUNT, "continuation_changed": bool}),
+            "offset_after_other_tokens": svg.optional({
+                "largest_logit_gap": svg.COUNT, "continuation_changed": bool}),
+            "learned_old_keys_against_recompute": svg.optional({
+                "largest_logit_gap": svg.COUNT, "continuation_changed": bool})}],
+        "key_gap_rotated_back_vs_rotated_once": svg.COUNT,
+        "rounding": {
+            "models": svg.COUNT, "largest_logit_gap": svg.COUNT,
+            "continuations_changed": svg.COUNT},
+        "against_recompute_by_layers": [{
+            "layers": svg.COUNT, "models": svg.COUNT, "largest_logit_gap": svg.COUNT,
+            "continuations_changed": svg.COUNT}],
+        "offset_with_nothing_before": {
+            "models": svg.COUNT, "largest_logit_gap": svg.COUNT,
+            "continuations_changed": svg.COUNT},
+        "learned_old_keys_against_recompute": {
+            "models": svg.COUNT, "largest_logit_gap": svg.COUNT,
+            "continuations_changed": svg.COUNT}},
+}
 
 
 def experiment(lab):

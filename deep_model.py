@@ -28,6 +28,7 @@ What a shape may be, and the parameters of one, are deep_params.py's.
 """
 import math
 import sys
+import svg
 
 from deep_params import check_params, init_params, kv_layers, layer_windows
 from documents import bold, shown, table
@@ -388,6 +389,22 @@ def fed_deep_model(layers, kv_heads, ids, mask=causal):
 
 
 DEEP_SHAPES = tuple((layers, kv_heads) for layers in (1, 2, 3, 4) for kv_heads in (4, 2, 1))
+
+
+# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
+# against it strictly (exactly these keys), and the documents' marks before a run.
+RECORDS = {
+    "deep_models": {
+        "positions": svg.COUNT,
+        "shapes": [{
+            "layers": svg.COUNT, "heads": svg.COUNT, "kv_heads": svg.COUNT,
+            "largest_logit_gap": svg.COUNT, "floats_per_position": svg.COUNT,
+            "formula": svg.COUNT, "bytes_per_position_as_8_byte_floats": svg.COUNT}],
+        "window_through_layers": [{
+            "layers": svg.COUNT, "window": svg.COUNT, "cached_equals_full_pass": bool,
+            "last_position_token_0_reaches": svg.COUNT,
+            "largest_logit_change_at_position_14": svg.COUNT}]},
+}
 
 
 def experiment(lab):

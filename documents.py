@@ -30,6 +30,8 @@ import inspect
 import os
 import re
 
+from svg import optional
+
 LAB = os.path.dirname(os.path.abspath(__file__))
 README, TRACE, TIMES = "README.md", "kv-trace.json", "kv-time.json"
 FIGURE = re.compile(r"<!--fig ([^>\n]*?)-->([^<\n]*)<!--/-->")   # within one line
@@ -121,12 +123,12 @@ def line_of(text, at):
     return text.count("\n", 0, at) + 1
 
 
-def unknown_names(text, recorded, stages):
+def unknown_names(text, shape, time_shape):
     """List a line for each mark of text that names nothing; fast, nothing is run or drawn.
 
-    Names nothing: a function the lab does not have, or a record entry whose first key
-    neither the recorded record (a dict) holds nor a stage of stages (their names) will
-    record."""
+    Names nothing: a function the lab does not have, or a record entry that the record's
+    declared shape (svg.checked's: the stages' declarations) or the timing's (time_shape,
+    for time.PATH) does not hold at some depth."""
     problems = []
     marks = ([(found, COMPUTED.match(found[1].partition(":")[0]))
               for found in FIGURE.finditer(text)]
@@ -140,11 +142,42 @@ def unknown_names(text, recorded, stages):
                 drawing(path if names_code is True else f"{names_code[1]}.{names_code[2]}")
             except ValueError as e:
                 problems.append(f"{where}: {e}")
-        elif not path.startswith("time.") and path.split(".")[0] not in (*recorded, *stages):
-            problems.append(f"{where}: no entry {path.split('.')[0]!r} in the record, and no "
-                            f"stage of trace_kv.STAGES is named so (a new Part's stage needs "
-                            f"its line there)")
+        else:
+            timed = path.startswith("time.")
+            problem = path_problem(path[5:] if timed else path, time_shape if timed else shape,
+                                   "kv-time.json" if timed else "the record")
+            if problem:
+                problems.append(f"{where}: {problem}")
     return problems
+
+
+def path_problem(path, shape, name):
+    """What PATH (keys joined by dots) names nothing of in shape (svg.checked's), or None.
+
+    name: what shape is the shape of, for the message."""
+    keys = path.split(".")
+    for depth, key in enumerate(keys):
+        at = f"{name}'s {'.'.join(keys[:depth])}" if depth else name
+        if isinstance(shape, dict):
+            if key not in shape and depth:
+                return (f"no entry {key!r} in {at}, as its stage declares it (its keys: "
+                        f"{', '.join(shape)[:300]})")
+            if key not in shape:
+                return (f"no entry {key!r} in {at}, as its stages declare it (a new Part's "
+                        f"stage needs its line in trace_kv.STAGES and its module's RECORDS)")
+            shape = shape[key].shape if isinstance(shape[key], optional) else shape[key]
+        elif isinstance(shape, list):
+            fields = [pair.partition("=")[0] for pair in key.split("&")] if "=" in key else []
+            if not fields and not key.isdigit():
+                return f"{at} is a list: {key!r} is neither an item's number nor field=value"
+            unknown = [field for field in fields
+                       if not isinstance(shape[0], dict) or field not in shape[0]]
+            if unknown:
+                return f"{at}'s items have no field {unknown[0]!r}"
+            shape = shape[0]
+        else:
+            return f"{at} is a single value: it has no {key!r}"
+    return None
 
 
 # ---- the Markdown helpers the Parts draw with ----------------------------------------

@@ -20,6 +20,7 @@ changes is what the dropped positions would have added, and nothing else.
 from math import fsum, isnan
 
 import model
+import svg
 from documents import shown, table
 from cache_protocol import check_positions
 from kv_cache import KVCache
@@ -221,6 +222,21 @@ KINDS = (("heavy hitters", HeavyHitterCache), ("key norms", KeyNormCache),
 # At 8 kept, heavy hitters and a window change nearly every story: the other kinds start at 12.
 RUNGS = tuple((kind, budget) for kind, _ in KINDS
               for budget in (BUDGETS if kind == "heavy hitters" else BUDGETS[1:]))
+
+
+# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
+# against it strictly (exactly these keys), and the documents' marks before a run.
+RECORDS = {
+    "eviction": {
+        "stories": svg.COUNT,
+        "rungs": [{
+            "cache": str, "bytes_per_position": (*svg.COUNT, None),
+            "positions_kept": svg.COUNT, "largest_logit_gap": svg.COUNT,
+            "greedy_stories_changed": svg.COUNT, "sampled_stories_changed": svg.COUNT,
+            "most_positions_a_row_read_after_the_prompt": svg.COUNT,
+            "rows_compared_with_the_masked_pass": svg.COUNT,
+            "rows_equal_to_the_masked_pass": svg.COUNT}]},
+}
 
 
 def rung(lab, index, runs):

@@ -7,6 +7,7 @@ its seed.
 import generate
 import kv_cache
 import model
+import svg
 from documents import bold, table
 from instruments import passes_by_input, recording, reusing
 from kv_cache import feed
@@ -57,6 +58,21 @@ def sample_from_forks(params, tok, prompt, seeds, pool):
 
 
 # ---- the experiment (a stage of trace_kv.py) --------------------------------------
+
+# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
+# against it strictly (exactly these keys), and the documents' marks before a run.
+RECORDS = {
+    "parallel_sampling": {
+        "continuations_each": svg.COUNT,
+        "openings": [{
+            "prompt": str, "prompt_tokens": svg.COUNT, "distinct_continuations": svg.COUNT,
+            "blocks_held_with_forks": svg.COUNT,
+            "blocks_held_by_caches_of_their_own": svg.COUNT,
+            "prompt_rows_with_forks": svg.COUNT,
+            "prompt_rows_with_caches_of_their_own": svg.COUNT,
+            "identical_to_generate": svg.COUNT}]},
+}
+
 
 def parallel_sampling(lab):
     """Sample FORKS continuations of each of the first FORKED_OPENINGS openings from forks.

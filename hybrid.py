@@ -233,6 +233,26 @@ def sink_merges(params, ids):
     return {"reads": len(reads), "mergings_compared": len(merged), "mergings_equal": sum(merged)}
 
 
+# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
+# against it strictly (exactly these keys), and the documents' marks before a run.
+RECORDS = {
+    "hybrid_models": {
+        "positions": svg.COUNT, "window": svg.COUNT,
+        "models": [{
+            "model": str, "layers": svg.COUNT, "windows": [(*svg.COUNT, None)],
+            "sinks": bool, "kv_from": [svg.COUNT], "rows_compared": svg.COUNT,
+            "largest_logit_gap": svg.COUNT, "positions_held": svg.COUNT,
+            "numbers_per_position": svg.COUNT, "formula": svg.COUNT}],
+        "sinks": {
+            "model": str, "positions_held": [svg.COUNT],
+            "numbers_per_position": [svg.COUNT], "largest_logit_change": svg.COUNT,
+            "reads": svg.COUNT, "mergings_compared": svg.COUNT,
+            "mergings_equal": svg.COUNT},
+        "real_models": [{
+            "model": str, "bytes_as_windows": [svg.COUNT], "bytes_as_full": [svg.COUNT]}]},
+}
+
+
 def experiment(lab):
     """Run each of tried_models() along deep_ids(lab): rows, cache, and sinks.
 

@@ -361,6 +361,54 @@ def freeing_against_keeping(params, ids, block_size):
 BLOCK_SIZE = 2   # against a window of 4 (hybrid.WINDOW), as 16 against gpt-oss's 128
 
 
+# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
+# against it strictly (exactly these keys), and the documents' marks before a run.
+RECORDS = {
+    "hybrid_pool": {
+        "positions": svg.COUNT, "window": svg.COUNT, "block_size": svg.COUNT,
+        "models": {
+            "gpt-oss": {
+                "freeing": {
+                    "window_blocks_by_step": [svg.COUNT],
+                    "full_blocks_by_step": [svg.COUNT],
+                    "window_blocks_at_the_end": svg.COUNT,
+                    "full_blocks_at_the_end": svg.COUNT, "page_bytes": svg.COUNT,
+                    "rows_equal_to_the_masked_pass": bool},
+                "keeping": {
+                    "window_blocks_by_step": [svg.COUNT],
+                    "full_blocks_by_step": [svg.COUNT],
+                    "window_blocks_at_the_end": svg.COUNT,
+                    "full_blocks_at_the_end": svg.COUNT, "page_bytes": svg.COUNT,
+                    "rows_equal_to_the_masked_pass": bool}},
+            "gemma-3": {
+                "freeing": {
+                    "window_blocks_by_step": [svg.COUNT],
+                    "full_blocks_by_step": [svg.COUNT],
+                    "window_blocks_at_the_end": svg.COUNT,
+                    "full_blocks_at_the_end": svg.COUNT, "page_bytes": svg.COUNT,
+                    "rows_equal_to_the_masked_pass": bool},
+                "keeping": {
+                    "window_blocks_by_step": [svg.COUNT],
+                    "full_blocks_by_step": [svg.COUNT],
+                    "window_blocks_at_the_end": svg.COUNT,
+                    "full_blocks_at_the_end": svg.COUNT, "page_bytes": svg.COUNT,
+                    "rows_equal_to_the_masked_pass": bool}},
+            "shared": {
+                "freeing": {
+                    "window_blocks_by_step": [svg.COUNT],
+                    "full_blocks_by_step": [svg.COUNT],
+                    "window_blocks_at_the_end": svg.COUNT,
+                    "full_blocks_at_the_end": svg.COUNT, "page_bytes": svg.COUNT,
+                    "rows_equal_to_the_masked_pass": bool},
+                "keeping": {
+                    "window_blocks_by_step": [svg.COUNT],
+                    "full_blocks_by_step": [svg.COUNT],
+                    "window_blocks_at_the_end": svg.COUNT,
+                    "full_blocks_at_the_end": svg.COUNT, "page_bytes": svg.COUNT,
+                    "rows_equal_to_the_masked_pass": bool}}}},
+}
+
+
 def experiment(lab):
     """Compare freeing and keeping along deep_ids for each of hybrid.tried_models().
 

@@ -24,6 +24,7 @@ from documents import bold, shown, table
 from instruments import largest_gap
 from model import (VOCAB_SIZE, WIDTH, add, check_int, dot, excerpt, layernorm, linear, relu,
                    softmax_row)
+import svg
 
 Folded = namedtuple("Folded", "params blocks")
 Folded.__doc__ = """A latent model's weights folded for the absorbed path, once per model:
@@ -275,6 +276,30 @@ def _latent_case(layers, positions, latent_width, rotary_key, prompt, continued)
             "largest_gap_absorbed": largest_gap(absorbed, full),
             "continuation_parts_at": parts[0] if parts else None,
             "floats_per_position": cache.floats_per_position()}
+
+
+# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
+# against it strictly (exactly these keys), and the documents' marks before a run.
+RECORDS = {
+    "latent_attention": {
+        "prompt": svg.COUNT, "continued": svg.COUNT,
+        "shapes": [{
+            "layers": svg.COUNT, "positions": str, "latent": svg.COUNT,
+            "rotary_key": svg.COUNT, "largest_gap_rebuilt": svg.COUNT,
+            "largest_gap_absorbed": svg.COUNT, "continuation_parts_at": (*svg.COUNT, None),
+            "floats_per_position": svg.COUNT, "formula": svg.COUNT,
+            "against": {
+                "multi-head": svg.COUNT, "grouped-query": svg.COUNT,
+                "multi-query": svg.COUNT}}],
+        "work_per_step": {
+            "shape": {
+                "layers": svg.COUNT, "heads": svg.COUNT, "kv_heads": svg.COUNT,
+                "width": svg.COUNT, "positions": str, "latent": svg.COUNT,
+                "rotary_key": svg.COUNT},
+            "steps": [{
+                "attended": svg.COUNT, "rebuilt": svg.COUNT, "absorbed": svg.COUNT,
+                "multi-head": svg.COUNT, "multi-query": svg.COUNT}]}},
+}
 
 
 def experiment(lab):

@@ -201,6 +201,18 @@ RUNGS = (("exact lists, sums in another order", "reordered"),
          *((f"window {w}, sinks {s}", (w, s)) for w, s in WINDOWS))
 
 
+# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
+# against it strictly (exactly these keys), and the documents' marks before a run.
+RECORDS = {
+    "ladder": {
+        "stories": svg.COUNT,
+        "rungs": [{
+            "cache": str, "bytes_per_position": (*svg.COUNT, None),
+            "positions_kept": (*svg.COUNT, None), "largest_logit_gap": svg.COUNT,
+            "greedy_stories_changed": svg.COUNT, "sampled_stories_changed": svg.COUNT}]},
+}
+
+
 def ladder_rung(lab, rung, runs):
     """Measure one way of keeping the cache (RUNGS[rung]) on every opening (measure).
 

@@ -20,6 +20,7 @@ The lab's model is counted from the rows and scores its prefill and decode compu
 the shapes in their config.json, with bandwidth.py's formulas.
 """
 import math
+import svg
 
 from bandwidth import (A100_BYTES_PER_SECOND, CONTEXT_WINDOWS, LESSON, LLAMA_2_7B,
                        cache_bytes_per_token, floats_read, llama_parameters,
@@ -196,6 +197,23 @@ def _check_gpu(gpu):
 
 PROMPTS = (1000, 10000)          # tokens, for the first token
 REQUEST_LENGTHS = (4096, 32768)  # tokens each request holds, for the memory
+
+
+# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
+# against it strictly (exactly these keys), and the documents' marks before a run.
+RECORDS = {
+    "one_gpu": {
+        "lesson": {
+            "prompts": svg.COUNT, "prompt_tokens": svg.COUNT,
+            "prefill_multiply_adds": svg.COUNT, "prefill_numbers_read": svg.COUNT,
+            "decode_multiply_adds": svg.COUNT, "decode_numbers_read": svg.COUNT},
+        "models": [{
+            "model": str, "kv_heads": svg.COUNT, "prefill_seconds": [(*svg.COUNT, None)],
+            "decode_seconds": [(*svg.COUNT, None)], "tokens_to_the_ridge": svg.COUNT,
+            "weight_bytes": svg.COUNT, "bytes_left": svg.COUNT,
+            "cache_kib_per_token": svg.COUNT, "tokens_that_fit": svg.COUNT,
+            "requests": [(*svg.COUNT, None)]}]},
+}
 
 
 def experiment(lab):

@@ -9,6 +9,7 @@ from collections import OrderedDict
 
 import generate
 import model
+import svg
 from cache_protocol import check_positions
 from documents import LAB, shown, table
 from kv_cache import KVCache, feed, generate_cached
@@ -372,6 +373,23 @@ class PagedSequence(KVCache):
 
 
 # ---- the experiment (a stage of trace_kv.py) --------------------------------------
+
+# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
+# against it strictly (exactly these keys), and the documents' marks before a run.
+RECORDS = {
+    "paged": {
+        "positions_held": svg.COUNT,
+        "slots_reserved": {
+            "static, 64 per story": svg.COUNT, "blocks of 4": svg.COUNT,
+            "blocks of 8": svg.COUNT, "blocks of 16": svg.COUNT},
+        "wasted_share": {
+            "static, 64 per story": svg.COUNT, "blocks of 4": svg.COUNT,
+            "blocks of 8": svg.COUNT, "blocks of 16": svg.COUNT},
+        "prefix_sharing_blocks_of_4": {
+            "blocks_shared": svg.COUNT, "prompt_rows_without_sharing": svg.COUNT,
+            "prompt_rows_with_sharing": svg.COUNT, "greedy_identical": svg.COUNT}},
+}
+
 
 def experiment(lab, runs):
     """Count the slots a cache reserves for the 60 greedy stories, and share prefixes.

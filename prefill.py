@@ -11,6 +11,7 @@ from itertools import accumulate
 import batched
 import generate
 import model
+import svg
 from instruments import largest_gap, recording, results
 from kv_cache import KVCache, check_cache, held_prefix
 
@@ -73,6 +74,17 @@ def generate_one_pass(params, tok, prompt, max_new_tokens=60, temperature=0.0, t
 
 
 # ---- the experiment (a stage of trace_kv.py) ---------------------------------------
+
+# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
+# against it strictly (exactly these keys), and the documents' marks before a run.
+RECORDS = {
+    "one_pass_prefill": {
+        "positions_compared_by_chunk": {
+            "1": svg.COUNT, "4": svg.COUNT, "8": svg.COUNT, "whole prompt": svg.COUNT},
+        "largest_logit_gap": svg.COUNT, "greedy_identical": svg.COUNT,
+        "prompt_calls_one_token_at_a_time": svg.COUNT, "prompt_calls_one_pass": svg.COUNT},
+}
+
 
 def experiment(lab, runs):
     """Check one-pass prefill: chunked prompts row by row, whole prompts story by story.

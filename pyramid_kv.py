@@ -24,6 +24,7 @@ from documents import bold, shown, table
 from eviction import check_kernel, snapkv_choice
 from instruments import largest_gap
 from model import CONTEXT, WIDTH, check_int, excerpt
+import svg
 
 KINDS = ("pyramid", "uniform")
 
@@ -132,6 +133,22 @@ def pyramid_run(params, ids, prompt_tokens, budget, kind, full):
                 largest_gap(rows[prompt_tokens:], full[prompt_tokens:]),
             "rows_compared_with_the_masked_pass": len(rows),
             "rows_equal_to_the_masked_pass": sum(a == b for a, b in zip(rows, masked))}
+
+
+# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
+# against it strictly (exactly these keys), and the documents' marks before a run.
+RECORDS = {
+    "pyramid": {
+        "layers": svg.COUNT, "heads": svg.COUNT, "kv_heads": svg.COUNT,
+        "positions": svg.COUNT, "prompt_tokens": svg.COUNT, "window": svg.COUNT,
+        "kernel": svg.COUNT, "beta": svg.COUNT,
+        "runs": [{
+            "budget": svg.COUNT, "kind": str, "layer_budgets": [svg.COUNT],
+            "prompt_positions_kept": svg.COUNT, "floats_per_position": svg.COUNT,
+            "largest_logit_gap_of_the_decoded_rows": svg.COUNT,
+            "rows_compared_with_the_masked_pass": svg.COUNT,
+            "rows_equal_to_the_masked_pass": svg.COUNT}]},
+}
 
 
 def experiment(lab):

@@ -18,6 +18,7 @@ from array import array
 
 import model
 import documents
+import svg
 from cache_protocol import check_positions
 from documents import shown
 from instruments import largest_gap
@@ -346,6 +347,40 @@ def side_by_side(record):
 def full_context(lab):
     """The first 64 tokens of the test stories: a full context."""
     return [t for story in lab.test for t in lab.tok.encode(story)][:model.CONTEXT]
+
+
+# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
+# against it strictly (exactly these keys), and the documents' marks before a run.
+RECORDS = {
+    "quantization": {
+        "stories": svg.COUNT,
+        "rungs": [{
+            "cache": str, "rotate": bool, "flush": str, "bits": svg.COUNT,
+            "group": svg.COUNT, "residual": svg.COUNT, "bytes_per_position": svg.COUNT,
+            "bytes_per_quantized_position": svg.COUNT,
+            "positions_kept": (*svg.COUNT, None), "largest_logit_gap": svg.COUNT,
+            "greedy_stories_changed": svg.COUNT, "sampled_stories_changed": svg.COUNT,
+            "numbers_requantized": svg.COUNT, "numbers_moved": svg.COUNT}],
+        "one_scale_rungs": [{
+            "cache": str, "format": str, "rotate": bool, "bytes_per_position": svg.COUNT,
+            "positions_kept": (*svg.COUNT, None), "largest_logit_gap": svg.COUNT,
+            "greedy_stories_changed": svg.COUNT, "sampled_stories_changed": svg.COUNT}],
+        "turned_only": {
+            "positions": svg.COUNT, "rows_equal": bool, "largest_logit_gap": svg.COUNT},
+        "key_channel_peaks": svg.COUNT, "value_channel_peaks": svg.COUNT,
+        "compounding": {
+            "positions": svg.COUNT, "quantized": svg.COUNT,
+            "numbers_requantized": svg.COUNT, "numbers_moved": svg.COUNT,
+            "largest_key_error": svg.COUNT, "largest_key_error_quantized_once": svg.COUNT},
+        "whole_groups": {
+            "positions": svg.COUNT, "quantized": svg.COUNT,
+            "numbers_requantized": svg.COUNT, "numbers_moved": svg.COUNT,
+            "largest_key_error": svg.COUNT, "largest_key_error_quantized_once": svg.COUNT},
+        "prompt_rows": {
+            "residual": svg.COUNT, "prompt_rows": svg.COUNT,
+            "rows_reading_quantized_keys": svg.COUNT,
+            "stories_choosing_the_first_token_from_them": svg.COUNT}},
+}
 
 
 def rung(lab, case, runs):

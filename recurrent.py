@@ -380,6 +380,31 @@ def checkpoint_runs(params, prompts):
     return runs
 
 
+# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
+# against it strictly (exactly these keys), and the documents' marks before a run.
+RECORDS = {
+    "recurrent": {
+        "positions": svg.COUNT, "kinds": [str], "rows_compared": svg.COUNT,
+        "rows_equal": bool, "largest_logit_gap": svg.COUNT,
+        "lengths": [{
+            "length": svg.COUNT, "state_numbers": svg.COUNT, "kv_numbers": svg.COUNT,
+            "formula": [svg.COUNT]}],
+        "chunked": [{"chunk": svg.COUNT, "largest_logit_gap": svg.COUNT}],
+        "prefix": {
+            "shared": svg.COUNT, "prompt": svg.COUNT, "new_tokens": svg.COUNT,
+            "attention_reuse": [svg.COUNT],
+            "checkpoints": [{
+                "every": svg.COUNT, "positions_reused": [svg.COUNT],
+                "checkpoints_stored": svg.COUNT, "numbers_stored": svg.COUNT,
+                "rows_equal_to_the_full_pass": bool}]},
+        "real_models": [{
+            "model": str, "recurrent_layers": svg.COUNT, "attention_layers": svg.COUNT,
+            "state_bytes": svg.COUNT, "attention_layer_bytes": [svg.COUNT],
+            "model_bytes": [svg.COUNT], "every_layer_attention_bytes": [svg.COUNT],
+            "tokens_as_large": svg.COUNT}]},
+}
+
+
 def experiment(lab):
     """Run tried_model() along deep_ids(lab): rows, bytes, chunks, checkpoints, real models.
 

@@ -11,6 +11,7 @@ from collections import deque
 import blockwise
 import generate
 import model
+import svg
 from batched import (ItemRefused, batch_invariant, by_batch, by_batch_float32, computed_by,
                      exact, exact_attention, forward_rows)
 from documents import LAB, bold, shown, table
@@ -259,6 +260,56 @@ def serve_and_compare(lab, requests, results, full_rows, pool, max_batch):
                if tuple(generation.ids) in rows),
               default=None)   # None: no story came out as the uncached one
     return counts, sum(s == r for s, r in zip(served, results)), gap
+
+
+# The records of this module's stages, in svg.checked's shapes: trace_kv checks each run
+# against them strictly (exactly these keys), and the documents' marks before a run.
+RECORDS = {
+    "prefix_cache": {
+        "positions_held_in_all": svg.COUNT,
+        "small pool": {
+            "blocks": svg.COUNT, "prefix_hits": svg.COUNT, "rows_saved": svg.COUNT,
+            "rows": svg.COUNT, "evictions": svg.COUNT, "identical": svg.COUNT,
+            "largest_logit_gap_of_choosing_rows": svg.COUNT},
+        "ample pool": {
+            "blocks": svg.COUNT, "prefix_hits": svg.COUNT, "rows_saved": svg.COUNT,
+            "rows": svg.COUNT, "evictions": svg.COUNT, "identical": svg.COUNT,
+            "largest_logit_gap_of_choosing_rows": svg.COUNT}},
+    "many_requests": {
+        "requests": svg.COUNT, "max_batch": svg.COUNT,
+        "small pool": {
+            "steps": svg.COUNT, "request_steps": svg.COUNT, "rows": svg.COUNT,
+            "recomputed_rows": svg.COUNT, "readmitted_positions": svg.COUNT,
+            "readmitted_prefix_hits": svg.COUNT, "preemptions": svg.COUNT,
+            "peak_blocks": svg.COUNT, "prefix_hits": svg.COUNT, "blocks": svg.COUNT,
+            "evictions": svg.COUNT, "mean_requests_per_step": svg.COUNT,
+            "first_admission_prefix_hits": svg.COUNT, "identical": svg.COUNT,
+            "largest_logit_gap_of_choosing_rows": svg.COUNT},
+        "ample pool": {
+            "steps": svg.COUNT, "request_steps": svg.COUNT, "rows": svg.COUNT,
+            "recomputed_rows": svg.COUNT, "readmitted_positions": svg.COUNT,
+            "readmitted_prefix_hits": svg.COUNT, "preemptions": svg.COUNT,
+            "peak_blocks": svg.COUNT, "prefix_hits": svg.COUNT, "blocks": svg.COUNT,
+            "evictions": svg.COUNT, "mean_requests_per_step": svg.COUNT,
+            "first_admission_prefix_hits": svg.COUNT, "identical": svg.COUNT,
+            "largest_logit_gap_of_choosing_rows": svg.COUNT},
+        "small_pool_extra_rows": {
+            "in_all": svg.COUNT, "recomputed": svg.COUNT, "prefix_sharing_lost": svg.COUNT},
+        "static_batching_steps": svg.COUNT},
+    "batched_decode": {
+        "requests": svg.COUNT,
+        "runs": [{
+            "kernel": str, "max_batch": svg.COUNT, "pool": str, "blocks": svg.COUNT,
+            "steps": svg.COUNT, "preemptions": svg.COUNT, "prefix_hits": svg.COUNT,
+            "stories_identical_to_generate": svg.COUNT,
+            "greedy_stories_identical_to_generate": (*svg.COUNT, None),
+            "largest_logit_gap_against_exact": svg.COUNT,
+            "stories_identical_to_batches_of_1": svg.COUNT,
+            "first_position_parting_from_batches_of_1": (*svg.COUNT, None),
+            "choosing_rows_compared_with_batches_of_1": svg.COUNT,
+            "choosing_rows_unlike_batches_of_1": svg.COUNT,
+            "logits_as_with_batches_of_1": bool}]},
+}
 
 
 def prefix_cache(lab, runs):

@@ -11,6 +11,7 @@ from collections import Counter
 import generate
 import model
 import prefill
+import svg
 from documents import bold, shown, table
 from instruments import chosen_rows, largest_gap, recording
 from kv_cache import KVCache, check_cache, fork_for_prompt
@@ -166,6 +167,17 @@ def _openings(lab):
             prefill.prefill(lab.params, cache, lab.tok.encode(prompt), 0)
         _PREFILLED.update(lab=lab, caches=caches)
     return _PREFILLED["caches"]
+
+
+# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
+# against it strictly (exactly these keys), and the documents' marks before a run.
+RECORDS = {
+    "speculative_decoding": [{
+        "drafter": str, "lookahead": svg.COUNT, "identical": svg.COUNT,
+        "model_calls": svg.COUNT, "model_calls_one_per_token": svg.COUNT,
+        "rows": svg.COUNT, "rows_one_per_token": svg.COUNT, "drafted": svg.COUNT,
+        "accepted": svg.COUNT, "largest_logit_gap_of_choosing_rows": svg.COUNT}],
+}
 
 
 def experiment(lab, draft, runs):

@@ -13,6 +13,7 @@ or a ValueError names the key and what is wrong with it.
 import math
 import re
 import reprlib
+from collections import namedtuple
 from xml.sax.saxutils import escape as _escape_markup
 
 WIDTH, HEIGHT = 720, 400
@@ -21,6 +22,7 @@ MARKERS = ("circle", "square", "triangle", "diamond",
            "open circle", "open square", "open triangle", "open diamond", "plus")
 LARGEST = 10 ** 12     # a number beyond any run of this lab: a record holding one is refused
 COUNT = (0, LARGEST)   # the shape (checked) of a count in the record
+NUMBER = (-LARGEST, LARGEST)   # of a number that may be negative
 MOST_ITEMS = 64        # the longest list of the record a picture draws an item of each of
 MOST_CHARACTERS = 200  # a longer text is cut, with an ellipsis
 # What XML 1.0 forbids in a document (control characters, lone surrogates, U+FFFE and U+FFFF)
@@ -29,35 +31,48 @@ _SHOWN.maxlevel = 1
 _NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 
 
-def checked(record, shape, where=""):
+def checked(record, shape, where="", strict=False):
     """Give record back if it has shape; else a ValueError names the key and what is wrong.
 
-    Shapes: {key: shape} a dict holding at least those keys; [shape] a list of 1 to
-    MOST_ITEMS items; str a string; (low, high) a finite number from low to high (a bool is
-    not one); (low, high, None) such a number or None."""
+    Shapes: {key: shape} a dict holding at least those keys (exactly those, if strict; a
+    key whose shape is optional(shape) may be missing); [shape] a list of 1 to MOST_ITEMS
+    items, [shape, (low, high)] one of low to high items; str a string; bool a bool;
+    (low, high) a finite number from low to high (a bool is not one); (low, high, None)
+    such a number or None."""
     name = f"the record's {where}" if where else "the record"
     if isinstance(shape, dict):
         if not isinstance(record, dict):
             raise ValueError(f"{name} is {_SHOWN.repr(record)}, not an object of keys")
         for key, inner in shape.items():
-            if key not in record:
+            if key in record:
+                checked(record[key], inner.shape if isinstance(inner, optional) else inner,
+                        f"{where}.{key}" if where else key, strict)
+            elif not isinstance(inner, optional):
                 raise ValueError(f"{name} has no key {key!r}")
-            checked(record[key], inner, f"{where}.{key}" if where else key)
+        unknown = [key for key in record if key not in shape] if strict else []
+        if unknown:
+            raise ValueError(f"{name} has a key {_SHOWN.repr(unknown[0])} that is not declared")
     elif isinstance(shape, list):
-        if not isinstance(record, list) or not 1 <= len(record) <= MOST_ITEMS:
-            raise ValueError(f"{name} is {_SHOWN.repr(record)}, not a list of 1 to "
-                             f"{MOST_ITEMS} items")
+        low, high = shape[1] if len(shape) == 2 else (1, MOST_ITEMS)
+        if not isinstance(record, list) or not low <= len(record) <= high:
+            raise ValueError(f"{name} is {_SHOWN.repr(record)}, not a list of {low} to "
+                             f"{high} items")
         for i, item in enumerate(record):
-            checked(item, shape[0], f"{where}[{i}]")
-    elif shape is str:
-        if not isinstance(record, str):
-            raise ValueError(f"{name} is {_SHOWN.repr(record)}, not a string")
+            checked(item, shape[0], f"{where}[{i}]", strict)
+    elif shape is str or shape is bool:
+        if not isinstance(record, shape):
+            raise ValueError(f"{name} is {_SHOWN.repr(record)}, not a "
+                             f"{'string' if shape is str else 'bool'}")
     elif not (record is None and len(shape) == 3) and (
             isinstance(record, bool) or not isinstance(record, (int, float))
             or not shape[0] <= record <= shape[1]):
         raise ValueError(f"{name} is {_SHOWN.repr(record)}, not a number from {shape[0]:,} "
                          f"to {shape[1]:,}" + (" (or null)" if len(shape) == 3 else ""))
     return record
+
+
+class optional(namedtuple("optional", "shape")):
+    """The shape of a dict's key that may be missing: optional(shape) in a dict's shape."""
 
 
 def escape(words):

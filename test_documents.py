@@ -16,6 +16,7 @@ import bpe
 import checkpoint
 import documents
 import model
+import svg
 import verdicts
 from stories import openings, split_stories
 from support import HERE, lab_file
@@ -24,24 +25,28 @@ CONFLICT = re.compile(r"^(<{7} |={7}$|>{7} )", re.M)   # what a merge leaves whe
 
 RECORDED = {"work": {"cached_rows": 5}, "paged": {"slots": 3}}
 RECORD, TIMING = (json.loads(lab_file(name)) for name in (documents.TRACE, documents.TIMES))
-STAGES = ["paged", "eviction"]
+SHAPE = {"work": {"cached_rows": svg.COUNT}, "paged": {"slots": svg.COUNT},   # as declared
+         "eviction": {"kept": svg.COUNT, "rungs": [{"cache": str, "gap": svg.optional(svg.COUNT)}]}}
+TIME_SHAPE = {"speedup": svg.COUNT}
 
 
 class Marks(unittest.TestCase):
 
     def test_a_mark_may_name_the_record_a_stage_to_come_or_a_function_of_the_lab(self):
         text = ("<!--fig work.cached_rows-->5<!--/--> <!--fig time.speedup-->1<!--/-->\n"
-                "<!--fig eviction.kept-->1<!--/--> <!--fig forks.forks_table()-->x<!--/-->\n\n"
+                "<!--fig eviction.kept-->1<!--/--> <!--fig forks.forks_table()-->x<!--/-->\n"
+                "<!--fig eviction.rungs.0.gap:.2f-->1<!--/--> "
+                "<!--fig eviction.rungs.cache=int4&gap=0.cache-->1<!--/-->\n\n"
                 "<!--block lossy.ladder_table-->\n| a |\n\n"
                 "<!--picture lossy.ladder_picture-->\n![the ladder](kv-ladder.svg)\n")
-        self.assertEqual(documents.unknown_names(text, RECORDED, STAGES), [])
+        self.assertEqual(documents.unknown_names(text, SHAPE, TIME_SHAPE), [])
 
     def test_a_mark_that_names_nothing_is_named_with_its_line(self):
         text = ("one <!--fig wrok.cached_rows-->5<!--/-->\n"
                 "<!--fig paged.no_such_figure()-->x<!--/-->\n\n"
                 "<!--block lossy.no_such_table-->\n| a |\n\n"
                 "<!--picture nowhere.drawn-->\n![a picture](kv-x.svg)\n")
-        problems = documents.unknown_names(text, RECORDED, STAGES)
+        problems = documents.unknown_names(text, SHAPE, TIME_SHAPE)
         self.assertEqual(len(problems), 4, problems)
         self.assertRegex(problems[0], r"^line 1, <!--fig wrok\.cached_rows-->.*no entry 'wrok' "
                                       r"in the record.*trace_kv\.STAGES")
@@ -49,6 +54,25 @@ class Marks(unittest.TestCase):
         self.assertIn("paged.py has no function no_such_figure", problems[1])
         self.assertIn("lossy.py has no function no_such_table", problems[2])
         self.assertIn("nowhere.drawn names no module of the lab", problems[3])
+
+    def test_a_mark_is_checked_against_the_declared_shapes_at_every_depth(self):
+        """A wrong key under a known one, in a list's item, in a field picking an item,
+        below a single value, and under time. (The stages' real declarations meet every
+        document's marks in test_trace_kv.)"""
+        marks = {"work.cached_rowz": "no entry 'cached_rowz' in the record's work",
+                 "eviction.rungs.0.cahce": "no entry 'cahce' in the record's eviction.rungs.0",
+                 "eviction.rungs.cahce=int4.gap": "the record's eviction.rungs's items have no "
+                                                  "field 'cahce'",
+                 "eviction.rungs.first.gap": "the record's eviction.rungs is a list: 'first' "
+                                             "is neither",
+                 "eviction.kept.count": "the record's eviction.kept is a single value: it has "
+                                        "no 'count'",
+                 "time.speedupp": "no entry 'speedupp' in kv-time.json"}
+        text = "".join(f"<!--fig {mark}-->1<!--/-->\n" for mark in marks)
+        problems = documents.unknown_names(text, SHAPE, TIME_SHAPE)
+        self.assertEqual(len(problems), len(marks), problems)
+        for (mark, problem), found in zip(marks.items(), problems):
+            self.assertIn(f"<!--fig {mark}-->1<!--/-->: {problem}", found)
 
     def test_an_entry_missing_from_the_record_is_a_key_error_that_names_it(self):
         with self.assertRaisesRegex(KeyError, "work.rows has no 'rows'"):

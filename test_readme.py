@@ -23,6 +23,7 @@ import unittest.mock
 import course_map
 import documents
 import trace_kv
+import trace_records
 from course_map import (EXERCISES, anchor, code_lines, course, heading_offsets,
                         is_lab_module, opening, parts, prose_words, the_documents)
 from documents import BLOCK, FIGURE, README
@@ -421,7 +422,7 @@ class Figures(unittest.TestCase):
                     f.write(text)
             with self.assertRaisesRegex(ValueError, r"^part2-x\.md: a mark cannot be "
                                                     r"filled .*nothing was written"):
-                trace_kv.save_records({"stories": 60}, {}, folder)
+                trace_records.save_records({"stories": 60}, {}, folder)
             after = {}
             for name in os.listdir(folder):
                 with open(os.path.join(folder, name), encoding="utf-8") as f:
@@ -433,7 +434,7 @@ class Figures(unittest.TestCase):
 
     def test_the_quick_start_gives_the_run_time_as_the_progress_line_does(self):
         shown = FIGURE.sub(lambda found: found[2], self.texts[README])
-        self.assertIn(trace_kv.last_duration().strip(), shown)
+        self.assertIn(trace_records.last_duration().strip(), shown)
 
     def test_section_9_gives_llama_2_7b_s_weights_as_bandwidth_counts_them(self):
         """Section 9's weights, in GB and in GiB, are bandwidth.llama_parameters' at 2

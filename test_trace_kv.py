@@ -1,6 +1,7 @@
 """Tests of trace_kv.py: its stages shared by workers, a failing or killed stage, the
 record's files and the command's output. That the record, kv-trace.json, is what the
 whole run records now is test_whole_trace's."""
+import ast
 import io
 import json
 import multiprocessing
@@ -17,11 +18,15 @@ import unittest
 from contextlib import redirect_stderr, redirect_stdout
 from unittest import mock
 
+import documents
 import kv_cache
 import lab_files
 import model
 import support
+import instruments
 import trace_kv
+import trace_lesson
+import trace_records
 from instruments import recording
 from support import HERE, lab_file
 
@@ -44,7 +49,7 @@ class Workers(unittest.TestCase):
         self.assertEqual(len(loads), 1)
         shared, timing = trace_kv.run(workers=2, stories=1, parts=1)
         self.assertEqual(timing["workers"], 2)
-        self.assertEqual(trace_kv.differing_keys(alone, shared), [])
+        self.assertEqual(trace_records.differing_keys(alone, shared), [])
         self.assertEqual(json.dumps(alone), json.dumps(shared))   # byte for byte, in order
         self.assertIn("prefix_sharing", alone)
         self.assertNotIn("ladder", alone)
@@ -65,6 +70,33 @@ class FailingStage(unittest.TestCase):
                          r"^stage sums_in_another_order \(Part 1\) failed: ValueError: chunk "
                          r"size must be an int >= 1, got 0 \(in .*model\.py line \d+, "
                          r"check_int\)$")
+
+
+class DeclaredRecords(unittest.TestCase):
+
+    def test_a_stage_that_records_an_undeclared_key_or_misses_one_fails_the_run_naming_it(self):
+        """Planted in the real stage: a key added to what it returns, or one dropped."""
+        added = instruments.replacing(
+            lambda node: isinstance(node, ast.Dict) and len(node.keys) == 2,
+            lambda node: ast.Dict([*node.keys, ast.Constant("gap_second_story")],
+                                  [*node.values, ast.Constant(0.0)]))
+        dropped = instruments.replacing(
+            lambda node: isinstance(node, ast.Dict) and len(node.keys) == 2,
+            lambda node: ast.Dict(node.keys[:1], node.values[:1]))
+        for planting, problem in (
+                (added, "the record's sums_in_another_order has a key 'gap_second_story' "
+                        "that is not declared"),
+                (dropped, "the record's sums_in_another_order has no key "
+                          "'largest_logit_gap_first_story_in_both_paths'")):
+            planted = instruments.plant(trace_lesson, "reordered_sums", planting)
+            stages = tuple(stage._replace(function=planted) for stage in trace_kv.STAGES
+                           if stage.name == "sums_in_another_order")   # the only stage run
+            with self.subTest(problem=problem), mock.patch.object(trace_kv, "STAGES", stages), \
+                    self.assertRaises(trace_kv.StageFailed) as failed:
+                trace_kv.run(workers=1, stories=1, parts=1)
+            self.assertEqual(str(failed.exception),
+                             "stage sums_in_another_order (Part 1) recorded what "
+                             f"trace_lesson.RECORDS does not declare: {problem}")
 
 
 @unittest.skipUnless(hasattr(signal, "SIGKILL")
@@ -219,9 +251,9 @@ class RecordFiles(unittest.TestCase):
                 with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
                     f.write(text)
             timing = {"python": "3"}
-            self.assertEqual(trace_kv.save_records({"stories": 60}, timing, folder),
+            self.assertEqual(trace_records.save_records({"stories": 60}, timing, folder),
                              [trace_kv.TRACE, trace_kv.TIMES, "the figures of README.md"])
-            self.assertEqual(trace_kv.save_records({"stories": 60}, timing, folder, False),
+            self.assertEqual(trace_records.save_records({"stories": 60}, timing, folder, False),
                              [trace_kv.TRACE])
 
     def test_a_failed_write_keeps_the_previous_records_and_leaves_no_temporary_file(self):
@@ -234,30 +266,55 @@ class RecordFiles(unittest.TestCase):
                 with self.subTest(failing=target):
                     with mock.patch(target, side_effect=OSError("disk full")):
                         with self.assertRaises(OSError):
-                            trace_kv.save_records({"stories": 60}, {"python": "3"}, folder)
+                            trace_records.save_records({"stories": 60}, {"python": "3"}, folder)
                     self.assertEqual(sorted(os.listdir(folder)), sorted(previous))
                     for name, text in previous.items():
                         with open(os.path.join(folder, name), encoding="utf-8") as f:
                             self.assertEqual(f.read(), text)
-            trace_kv.save_records({"stories": 60}, {"python": "3"}, folder)
+            trace_records.save_records({"stories": 60}, {"python": "3"}, folder)
             with open(os.path.join(folder, trace_kv.TRACE), encoding="utf-8") as f:
                 self.assertEqual(json.load(f), {"stories": 60})
+
+    def test_write_names_a_misspelt_mark_at_any_depth_before_anything_runs(self):
+        """Checked against the stages' declarations (no record in the folder): a first key,
+        a second key, a key inside a list's item, a field picking an item, a time key."""
+        marks = ("laddr.stories", "ladder.rungz", "ladder.rungs.0.cahce",
+                 "eviction.rungs.cahce=heavy.positions_kept", "time.speedupp",
+                 "time.cost_by_length.0.speedupp")
+        good = "<!--fig ladder.rungs.1.positions_kept--> <!--fig time.cost_by_length.0.speedup-->"
+        with tempfile.TemporaryDirectory() as folder:
+            with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as f:
+                f.write(good.replace("-->", "-->1<!--/-->") + "\n"
+                        + "".join(f"<!--fig {mark}-->1<!--/-->\n" for mark in marks))
+            with mock.patch.object(trace_kv, "run") as run, self.assertRaises(SystemExit) as ended:
+                trace_kv.main(["--write", "--folder", folder])
+            run.assert_not_called()
+            self.assertEqual(os.listdir(folder), ["README.md"])
+        lines = str(ended.exception.code).splitlines()[1:]
+        self.assertEqual(len(lines), len(marks), lines)
+        for line, mark, problem in zip(lines, marks, (
+                "no entry 'laddr' in the record,", "no entry 'rungz' in the record's ladder",
+                "no entry 'cahce' in the record's ladder.rungs.0",
+                "the record's eviction.rungs's items have no field 'cahce'",
+                "no entry 'speedupp' in kv-time.json,",
+                "no entry 'speedupp' in kv-time.json's cost_by_length.0")):
+            self.assertIn(f"<!--fig {mark}-->1<!--/-->: {problem}", line)
 
     def test_check_names_a_missing_or_unreadable_record_and_the_keys_that_differ(self):
         with tempfile.TemporaryDirectory() as folder:
             path = os.path.join(folder, trace_kv.TRACE)
             with self.assertRaisesRegex(ValueError, "cannot read .*--write"):
-                trace_kv.read_record(path)
+                trace_records.read_record(path)
             for text in ("{ not json", "[1, 2]", "\xff", "[" * 100_000 + "]" * 100_000):
                 with open(path, "w", encoding="latin-1") as f:
                     f.write(text)
                 with self.subTest(text=text[:20]), self.assertRaisesRegex(ValueError, "--write"):
-                    trace_kv.read_record(path)
+                    trace_records.read_record(path)
         record = {"stories": 60, "greedy_identical": 60, "work": {"cached_rows": 5}}
         changed = dict(record, greedy_identical=59, work={"cached_rows": 6}, extra=1)
-        self.assertEqual(trace_kv.differing_keys(record, changed),
+        self.assertEqual(trace_records.differing_keys(record, changed),
                          ["extra", "greedy_identical", "work"])
-        self.assertEqual(trace_kv.differing_keys(record, dict(record)), [])
+        self.assertEqual(trace_records.differing_keys(record, dict(record)), [])
 
     def test_check_fails_fast_in_one_line_when_the_record_is_missing(self):
         with tempfile.TemporaryDirectory() as folder:
@@ -333,8 +390,8 @@ class Summary(unittest.TestCase):
         out, err = self.run_main()
         self.assertTrue(out.startswith("Exactness\n"), out)
         self.assertIn("The full record: ", out)
-        self.assertIn(trace_kv.last_duration(), err)
-        self.assertIn(" s in ", trace_kv.last_duration())
+        self.assertIn(trace_records.last_duration(), err)
+        self.assertIn(" s in ", trace_records.last_duration())
         out, _ = self.run_main("--json")
         self.assertEqual(json.loads(out), self.record)
         out, _ = self.run_main("--check")
@@ -384,11 +441,11 @@ class Summary(unittest.TestCase):
                 files = {"README.md": "Python <!--fig time.python-->x<!--/-->\n",
                          trace_kv.TIMES: times}
                 files = self.write_main(folder, files, *flags)
-                self.assertEqual(files[trace_kv.TRACE], trace_kv._dumps(self.record))
+                self.assertEqual(files[trace_kv.TRACE], trace_records.dumps(self.record))
                 python = "2.7" if times and not flags else self.timing["python"]
                 self.assertEqual(files["README.md"],
                                  f"Python <!--fig time.python-->{python}<!--/-->\n")
-                self.assertEqual(files[trace_kv.TIMES], trace_kv._dumps(self.timing)
+                self.assertEqual(files[trace_kv.TIMES], trace_records.dumps(self.timing)
                                  if python != "2.7" else kept)
                 self.assertEqual(self.timed, python != "2.7")
         for bad in ("{ not json", "[1]"):
@@ -421,11 +478,25 @@ class Summary(unittest.TestCase):
                 after[name] = f.read()
         return after
 
+    def test_write_rebuilds_a_missing_or_unreadable_record_in_a_folder_of_the_lab(self):
+        """A copy of the lab's documents and data, without kv-trace.json or with one that
+        cannot be read: --write (the recorded run in place of run()) checks every mark
+        against the stages' declarations, not the record, and writes the record and every
+        document byte for byte as the lab holds them."""
+        names = [*documents.documents(), "best.json", "tokenizer.json", "corpus.txt"]
+        for old in (None, "{ not json"):
+            with self.subTest(old=old), tempfile.TemporaryDirectory() as folder:
+                files = self.write_main(folder, {trace_kv.TRACE: old, trace_kv.TIMES: None,
+                                                 **{name: lab_file(name) for name in names}})
+                self.assertEqual(files[trace_kv.TRACE], lab_file(trace_kv.TRACE))
+                for name in documents.documents():
+                    self.assertEqual(files[name], lab_file(name), name)
+
     def test_a_write_stopped_among_its_renames_is_finished_before_anything_else(self):
         with tempfile.TemporaryDirectory() as folder:
             tmp = f".{trace_kv.TRACE}.tmp-99999999-0a1b2c3d.part"   # a killed process's
             with open(os.path.join(folder, tmp), "w", encoding="utf-8") as f:
-                f.write(trace_kv._dumps(self.record))
+                f.write(trace_records.dumps(self.record))
             with open(os.path.join(folder, lab_files.JOURNAL), "w", encoding="utf-8") as f:
                 json.dump({"format": lab_files.JOURNAL_FORMAT,
                            "renames": [[tmp, trace_kv.TRACE]]}, f)

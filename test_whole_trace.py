@@ -18,6 +18,7 @@ import tempfile
 import unittest
 
 import trace_kv
+import trace_records
 from support import HERE, lab_file
 from verdicts import skip_unless_sound
 
@@ -83,6 +84,6 @@ class TheRecord(unittest.TestCase):
 
     def test_recorded_trace(self):
         """kv-trace.json is this run's record, key for key."""
-        self.assertEqual(trace_kv.differing_keys(self.record, json.loads(lab_file(trace_kv.TRACE))),
+        self.assertEqual(trace_records.differing_keys(self.record, json.loads(lab_file(trace_kv.TRACE))),
                          [], "kv-trace.json differs from this run in these keys; after a "
                              "change on purpose, python3 trace_kv.py --write records the new run")

@@ -19,7 +19,8 @@ that the machine's cores share.
 kv-trace.json holds only what any machine reproduces exactly (results and counts);
 kv-time.json holds wall-clock times, which vary, and is never compared; only
 --write --times (or the first --write of a folder without it) records them. Progress
-goes to stderr, so the output stays clean when redirected.
+goes to stderr, so the output stays clean when redirected. Those two files are read,
+compared and written by trace_records.py.
 """
 import os
 import sys
@@ -28,7 +29,6 @@ if __name__ == "__main__":   # first: Ctrl-C while the modules below load ends i
     lab_files.ctrl_c_in_one_line()
 
 import argparse
-import json
 import platform
 import signal
 import time
@@ -42,7 +42,6 @@ import blockwise
 import cache_files
 import context_shift
 import deep_model
-import documents
 import eviction
 import forks
 import hybrid
@@ -59,13 +58,15 @@ import quantization
 import recurrent
 import serving
 import speculative
+import svg
 from documents import TIMES, TRACE
 from generate import load_trained
 from instruments import where_raised
 from kv_cache import work   # trace_kv.work: the contract
-from lab_files import (LAB, add_folder_flag, finish_saving, positive_int, read_json,
-                       run_command, write_together)
+from lab_files import LAB, add_folder_flag, finish_saving, positive_int, run_command
 from stories import openings, split_stories
+from trace_records import (differing_keys, dumps, kept_times, last_duration, named,
+                           read_record, save_records, shown_path, unknown_names)
 from workers import Here, Shipped, stop
 from trace_lesson import FULL_RECORD, summary
 
@@ -81,7 +82,8 @@ function, called as function(lab, [case,] *needs) with the results of the stages
 needs; cases, if given, to run one call per case (for instance each opening), whose
 results gather(lab, results) makes one (a list, without gather); and record: "key" (the
 record holds the result under name), "top" (the result's keys join the record's top
-level) or None (only later stages read it)."""
+level) or None (only later stages read it). A stage that records declares its record's
+shape in its function's module (RECORDS, found by declared), checked after each run."""
 
 
 def each_opening(lab):
@@ -149,16 +151,13 @@ def run(full_timing=False, folder=LAB, progress=None, workers=None, stories=None
     start = time.perf_counter()
     lab = _load(folder, stories)
     done = _run_stages(stages, lab, _workers(workers, folder, stories), workers, progress)
-    record = {}
-    for stage in stages:
-        if stage.record == "top":
-            record.update(done[stage.name])
-        elif stage.record == "key":
-            record[stage.name] = done[stage.name]
+    record = _recorded(stages, done)
     timing = generators_timing(done["runs"], record["work"], workers)
     timing["run_seconds"] = round(time.perf_counter() - start, 1)   # every stage, all told
     if full_timing:
         timing.update(trace_lesson.timings(lab, done["runs"]))
+    svg.checked(timing, {**TIMING, **(trace_lesson.TIMED if full_timing else {})}, "time",
+                strict=True)   # what the time marks are checked against
     return record, timing
 
 
@@ -208,6 +207,54 @@ def _run_stages(stages, lab, pool, workers, progress):
         raise
     pool.shutdown()
     return done
+
+
+def declared(stage):
+    """The shape of the record stage writes, as its module declares it beside the stage.
+
+    Its module's RECORDS[stage's name], in svg.checked's shapes (for a stage whose record is
+    "top", the top-level keys it adds). A ValueError says what to add if there is none."""
+    module = sys.modules[stage.function.__module__]
+    shapes = getattr(module, "RECORDS", {})
+    if not isinstance(shapes, dict) or stage.name not in shapes:
+        raise ValueError(f"{module.__name__}.py declares no record for its stage {stage.name} "
+                         f"(Part {stage.part}): add {stage.name!r}: its shape (svg.checked's) "
+                         f"to the module's RECORDS dict, beside {stage.function.__name__}")
+    return shapes[stage.name]
+
+
+def record_shape(stages=None):
+    """The shape of the record stages (default: every stage) write, as they declare it."""
+    shape = {}
+    for stage in STAGES if stages is None else stages:
+        if stage.record == "top":
+            shape.update(declared(stage))
+        elif stage.record == "key":
+            shape[stage.name] = declared(stage)
+    return shape
+
+
+def _recorded(stages, done):
+    """The record of stages' results, each checked strictly against its declared shape.
+
+    A stage that records a key its module does not declare, or misses one it does, fails
+    the run, named with the key (declared keeps the declarations true)."""
+    record = {}
+    for stage in stages:
+        if stage.record is None:
+            continue
+        try:
+            svg.checked(done[stage.name], declared(stage),
+                        stage.name if stage.record == "key" else "", strict=True)
+        except ValueError as e:
+            raise StageFailed(f"stage {stage.name} (Part {stage.part}) recorded what "
+                              f"{stage.function.__module__}.RECORDS does not declare: {e}"
+                              ) from None
+        if stage.record == "top":
+            record.update(done[stage.name])
+        else:
+            record[stage.name] = done[stage.name]
+    return record
 
 
 class StageFailed(Exception):
@@ -261,6 +308,13 @@ def _start_worker(folder, stories):
 
 # ---- timing (kv-time.json: it varies, and is never compared) ------------------------
 
+# The shape (svg.checked's) of what every run times; with --times, trace_lesson.TIMED's too
+TIMING = {
+    "uncached_seconds": svg.COUNT, "cached_seconds": svg.COUNT, "speedup": svg.COUNT,
+    "uncached_microseconds_per_row": svg.COUNT, "cached_microseconds_per_row": svg.COUNT,
+    "workers": svg.COUNT, "machine": str, "python": str, "run_seconds": svg.COUNT}
+
+
 def generators_timing(runs, total, workers):
     """The greedy seconds of both generators over the openings, per story and per row."""
     seconds = {path: fsum(one[path] for one in runs.seconds) for path in ("uncached", "cached")}
@@ -278,104 +332,6 @@ def generators_timing(runs, total, workers):
 
 
 # ---- what the command prints and writes ----------------------------------------------
-
-def _dumps(data):
-    return json.dumps(data, indent=2) + "\n"
-
-
-def save_records(record, timing, folder=LAB, times=True):
-    """Write kv-trace.json and every document in folder as one set (lab_files.write_together).
-
-    Every document's marked figures and blocks, and the pictures it marks, are drawn before any
-    file is written; the time figures come from timing, written to kv-time.json too if times
-    (else timing is what kv-time.json holds, kept). Returns the names of what it wrote that
-    changed: the records, the documents whose figures changed, the pictures redrawn."""
-    texts, drawn, changed = {}, {}, []
-    for name in documents.documents(folder):
-        with open(os.path.join(folder, name), encoding="utf-8") as f:
-            text = f.read()
-        try:
-            texts[name] = documents.rendered(text, record, timing, folder)
-            if texts[name] != text:
-                changed.append(name)
-            drawn.update(documents.pictures(text, record, timing, folder))
-        except (KeyError, IndexError, TypeError, ValueError) as e:
-            raise ValueError(f"{name}: a mark cannot be filled from this run "
-                             f"({type(e).__name__}: {e}); nothing was written") from None
-    records = {TRACE: _dumps(record), **({TIMES: _dumps(timing)} if times else {})}
-    pictures = [name for name, svg_text in drawn.items() if _old(folder, name) != svg_text]
-    write_together(folder, {**records, **drawn, **texts})
-    return list(records) + ([f"the figures of {', '.join(changed)}"] if changed else []) + pictures
-
-
-def _old(folder, name):
-    """The text of folder's file name, or None if it cannot be read."""
-    try:
-        with open(os.path.join(folder, name), encoding="utf-8") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
-def unknown_names(folder=LAB):
-    """A line for each mark of folder's documents that names nothing (documents.unknown_names).
-
-    Checked in a moment, before --write's long run."""
-    try:
-        recorded = read_json(os.path.join(folder, TRACE), None, "a record of trace_kv.py")
-    except (OSError, ValueError):
-        recorded = {}
-    problems = []
-    for name in documents.documents(folder):
-        with open(os.path.join(folder, name), encoding="utf-8") as f:
-            problems += [f"{name} {line}" for line in documents.unknown_names(
-                f.read(), recorded if isinstance(recorded, dict) else {},
-                [stage.name for stage in STAGES])]
-    return problems
-
-
-def read_record(path):
-    """The recorded trace in path, or a ValueError that says how to make one."""
-    folder = os.path.dirname(os.path.abspath(path))
-    write = "python3 trace_kv.py --write" + ("" if folder == LAB else f" --folder {folder}")
-    try:
-        return read_json(path, None, "a record of trace_kv.py")
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {path} ({e}); run {write} to record it") from None
-
-
-def differing_keys(record, recorded):
-    """The keys whose values differ between two records, sorted."""
-    return sorted(k for k in set(record) | set(recorded) if record.get(k) != recorded.get(k))
-
-
-def _named(keys, most=10):
-    """Keys (a tampered record's, perhaps) in one printable, bounded line: the first most, and
-    how many more; each as repr gives it if a terminal would act on it, cut at 200 characters."""
-    shown = [key if key.isprintable() else repr(key) for key in keys[:most]]
-    return (", ".join(text if len(text) <= 200 else text[:197] + "..." for text in shown)
-            + (f" and {len(keys) - most:,} more" if len(keys) > most else ""))
-
-
-def _shown(path):
-    """path as a person would type it from here: relative, unless it is on another drive."""
-    try:
-        return os.path.relpath(path)
-    except ValueError:
-        return path
-
-
-def last_duration(folder=LAB):
-    """How long the whole run took when it was last recorded (kv-time.json), in words.
-
-    For the progress line, as the README quotes it; nothing if there is no such record."""
-    try:
-        timing = read_json(os.path.join(folder, TIMES), None, "a timing of trace_kv.py")
-        return (f" ({timing['run_seconds']:.0f} s in {timing['workers']} processes when it "
-                f"was last recorded)")
-    except (OSError, ValueError, KeyError, TypeError):
-        return ""
-
 
 def show_progress(stage, done, total):
     """Progress on stderr: on a terminal, one line rewritten per stage; in a log, one a stage."""
@@ -416,21 +372,6 @@ def _parser():
     return parser
 
 
-def kept_times(folder=LAB):
-    """The timing folder's kv-time.json holds, which --write keeps; None if there is none.
-
-    None for a new folder, whose first --write records this machine's times. A ValueError
-    says how to record it again if it cannot be read."""
-    path = os.path.join(folder, TIMES)
-    if not os.path.lexists(path):
-        return None
-    try:
-        return read_json(path, None, "a timing of trace_kv.py")
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {_shown(path)} to keep it ({e}); run "
-                         f"python3 trace_kv.py --write --times to record it again") from None
-
-
 def main(argv=None):
     """The command: run the stages, then print, check or write what the flags ask."""
     parser = _parser()
@@ -444,7 +385,8 @@ def main(argv=None):
         parser.error("--times records the times with --write: add --write")
     try:
         finish_saving(args.folder)   # a --write stopped midway: its files all new, first
-        unknown = unknown_names(args.folder) if args.write else []   # in a moment
+        unknown = (unknown_names(record_shape(), {**TIMING, **trace_lesson.TIMED},
+                                 args.folder) if args.write else [])   # in a moment
         if unknown:
             sys.exit("trace_kv.py: error: marks that name nothing, so nothing was run or "
                      "written:\n  " + "\n  ".join(unknown))
@@ -460,13 +402,13 @@ def main(argv=None):
                              args.workers, parts=args.part)
     except (OSError, ValueError, StageFailed) as e:
         sys.exit(f"trace_kv.py: error: {e}")
-    print(_dumps(record) if args.json else summary(record, timing), end="")
+    print(dumps(record) if args.json else summary(record, timing), end="")
     if args.write:
         _write(record, timing if kept is None else kept, kept is None, args.folder)
     elif args.check:
         _check(record, recorded, args.part, args.folder)
     elif not args.json:
-        print(FULL_RECORD.format(_shown(os.path.join(args.folder, TRACE))))
+        print(FULL_RECORD.format(shown_path(os.path.join(args.folder, TRACE))))
 
 
 def _write(record, timing, times, folder):
@@ -475,7 +417,7 @@ def _write(record, timing, times, folder):
         written = save_records(record, timing, folder, times)
     except (OSError, ValueError) as e:
         sys.exit(f"trace_kv.py: error: {e}")
-    where = "" if folder == LAB else f" in {_shown(folder)}"
+    where = "" if folder == LAB else f" in {shown_path(folder)}"
     unchanged = len(written) == (2 if times else 1)
     print(f"wrote {', '.join(written[:-1])}{' and ' * (len(written) > 1)}{written[-1]}{where}; "
           + ("no document's figure or picture changed; " if unchanged else "")
@@ -487,11 +429,11 @@ def _write(record, timing, times, folder):
 
 def _check(record, recorded, part, folder):
     """--check's end: exit non-zero naming the keys where the run and the record differ."""
-    trace = _shown(os.path.join(folder, TRACE))
+    trace = shown_path(os.path.join(folder, TRACE))
     differ = differing_keys(record, {key: recorded.get(key) for key in record}
                             if part != PARTS else recorded)
     if differ:
-        sys.exit(f"trace_kv.py: {trace} differs from this run in: {_named(differ)}")
+        sys.exit(f"trace_kv.py: {trace} differs from this run in: {named(differ)}")
     print(f"{trace} matches this run")
 
 

@@ -78,6 +78,59 @@ def gather_runs(lab, ones):
     return Runs(*([one[field] for one in ones] for field in Runs._fields))
 
 
+# The shape of each path's story_quality in the lesson's record (below)
+STORY_QUALITY = {
+    "pronouns_referring_to_the_name": svg.COUNT, "agreeing": svg.COUNT,
+    "agreeing_share": (*svg.COUNT, None),
+    "agreeing_by_opening": {
+        "with a pronoun": {"pronouns": svg.COUNT, "agreeing": svg.COUNT},
+        "with only the name": {"pronouns": svg.COUNT, "agreeing": svg.COUNT}},
+    "pronouns_referring_to_a_person": {
+        "pronouns": svg.COUNT, "agreeing": svg.COUNT},
+    "stories_of_corpus_words_only": svg.COUNT,
+    "stories_with_a_wrong_pronoun": [str, (0, 64)],
+    "first_three_right_where_only_the_name_tells": [str, (0, 64)],
+    "attention_on_the_name": {
+        "agreeing": {
+            "pronouns": svg.COUNT,
+            "mean_weight_on_the_name": (*svg.COUNT, None),
+            "even_share": (*svg.COUNT, None)},
+        "wrong": {
+            "pronouns": svg.COUNT,
+            "mean_weight_on_the_name": (*svg.COUNT, None),
+            "even_share": (*svg.COUNT, None)}}}
+
+# The records of this module's stages, in svg.checked's shapes: trace_kv checks each run
+# against them strictly (exactly these keys), and the documents' marks before a run.
+RECORDS = {
+    "lesson": {
+        "stories": svg.COUNT, "largest_logit_gap_first_story": svg.COUNT,
+        "positions_checked": svg.COUNT,
+        "every_row_of_every_story": {
+            "stories": svg.COUNT, "positions": svg.COUNT, "largest_logit_gap": svg.COUNT},
+        "greedy_identical": svg.COUNT, "sampled_identical": svg.COUNT,
+        "greedy_ended_with_newline": svg.COUNT, "generated_tokens": svg.COUNT,
+        "work": {
+            "uncached_rows": svg.COUNT, "cached_rows": svg.COUNT,
+            "uncached_scores": svg.COUNT, "cached_scores": svg.COUNT},
+        "rows_ratio": svg.COUNT, "scores_ratio": svg.COUNT,
+        "cache_floats_per_position": svg.COUNT, "cache_floats_full_context": svg.COUNT,
+        "greedy_examples": [str],
+        "story_quality": {
+            "greedy": STORY_QUALITY, "sampled": STORY_QUALITY},
+        "cost_by_length": [{
+            "positions": svg.COUNT, "uncached_rows": svg.COUNT, "cached_rows": svg.COUNT,
+            "uncached_scores": svg.COUNT, "cached_scores": svg.COUNT}],
+        "attention_to_position_0": {"mean_weight": svg.COUNT, "even_share": svg.COUNT}},
+    "prefix_sharing": {
+        "runs": svg.COUNT, "identical": svg.COUNT,
+        "prompt_rows_without_sharing": svg.COUNT, "prompt_rows_with_sharing": svg.COUNT},
+    "sums_in_another_order": {
+        "largest_logit_gap_first_story": svg.COUNT,
+        "largest_logit_gap_first_story_in_both_paths": svg.COUNT},
+}
+
+
 def lesson_figures(lab, runs):
     """The lesson's figures, at the top of the record: exactness, work and memory."""
     params, tok, prompts = lab.params, lab.tok, lab.prompts
@@ -162,6 +215,16 @@ def reordered_sums(lab):
 
 
 # ---- what --write also times, in this process alone (kv-time.json) ------------------
+
+TIMED = {   # the shape (svg.checked's) of what timings gives
+    "forward_step_over_its_fsum_calls": svg.COUNT,
+    "cost_by_length": [{"positions": svg.COUNT, "uncached_seconds": svg.COUNT,
+                        "cached_seconds": svg.COUNT, "speedup": svg.COUNT}],
+    "cache_bytes_full_context": svg.COUNT, "cache_bytes_per_position": svg.COUNT,
+    "cache_bytes_as_8_byte_floats": svg.COUNT,
+    "deep_model_cache_bytes_as_cpython_objects": [{
+        "layers": svg.COUNT, "kv_heads": svg.COUNT, "bytes_per_position": svg.COUNT}]}
+
 
 def timings(lab, runs):
     """What --write also times, in this process alone.
