@@ -99,6 +99,22 @@ class DeclaredRecords(unittest.TestCase):
                              f"trace_lesson.RECORDS does not declare: {problem}")
 
 
+class OneTokenStories(unittest.TestCase):
+
+    def test_a_greedy_story_of_one_token_runs_through_every_stage_that_reads_the_runs(self):
+        """Each opening replaced by its whole story, which the model ends at its first token,
+        as a retrained model may: every stage that reads the stories' runs records its
+        entry, as declared."""
+        stages = tuple(stage for stage in trace_kv.STAGES
+                       if stage.name == "runs" or "runs" in stage.needs)
+        with mock.patch.object(trace_kv, "STAGES", stages), mock.patch.object(
+                trace_kv, "openings", lambda test: [story.rstrip("\n") for story in test]):
+            record, _ = trace_kv.run(workers=1, stories=1)
+        self.assertEqual((record["generated_tokens"], record["greedy_ended_with_newline"]),
+                         (1, 1))
+        self.assertEqual(set(record), set(trace_kv.record_shape(stages)))
+
+
 @unittest.skipUnless(hasattr(signal, "SIGKILL")
                      and multiprocessing.get_start_method() == "fork",
                      "the workers must inherit the stages this test plants (fork, on POSIX)")
