@@ -363,50 +363,14 @@ BLOCK_SIZE = 2   # against a window of 4 (hybrid.WINDOW), as 16 against gpt-oss'
 
 # The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
 # against it strictly (exactly these keys), and the documents' marks before a run.
-RECORDS = {
-    "hybrid_pool": {
-        "positions": svg.COUNT, "window": svg.COUNT, "block_size": svg.COUNT,
-        "models": {
-            "gpt-oss": {
-                "freeing": {
-                    "window_blocks_by_step": [svg.COUNT],
-                    "full_blocks_by_step": [svg.COUNT],
-                    "window_blocks_at_the_end": svg.COUNT,
-                    "full_blocks_at_the_end": svg.COUNT, "page_bytes": svg.COUNT,
-                    "rows_equal_to_the_masked_pass": bool},
-                "keeping": {
-                    "window_blocks_by_step": [svg.COUNT],
-                    "full_blocks_by_step": [svg.COUNT],
-                    "window_blocks_at_the_end": svg.COUNT,
-                    "full_blocks_at_the_end": svg.COUNT, "page_bytes": svg.COUNT,
-                    "rows_equal_to_the_masked_pass": bool}},
-            "gemma-3": {
-                "freeing": {
-                    "window_blocks_by_step": [svg.COUNT],
-                    "full_blocks_by_step": [svg.COUNT],
-                    "window_blocks_at_the_end": svg.COUNT,
-                    "full_blocks_at_the_end": svg.COUNT, "page_bytes": svg.COUNT,
-                    "rows_equal_to_the_masked_pass": bool},
-                "keeping": {
-                    "window_blocks_by_step": [svg.COUNT],
-                    "full_blocks_by_step": [svg.COUNT],
-                    "window_blocks_at_the_end": svg.COUNT,
-                    "full_blocks_at_the_end": svg.COUNT, "page_bytes": svg.COUNT,
-                    "rows_equal_to_the_masked_pass": bool}},
-            "shared": {
-                "freeing": {
-                    "window_blocks_by_step": [svg.COUNT],
-                    "full_blocks_by_step": [svg.COUNT],
-                    "window_blocks_at_the_end": svg.COUNT,
-                    "full_blocks_at_the_end": svg.COUNT, "page_bytes": svg.COUNT,
-                    "rows_equal_to_the_masked_pass": bool},
-                "keeping": {
-                    "window_blocks_by_step": [svg.COUNT],
-                    "full_blocks_by_step": [svg.COUNT],
-                    "window_blocks_at_the_end": svg.COUNT,
-                    "full_blocks_at_the_end": svg.COUNT, "page_bytes": svg.COUNT,
-                    "rows_equal_to_the_masked_pass": bool}}}},
-}
+WAYS = ("freeing", "keeping")
+WAY = {"window_blocks_by_step": [svg.COUNT], "full_blocks_by_step": [svg.COUNT],
+       **dict.fromkeys(("window_blocks_at_the_end", "full_blocks_at_the_end", "page_bytes"),
+                       svg.COUNT),
+       "rows_equal_to_the_masked_pass": bool}   # one way's figures, for one model
+RECORDS = {"hybrid_pool": {
+    **dict.fromkeys(("positions", "window", "block_size"), svg.COUNT),
+    "models": dict.fromkeys(("gpt-oss", "gemma-3", "shared"), dict.fromkeys(WAYS, WAY))}}
 
 
 def experiment(lab):
@@ -422,7 +386,6 @@ def experiment(lab):
 
 # ---- what Part 6 shows of it (documents.py fills its marks) --------------------------
 
-WAYS = ("freeing", "keeping")
 WAY_SHAPE = {"window_blocks_by_step": [svg.COUNT], "full_blocks_by_step": [svg.COUNT],
              "window_blocks_at_the_end": svg.COUNT, "full_blocks_at_the_end": svg.COUNT,
              "page_bytes": svg.COUNT}

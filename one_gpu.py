@@ -203,16 +203,15 @@ REQUEST_LENGTHS = (4096, 32768)  # tokens each request holds, for the memory
 # against it strictly (exactly these keys), and the documents' marks before a run.
 RECORDS = {
     "one_gpu": {
-        "lesson": {
-            "prompts": svg.COUNT, "prompt_tokens": svg.COUNT,
-            "prefill_multiply_adds": svg.COUNT, "prefill_numbers_read": svg.COUNT,
-            "decode_multiply_adds": svg.COUNT, "decode_numbers_read": svg.COUNT},
+        "lesson": dict.fromkeys(
+            ("prompts", "prompt_tokens", "prefill_multiply_adds", "prefill_numbers_read",
+             "decode_multiply_adds", "decode_numbers_read"), svg.COUNT),
         "models": [{
-            "model": str, "kv_heads": svg.COUNT, "prefill_seconds": [(*svg.COUNT, None)],
-            "decode_seconds": [(*svg.COUNT, None)], "tokens_to_the_ridge": svg.COUNT,
-            "weight_bytes": svg.COUNT, "bytes_left": svg.COUNT,
-            "cache_kib_per_token": svg.COUNT, "tokens_that_fit": svg.COUNT,
-            "requests": [(*svg.COUNT, None)]}]},
+            "model": str, "kv_heads": svg.COUNT,
+            **dict.fromkeys(("prefill_seconds", "decode_seconds", "requests"),
+                            [(*svg.COUNT, None)]),
+            **dict.fromkeys(("tokens_to_the_ridge", "weight_bytes", "bytes_left",
+                             "cache_kib_per_token", "tokens_that_fit"), svg.COUNT)}]},
 }
 
 

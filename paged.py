@@ -376,18 +376,14 @@ class PagedSequence(KVCache):
 
 # The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
 # against it strictly (exactly these keys), and the documents' marks before a run.
+LAYOUTS = dict.fromkeys(("static, 64 per story", "blocks of 4", "blocks of 8", "blocks of 16"),
+                       svg.COUNT)   # a figure for each way of reserving slots
 RECORDS = {
     "paged": {
-        "positions_held": svg.COUNT,
-        "slots_reserved": {
-            "static, 64 per story": svg.COUNT, "blocks of 4": svg.COUNT,
-            "blocks of 8": svg.COUNT, "blocks of 16": svg.COUNT},
-        "wasted_share": {
-            "static, 64 per story": svg.COUNT, "blocks of 4": svg.COUNT,
-            "blocks of 8": svg.COUNT, "blocks of 16": svg.COUNT},
-        "prefix_sharing_blocks_of_4": {
-            "blocks_shared": svg.COUNT, "prompt_rows_without_sharing": svg.COUNT,
-            "prompt_rows_with_sharing": svg.COUNT, "greedy_identical": svg.COUNT}},
+        "positions_held": svg.COUNT, "slots_reserved": LAYOUTS, "wasted_share": LAYOUTS,
+        "prefix_sharing_blocks_of_4": dict.fromkeys(
+            ("blocks_shared", "prompt_rows_without_sharing", "prompt_rows_with_sharing",
+             "greedy_identical"), svg.COUNT)},
 }
 
 

@@ -351,35 +351,29 @@ def full_context(lab):
 
 # The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
 # against it strictly (exactly these keys), and the documents' marks before a run.
+CHANGED = {"positions_kept": (*svg.COUNT, None),   # what a rung changes, and how much
+           **dict.fromkeys(("largest_logit_gap", "greedy_stories_changed",
+                            "sampled_stories_changed"), svg.COUNT)}
+REQUANTIZED = dict.fromkeys(("positions", "quantized", "numbers_requantized", "numbers_moved",
+                            "largest_key_error", "largest_key_error_quantized_once"), svg.COUNT)
 RECORDS = {
     "quantization": {
         "stories": svg.COUNT,
         "rungs": [{
-            "cache": str, "rotate": bool, "flush": str, "bits": svg.COUNT,
-            "group": svg.COUNT, "residual": svg.COUNT, "bytes_per_position": svg.COUNT,
-            "bytes_per_quantized_position": svg.COUNT,
-            "positions_kept": (*svg.COUNT, None), "largest_logit_gap": svg.COUNT,
-            "greedy_stories_changed": svg.COUNT, "sampled_stories_changed": svg.COUNT,
-            "numbers_requantized": svg.COUNT, "numbers_moved": svg.COUNT}],
+            "cache": str, "rotate": bool, "flush": str,
+            **dict.fromkeys(("bits", "group", "residual", "bytes_per_position",
+                             "bytes_per_quantized_position"), svg.COUNT),
+            **CHANGED, "numbers_requantized": svg.COUNT, "numbers_moved": svg.COUNT}],
         "one_scale_rungs": [{
             "cache": str, "format": str, "rotate": bool, "bytes_per_position": svg.COUNT,
-            "positions_kept": (*svg.COUNT, None), "largest_logit_gap": svg.COUNT,
-            "greedy_stories_changed": svg.COUNT, "sampled_stories_changed": svg.COUNT}],
+            **CHANGED}],
         "turned_only": {
             "positions": svg.COUNT, "rows_equal": bool, "largest_logit_gap": svg.COUNT},
         "key_channel_peaks": svg.COUNT, "value_channel_peaks": svg.COUNT,
-        "compounding": {
-            "positions": svg.COUNT, "quantized": svg.COUNT,
-            "numbers_requantized": svg.COUNT, "numbers_moved": svg.COUNT,
-            "largest_key_error": svg.COUNT, "largest_key_error_quantized_once": svg.COUNT},
-        "whole_groups": {
-            "positions": svg.COUNT, "quantized": svg.COUNT,
-            "numbers_requantized": svg.COUNT, "numbers_moved": svg.COUNT,
-            "largest_key_error": svg.COUNT, "largest_key_error_quantized_once": svg.COUNT},
-        "prompt_rows": {
-            "residual": svg.COUNT, "prompt_rows": svg.COUNT,
-            "rows_reading_quantized_keys": svg.COUNT,
-            "stories_choosing_the_first_token_from_them": svg.COUNT}},
+        "compounding": REQUANTIZED, "whole_groups": REQUANTIZED,
+        "prompt_rows": dict.fromkeys(
+            ("residual", "prompt_rows", "rows_reading_quantized_keys",
+             "stories_choosing_the_first_token_from_them"), svg.COUNT)},
 }
 
 

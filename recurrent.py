@@ -382,27 +382,24 @@ def checkpoint_runs(params, prompts):
 
 # The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
 # against it strictly (exactly these keys), and the documents' marks before a run.
-RECORDS = {
-    "recurrent": {
-        "positions": svg.COUNT, "kinds": [str], "rows_compared": svg.COUNT,
-        "rows_equal": bool, "largest_logit_gap": svg.COUNT,
-        "lengths": [{
-            "length": svg.COUNT, "state_numbers": svg.COUNT, "kv_numbers": svg.COUNT,
-            "formula": [svg.COUNT]}],
-        "chunked": [{"chunk": svg.COUNT, "largest_logit_gap": svg.COUNT}],
-        "prefix": {
-            "shared": svg.COUNT, "prompt": svg.COUNT, "new_tokens": svg.COUNT,
-            "attention_reuse": [svg.COUNT],
-            "checkpoints": [{
-                "every": svg.COUNT, "positions_reused": [svg.COUNT],
-                "checkpoints_stored": svg.COUNT, "numbers_stored": svg.COUNT,
-                "rows_equal_to_the_full_pass": bool}]},
-        "real_models": [{
-            "model": str, "recurrent_layers": svg.COUNT, "attention_layers": svg.COUNT,
-            "state_bytes": svg.COUNT, "attention_layer_bytes": [svg.COUNT],
-            "model_bytes": [svg.COUNT], "every_layer_attention_bytes": [svg.COUNT],
-            "tokens_as_large": svg.COUNT}]},
-}
+COUNTS = [svg.COUNT]
+RECORDS = {"recurrent": {
+    "positions": svg.COUNT, "kinds": [str], "rows_compared": svg.COUNT, "rows_equal": bool,
+    "largest_logit_gap": svg.COUNT,
+    "lengths": [{**dict.fromkeys(("length", "state_numbers", "kv_numbers"), svg.COUNT),
+                 "formula": COUNTS}],
+    "chunked": [{"chunk": svg.COUNT, "largest_logit_gap": svg.COUNT}],
+    "prefix": {
+        **dict.fromkeys(("shared", "prompt", "new_tokens"), svg.COUNT),
+        "attention_reuse": COUNTS,
+        "checkpoints": [{"every": svg.COUNT, "positions_reused": COUNTS,
+                         "checkpoints_stored": svg.COUNT, "numbers_stored": svg.COUNT,
+                         "rows_equal_to_the_full_pass": bool}]},
+    "real_models": [{
+        "model": str, **dict.fromkeys(("recurrent_layers", "attention_layers", "state_bytes",
+                                       "tokens_as_large"), svg.COUNT),
+        **dict.fromkeys(("attention_layer_bytes", "model_bytes",
+                         "every_layer_attention_bytes"), COUNTS)}]}}
 
 
 def experiment(lab):

@@ -264,44 +264,30 @@ def serve_and_compare(lab, requests, results, full_rows, pool, max_batch):
 
 # The records of this module's stages, in svg.checked's shapes: trace_kv checks each run
 # against them strictly (exactly these keys), and the documents' marks before a run.
+POOLS = ("small pool", "ample pool")
+GAP = "largest_logit_gap_of_choosing_rows"
 RECORDS = {
     "prefix_cache": {
         "positions_held_in_all": svg.COUNT,
-        "small pool": {
-            "blocks": svg.COUNT, "prefix_hits": svg.COUNT, "rows_saved": svg.COUNT,
-            "rows": svg.COUNT, "evictions": svg.COUNT, "identical": svg.COUNT,
-            "largest_logit_gap_of_choosing_rows": svg.COUNT},
-        "ample pool": {
-            "blocks": svg.COUNT, "prefix_hits": svg.COUNT, "rows_saved": svg.COUNT,
-            "rows": svg.COUNT, "evictions": svg.COUNT, "identical": svg.COUNT,
-            "largest_logit_gap_of_choosing_rows": svg.COUNT}},
+        **dict.fromkeys(POOLS, dict.fromkeys(
+            ("blocks", "prefix_hits", "rows_saved", "rows", "evictions", "identical", GAP),
+            svg.COUNT))},
     "many_requests": {
         "requests": svg.COUNT, "max_batch": svg.COUNT,
-        "small pool": {
-            "steps": svg.COUNT, "request_steps": svg.COUNT, "rows": svg.COUNT,
-            "recomputed_rows": svg.COUNT, "readmitted_positions": svg.COUNT,
-            "readmitted_prefix_hits": svg.COUNT, "preemptions": svg.COUNT,
-            "peak_blocks": svg.COUNT, "prefix_hits": svg.COUNT, "blocks": svg.COUNT,
-            "evictions": svg.COUNT, "mean_requests_per_step": svg.COUNT,
-            "first_admission_prefix_hits": svg.COUNT, "identical": svg.COUNT,
-            "largest_logit_gap_of_choosing_rows": svg.COUNT},
-        "ample pool": {
-            "steps": svg.COUNT, "request_steps": svg.COUNT, "rows": svg.COUNT,
-            "recomputed_rows": svg.COUNT, "readmitted_positions": svg.COUNT,
-            "readmitted_prefix_hits": svg.COUNT, "preemptions": svg.COUNT,
-            "peak_blocks": svg.COUNT, "prefix_hits": svg.COUNT, "blocks": svg.COUNT,
-            "evictions": svg.COUNT, "mean_requests_per_step": svg.COUNT,
-            "first_admission_prefix_hits": svg.COUNT, "identical": svg.COUNT,
-            "largest_logit_gap_of_choosing_rows": svg.COUNT},
-        "small_pool_extra_rows": {
-            "in_all": svg.COUNT, "recomputed": svg.COUNT, "prefix_sharing_lost": svg.COUNT},
+        **dict.fromkeys(POOLS, dict.fromkeys(
+            ("steps", "request_steps", "rows", "recomputed_rows", "readmitted_positions",
+             "readmitted_prefix_hits", "preemptions", "peak_blocks", "prefix_hits", "blocks",
+             "evictions", "mean_requests_per_step", "first_admission_prefix_hits",
+             "identical", GAP), svg.COUNT)),
+        "small_pool_extra_rows": dict.fromkeys(
+            ("in_all", "recomputed", "prefix_sharing_lost"), svg.COUNT),
         "static_batching_steps": svg.COUNT},
     "batched_decode": {
         "requests": svg.COUNT,
         "runs": [{
-            "kernel": str, "max_batch": svg.COUNT, "pool": str, "blocks": svg.COUNT,
-            "steps": svg.COUNT, "preemptions": svg.COUNT, "prefix_hits": svg.COUNT,
-            "stories_identical_to_generate": svg.COUNT,
+            "kernel": str, "max_batch": svg.COUNT, "pool": str,
+            **dict.fromkeys(("blocks", "steps", "preemptions", "prefix_hits",
+                             "stories_identical_to_generate"), svg.COUNT),
             "greedy_stories_identical_to_generate": (*svg.COUNT, None),
             "largest_logit_gap_against_exact": svg.COUNT,
             "stories_identical_to_batches_of_1": svg.COUNT,

@@ -79,26 +79,20 @@ def gather_runs(lab, ones):
 
 
 # The shape of each path's story_quality in the lesson's record (below)
+AGREEING = {"pronouns": svg.COUNT, "agreeing": svg.COUNT}
+ON_THE_NAME = {"pronouns": svg.COUNT, **dict.fromkeys(("mean_weight_on_the_name", "even_share"),
+                                                      (*svg.COUNT, None))}
 STORY_QUALITY = {
     "pronouns_referring_to_the_name": svg.COUNT, "agreeing": svg.COUNT,
     "agreeing_share": (*svg.COUNT, None),
-    "agreeing_by_opening": {
-        "with a pronoun": {"pronouns": svg.COUNT, "agreeing": svg.COUNT},
-        "with only the name": {"pronouns": svg.COUNT, "agreeing": svg.COUNT}},
-    "pronouns_referring_to_a_person": {
-        "pronouns": svg.COUNT, "agreeing": svg.COUNT},
+    "agreeing_by_opening": dict.fromkeys(("with a pronoun", "with only the name"), AGREEING),
+    "pronouns_referring_to_a_person": AGREEING,
     "stories_of_corpus_words_only": svg.COUNT,
     "stories_with_a_wrong_pronoun": [str, (0, 64)],
     "first_three_right_where_only_the_name_tells": [str, (0, 64)],
-    "attention_on_the_name": {
-        "agreeing": {
-            "pronouns": svg.COUNT,
-            "mean_weight_on_the_name": (*svg.COUNT, None),
-            "even_share": (*svg.COUNT, None)},
-        "wrong": {
-            "pronouns": svg.COUNT,
-            "mean_weight_on_the_name": (*svg.COUNT, None),
-            "even_share": (*svg.COUNT, None)}}}
+    "attention_on_the_name": dict.fromkeys(("agreeing", "wrong"), ON_THE_NAME)}
+WORK = dict.fromkeys(("uncached_rows", "cached_rows", "uncached_scores", "cached_scores"),
+                     svg.COUNT)
 
 # The records of this module's stages, in svg.checked's shapes: trace_kv checks each run
 # against them strictly (exactly these keys), and the documents' marks before a run.
@@ -110,17 +104,12 @@ RECORDS = {
             "stories": svg.COUNT, "positions": svg.COUNT, "largest_logit_gap": svg.COUNT},
         "greedy_identical": svg.COUNT, "sampled_identical": svg.COUNT,
         "greedy_ended_with_newline": svg.COUNT, "generated_tokens": svg.COUNT,
-        "work": {
-            "uncached_rows": svg.COUNT, "cached_rows": svg.COUNT,
-            "uncached_scores": svg.COUNT, "cached_scores": svg.COUNT},
+        "work": WORK,
         "rows_ratio": svg.COUNT, "scores_ratio": svg.COUNT,
         "cache_floats_per_position": svg.COUNT, "cache_floats_full_context": svg.COUNT,
         "greedy_examples": [str],
-        "story_quality": {
-            "greedy": STORY_QUALITY, "sampled": STORY_QUALITY},
-        "cost_by_length": [{
-            "positions": svg.COUNT, "uncached_rows": svg.COUNT, "cached_rows": svg.COUNT,
-            "uncached_scores": svg.COUNT, "cached_scores": svg.COUNT}],
+        "story_quality": dict.fromkeys(("greedy", "sampled"), STORY_QUALITY),
+        "cost_by_length": [{"positions": svg.COUNT, **WORK}],
         "attention_to_position_0": {"mean_weight": svg.COUNT, "even_share": svg.COUNT}},
     "prefix_sharing": {
         "runs": svg.COUNT, "identical": svg.COUNT,
