@@ -179,7 +179,8 @@ RECORDS = {
         "key_gap_rotated_back_vs_rotated_once": svg.COUNT,
         "rounding": OVER_MODELS,
         "against_recompute_by_layers": [{"layers": svg.COUNT, **OVER_MODELS}],
-        "offset_with_nothing_before": OVER_MODELS, "learned_old_keys_against_recompute": OVER_MODELS},
+        **dict.fromkeys(("offset_with_nothing_before", "learned_old_keys_against_recompute"),
+                        OVER_MODELS)},
 }
 
 

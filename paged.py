@@ -421,10 +421,10 @@ def experiment(lab, runs):
 def slots_table(record, timing):
     """Section 16's table: the slots each way of reserving memory takes, and its waste."""
     labels, p = {"static, 64 per story": "a whole 64-position context per story (a static "
-                                         "cache)"}, record["paged"]
+                                         "cache)"}, svg.checked(record, RECORDS)["paged"]
     return table(["how the cache reserves memory", "slots reserved", "wasted"],
-                 [[labels.get(way, f"{way} positions"), shown(slots),
-                   f"{p['wasted_share'][way]:.1%}"] for way, slots in p["slots_reserved"].items()])
+                 [[labels.get(way, f"{way} positions"), shown(p["slots_reserved"][way]),
+                   f"{p['wasted_share'][way]:.1%}"] for way in LAYOUTS])
 
 
 def block_tables(record=None, timing=None, folder=LAB):

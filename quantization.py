@@ -18,9 +18,10 @@ from array import array
 
 import model
 import documents
+import lossy
 import svg
 from cache_protocol import check_positions
-from documents import shown
+from documents import plain, shown
 from instruments import largest_gap
 from kv_cache import KVCache, feed
 from lossy import QuantizedCache, Series, declared, measure
@@ -338,8 +339,8 @@ CASES = range(len(RUNGS) + len(ONE_SCALE_RUNGS))   # the stage's: RUNGS, then ON
 def side_by_side(record):
     """Give section 19's series by bytes a position: one-scale RotatedCaches, KIVI's, rotated."""
     series = {"rotated, one scale": [rung for _, rung in declared(
-        record, "quantization", ONE_SCALE_RUNGS, "one_scale_rungs")]}
-    for (_, settings), rung in declared(record, "quantization", RUNGS):
+        record, RECORDS, "quantization", ONE_SCALE_RUNGS, "one_scale_rungs")]}
+    for (_, settings), rung in declared(record, RECORDS, "quantization", RUNGS):
         series.setdefault("rotated" if settings.get("rotate") else "KIVI", []).append(rung)
     return [Series("bytes_per_position", name, rungs, False) for name, rungs in series.items()]
 
@@ -483,13 +484,15 @@ def compounding(exact, settings):
 
 def table(record, timing):
     """Section 19's table: int8, int4 (one scale a vector), RotatedCaches', then GroupedCaches'."""
-    ladder = {rung["cache"]: rung for rung in record["ladder"]["rungs"]}
-    one_scale = [dict(ladder[fmt], cache=f"{fmt}, one scale a vector") for fmt in ("int8", "int4")]
+    svg.checked(record, {**lossy.RECORDS, **RECORDS})
+    ladder = dict(declared(record, lossy.RECORDS, "ladder", lossy.RUNGS))   # by declaration
+    one_scale = [dict(ladder[fmt, fmt], cache=f"{fmt}, one scale a vector")
+                 for fmt in ("int8", "int4")]
     one_scale += record["quantization"]["one_scale_rungs"]
-    rows = [[r["cache"], "none", "—", shown(r["bytes_per_position"], "g"),
+    rows = [[plain(r["cache"]), "none", "—", shown(r["bytes_per_position"], "g"),
              shown(r["bytes_per_position"], "g"), shown(r["largest_logit_gap"]),
              r["greedy_stories_changed"], r["sampled_stories_changed"]] for r in one_scale]
-    rows += [[r["cache"], f"1 to {r['residual']}", r["flush"],
+    rows += [[plain(r["cache"]), f"1 to {r['residual']}", plain(r["flush"]),
               shown(r["bytes_per_quantized_position"], "g"), shown(r["bytes_per_position"], "g"),
               shown(r["largest_logit_gap"]), r["greedy_stories_changed"],
               r["sampled_stories_changed"]] for r in record["quantization"]["rungs"]]

@@ -41,7 +41,7 @@ from documents import shown, table
 from instruments import largest_gap
 from model import (CONTEXT, VOCAB_SIZE, add, check_ids, check_int, dot, excerpt, layernorm,
                    linear, relu)
-from recurrent_params import (TOKENS, Checkpoint, check_checkpoint, check_params,
+from recurrent_params import (REAL_CACHE, TOKENS, Checkpoint, check_checkpoint, check_params,
                               init_params, kv_numbers, pattern_kinds, real_caches,
                               state_numbers, zero_state)
 
@@ -395,11 +395,7 @@ RECORDS = {"recurrent": {
         "checkpoints": [{"every": svg.COUNT, "positions_reused": COUNTS,
                          "checkpoints_stored": svg.COUNT, "numbers_stored": svg.COUNT,
                          "rows_equal_to_the_full_pass": bool}]},
-    "real_models": [{
-        "model": str, **dict.fromkeys(("recurrent_layers", "attention_layers", "state_bytes",
-                                       "tokens_as_large"), svg.COUNT),
-        **dict.fromkeys(("attention_layer_bytes", "model_bytes",
-                         "every_layer_attention_bytes"), COUNTS)}]}}
+    "real_models": [REAL_CACHE]}}
 
 
 def experiment(lab):
@@ -432,13 +428,9 @@ def experiment(lab):
 # ---- what Part 6 shows of it (documents.py fills its marks) --------------------------
 
 def _entry(record):
-    """The record's recurrent entry, checked."""
-    return svg.checked(record, {"recurrent": {
-        "kinds": [str], "lengths": [{"length": svg.COUNT, "state_numbers": svg.COUNT,
-                                     "kv_numbers": svg.COUNT, "formula": [svg.COUNT]}],
-        "prefix": {"attention_reuse": [svg.COUNT], "checkpoints": [{
-            "every": svg.COUNT, "positions_reused": [svg.COUNT],
-            "checkpoints_stored": svg.COUNT, "numbers_stored": svg.COUNT}]}}})["recurrent"]
+    """The record's recurrent entry: what the tables read of it, checked as declared."""
+    return svg.checked(record, {"recurrent": svg.picked(
+        RECORDS["recurrent"], "kinds", "lengths", "prefix")})["recurrent"]
 
 
 def lengths_table(record, timing):

@@ -438,7 +438,7 @@ def kernel_table(lab, runs_of_kernels):
 
 def prefix_cache_table(record, timing):
     """Section 20's table: the prefix cache in a small pool and in an ample one."""
-    c = record["prefix_cache"]
+    c = svg.checked(record, svg.picked(RECORDS, "prefix_cache"))["prefix_cache"]
     labels = {"small pool": f"small: far less than the 60 stories hold "
                             f"({shown(c['positions_held_in_all'])} positions)",
               "ample pool": "ample: nothing is evicted"}
@@ -454,7 +454,7 @@ def prefix_cache_table(record, timing):
 
 def many_requests_table(record, timing):
     """Section 21's table: the openings as requests, served from a small pool and an ample one."""
-    m = record["many_requests"]
+    m = svg.checked(record, svg.picked(RECORDS, "many_requests"))["many_requests"]
     return table(["pool of blocks of 4", "steps", "requests choosing a token, mean a step",
                   "rows", "rows recomputed", "preemptions", "peak blocks", "evictions",
                   "prefix hits: at a first admission / at a readmission", "identical",
@@ -465,7 +465,7 @@ def many_requests_table(record, timing):
                    f"{c['first_admission_prefix_hits']} / {c['readmitted_prefix_hits']}",
                    bold(f"{c['identical']} of {m['requests']}"),
                    bold(shown(c["largest_logit_gap_of_choosing_rows"]))]
-                  for run, c in ((run, m[run]) for run in ("small pool", "ample pool"))])
+                  for run, c in ((run, m[run]) for run in POOLS)])
 
 
 def timeline(record=None, timing=None, folder=LAB):

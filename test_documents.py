@@ -160,6 +160,16 @@ class Tables(unittest.TestCase):
         lines = documents.table(["prompt", "n"], [["mia | was\nsad.", 3]])
         self.assertEqual(lines, ["| prompt | n |", "|---|---|", "| mia \\| was sad. | 3 |"])
 
+    def test_a_record_s_text_is_shown_as_it_is_not_as_markup(self):
+        """Escaped as text (plain), or as code whatever backticks it holds (code); a story
+        indented on one line."""
+        self.assertEqual(documents.plain("a <b>`c`*d*_e_[f]&x\\"),
+                         "a \\<b\\>\\`c\\`\\*d\\*\\_e\\_\\[f\\]\\&x\\\\")
+        self.assertEqual([documents.code(text) for text in ("mia ran.", "a`b", "`a``")],
+                         ["`mia ran.`", "``a`b``", "``` `a`` ```"])
+        self.assertEqual(documents.indented(["one\ntwo\n", "three\n"]),
+                         ["    one two", "    three"])
+
 
 class ConflictMarkers(unittest.TestCase):
 

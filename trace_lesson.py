@@ -23,7 +23,7 @@ from documents import TRACE, indented, shown, table
 from instruments import (largest_gap, passes_by_input, recording, replaced, results, reusing,
                          sums_in_another_order)
 from kv_cache import KVCache, feed, generate_cached, work
-from stories import common_start, rounded_mean, story_ids, story_quality
+from stories import STORY_QUALITY, common_start, rounded_mean, story_ids, story_quality
 
 
 LENGTHS = (8, 16, 32, 64)   # the record's cost_by_length: positions from a one-token prompt
@@ -78,19 +78,6 @@ def gather_runs(lab, ones):
     return Runs(*([one[field] for one in ones] for field in Runs._fields))
 
 
-# The shape of each path's story_quality in the lesson's record (below)
-AGREEING = {"pronouns": svg.COUNT, "agreeing": svg.COUNT}
-ON_THE_NAME = {"pronouns": svg.COUNT, **dict.fromkeys(("mean_weight_on_the_name", "even_share"),
-                                                      (*svg.COUNT, None))}
-STORY_QUALITY = {
-    "pronouns_referring_to_the_name": svg.COUNT, "agreeing": svg.COUNT,
-    "agreeing_share": (*svg.COUNT, None),
-    "agreeing_by_opening": dict.fromkeys(("with a pronoun", "with only the name"), AGREEING),
-    "pronouns_referring_to_a_person": AGREEING,
-    "stories_of_corpus_words_only": svg.COUNT,
-    "stories_with_a_wrong_pronoun": [str, (0, 64)],
-    "first_three_right_where_only_the_name_tells": [str, (0, 64)],
-    "attention_on_the_name": dict.fromkeys(("agreeing", "wrong"), ON_THE_NAME)}
 WORK = dict.fromkeys(("uncached_rows", "cached_rows", "uncached_scores", "cached_scores"),
                      svg.COUNT)
 
@@ -335,13 +322,24 @@ def summary(record, timing):
 
 
 def summary_block(record, timing):
-    """What python3 trace_kv.py prints, as the README shows it."""
+    """What python3 trace_kv.py prints, as the README shows it.
+
+    The record and the timing checked first against their declarations (the timing's:
+    trace_kv.TIMING, which imports this module)."""
+    from trace_kv import TIMING
+    svg.checked(record, svg.picked(RECORDS["lesson"], "stories", "every_row_of_every_story",
+                                   "greedy_identical", "sampled_identical", "generated_tokens",
+                                   "work", "rows_ratio", "scores_ratio"))
+    if timing:
+        svg.checked(timing, svg.picked(TIMING, "uncached_seconds", "cached_seconds", "speedup"),
+                    "time")
     return ["```", *summary(record, timing).splitlines(), FULL_RECORD.format(TRACE), "```"]
 
 
 def work_table(record, timing):
     """The table of rows and attention scores computed without and with the cache."""
-    w = record["work"]
+    w = svg.checked(record, svg.picked(RECORDS["lesson"], "work", "rows_ratio",
+                                       "scores_ratio"))["work"]
     return table(["", "without the cache", "with the cache", "ratio"], [
         ["rows (positions run through the model)", shown(w["uncached_rows"]),
          shown(w["cached_rows"]), f"{record['rows_ratio']}x"],
@@ -351,6 +349,8 @@ def work_table(record, timing):
 
 def cost_table(record, timing):
     """The table of rows, scores and seconds to reach each length, without and with the cache."""
+    svg.checked(record, svg.picked(RECORDS["lesson"], "cost_by_length"))
+    svg.checked(timing, svg.picked(TIMED, "cost_by_length"), "time")
     return table(["positions", "rows without", "rows with", "scores without", "scores with",
                   "seconds without", "seconds with", "speed-up", "rows ratio"],
                  [[e["positions"], shown(e["uncached_rows"]), shown(e["cached_rows"]),
@@ -362,19 +362,22 @@ def cost_table(record, timing):
 
 def cost_chart(record, timing):
     """A text chart of the rows computed to reach each length, without and with the cache."""
-    lengths, width = record["cost_by_length"], 48   # the longest bar, in characters
-    most = max(e["uncached_rows"] for e in lengths)
+    lengths = svg.checked(record, svg.picked(RECORDS["lesson"], "cost_by_length"))[
+        "cost_by_length"]
+    width, most = 48, max(1, *(e["uncached_rows"] for e in lengths))   # the longest bar
     lines = ["rows computed to reach each length (# without the cache, = with it)"]
     for e in lengths:
         for label, rows, mark in ((e["positions"], e["uncached_rows"], "#"),
                                   ("", e["cached_rows"], "=")):
-            lines.append(f"{label:>3} {mark * max(1, round(rows / most * width))} {rows:,}")
+            lines.append(f"{label:>3} {mark * min(width, max(1, round(rows / most * width)))} "
+                         f"{rows:,}")
     return ["```text", *lines, "```"]
 
 
 def greedy_examples(record, timing):
     """The first three greedy stories, indented."""
-    return indented(record["greedy_examples"])
+    return indented(svg.checked(record, svg.picked(RECORDS["lesson"], "greedy_examples"))[
+        "greedy_examples"])
 
 
 def rows_saved_by_sharing(record, timing):
@@ -418,10 +421,8 @@ def rows_picture(record, timing):
     """Section 8's picture: rows and attention scores computed to reach each length.
 
     With and without the cache (the record's cost_by_length)."""
-    lengths = svg.checked(record, {"cost_by_length": [{
-        "positions": (1, svg.LARGEST), **dict.fromkeys(
-            ("uncached_rows", "cached_rows", "uncached_scores", "cached_scores"), svg.COUNT)
-    }]})["cost_by_length"]
+    lengths = svg.checked(record, {"cost_by_length": [{**WORK, "positions": (1, svg.LARGEST)}]}
+                          )["cost_by_length"]
     body = []
     for left, kind, unit in ((90, "rows", "rows computed"),
                              (450, "scores", "attention scores computed")):
