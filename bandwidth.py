@@ -13,8 +13,9 @@ instruments.count_reads. The bound for real models comes from their published sh
 import math
 
 import svg
+import deep_model
 from deep_model import DEEP_SHAPES, heads_of, init_params
-from documents import shown, table
+from documents import plain, shown, table
 from latent_attention import LATENT_SHAPES, cache_floats, check_formula, real_cache_bytes
 from model import CONTEXT, VOCAB_SIZE, WIDTH, check_int, excerpt
 
@@ -197,13 +198,15 @@ def experiment(lab):
 
 def bytes_read_table(record, timing):
     """Section 29's table of the numbers one decode step reads, for the lab's models."""
-    shapes, lesson = record["bytes_read"]["shapes"], record["bytes_read"]["lesson"][-1]
+    entry = svg.checked(record, RECORDS)["bytes_read"]
+    shapes, lesson = entry["shapes"], entry["lesson"][-1]
     rows = [["the lesson's model (1 layer, 1 head)", shown(lesson["weights"]),
              shown(lesson["cache"]),
-             record["bytes_read"]["lesson_cache_outweighs_weights_from_batch"]]]
+             entry["lesson_cache_outweighs_weights_from_batch"]]]
     for s in shapes:
-        kind = ({4: "multi-head", 2: "grouped-query (2)", 1: "multi-query"}[s["kv_heads"]]
-                if s["path"] == "cached" else f"latent 8 + rotary key 2, {s['path']}")
+        kind = ({4: "multi-head", 2: "grouped-query (2)", 1: "multi-query"}.get(
+                    s["kv_heads"], f"grouped-query ({s['kv_heads']})")
+                if s["path"] == "cached" else f"latent 8 + rotary key 2, {plain(s['path'])}")
         if (s["layers"] in (1, 4) and s["path"] == "cached"
                 or (s["latent"], s["positions"], s["layers"]) == (8, "rotary", 1)):
             rows.append([f"{kind}, {s['layers']} layer{'s' * (s['layers'] > 1)}",
@@ -294,9 +297,9 @@ def cache_bytes_by_design_picture(record, timing):
     The same as section 9's, for the lab's 4-layer models of section 26 (to their 64
     positions) and real ones (to their context windows), DeepSeek-V3 also as if it cached
     its heads' own keys and values: fewer key-value heads, or a latent, move a line down."""
-    svg.checked(record, {"deep_models": {"positions": (1, svg.LARGEST), "shapes": [{
-        "layers": svg.COUNT, "heads": svg.COUNT, "kv_heads": svg.COUNT,
-        "bytes_per_position_as_8_byte_floats": (1, svg.LARGEST)}]}})
+    declared = deep_model.RECORDS["deep_models"]   # with the counts a log scale needs above 0
+    svg.checked(record, {"deep_models": {**declared, "positions": (1, svg.LARGEST), "shapes": [{
+        **declared["shapes"][0], "bytes_per_position_as_8_byte_floats": (1, svg.LARGEST)}]}})
     lines = [_lesson_line(record)]
     for shape in record["deep_models"]["shapes"]:
         if shape["layers"] == 4 and shape["kv_heads"] > 1:

@@ -24,7 +24,7 @@ from operator import mul
 
 import model
 import svg
-from documents import shown, table
+from documents import plain, shown, table
 from kv_cache import check_cache
 from model import SCALE, add, dot, layernorm, linear, relu, softmax_row
 
@@ -238,14 +238,15 @@ def kernels_table(record, timing):
     """Section 22's table: the 60 sampled openings served with each product kernel, by batch.
 
     The split-KV attention's runs are section 23's split_kv_table."""
-    k = record["batched_decode"]
+    k = _decode(record)
     of = f" of {k['requests']}"
     return table(["kernel", "batches of up to", "pool", "steps", "preemptions",
                   "stories as with batches of 1",
                   "first position (prompt included) where one parts",
                   "choosing rows unlike batches of 1 (same tokens)", "stories as `generate`'s",
                   "largest logit gap against the exact rows"],
-                 [[run["kernel"], run["max_batch"], f"{run['pool']} ({shown(run['blocks'])} blocks)",
+                 [[plain(run["kernel"]), run["max_batch"],
+                   f"{plain(run['pool'])} ({shown(run['blocks'])} blocks)",
                    run["steps"], run["preemptions"],
                    f"{run['stories_identical_to_batches_of_1']}{of}",
                    shown(run["first_position_parting_from_batches_of_1"]),
@@ -260,7 +261,7 @@ def split_kv_table(record, timing):
     """Section 23's table: the 60 sampled openings served with split-KV attention, by batch.
 
     The attention is blockwise.heuristic's split; the product is exact."""
-    of = f" of {record['batched_decode']['requests']}"
+    of = f" of {_decode(record)['requests']}"
     return table(["batches of up to", "steps", "choosing rows unlike batches of 1 (same tokens)",
                   "stories as `generate`'s", "largest logit gap against the exact rows"],
                  [[run["max_batch"], run["steps"],
@@ -271,6 +272,12 @@ def split_kv_table(record, timing):
 
 
 SPLIT_KV = "split-KV attention"   # serving.KERNELS' name for blockwise.heuristic
+
+
+def _decode(record):
+    """The record's batched_decode, checked as serving.py (its stage's module) declares it."""
+    from serving import RECORDS   # (serving.py imports this module)
+    return svg.checked(record, svg.picked(RECORDS, "batched_decode"))["batched_decode"]
 
 
 def _split_kv_runs(record):
@@ -295,10 +302,7 @@ def stories_picture(record, timing):
 
     For the 60 sampled openings in the ample pool, the stories each kernel makes other than
     generate's, and other than its own with batches of 1."""
-    decode = svg.checked(record, {"batched_decode": {"requests": svg.COUNT, "runs": [{
-        "pool": str, "kernel": str, "max_batch": svg.COUNT,
-        "stories_identical_to_generate": svg.COUNT,
-        "stories_identical_to_batches_of_1": svg.COUNT}]}})["batched_decode"]
+    decode = _decode(record)
     runs = [run for run in decode["runs"] if run["pool"] == "ample"]
     if not runs:
         raise ValueError("the record's batched_decode.runs has no run of the ample pool to draw")

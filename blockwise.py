@@ -22,7 +22,7 @@ import svg
 from math import exp, fsum
 
 from batched import exact_attention, forward_rows
-from documents import bold, shown, table
+from documents import bold, plain, shown, table
 from instruments import largest_gap
 from kv_cache import KVCache
 from model import SCALE, check_int, dot
@@ -343,10 +343,10 @@ def kinds_table(lab, per_story):
 
 def reads_table(record, timing):
     """Section 23's table: each attention read's logit gap, stories changed and scores held."""
-    b = record["blockwise"]
+    b = svg.checked(record, RECORDS)["blockwise"]
     return table(["attention read", "parts", "largest logit gap", "greedy stories changed",
                   f"scores held at once, longest row ({b['longest_row']} positions)"],
-                 [[k["kind"], k["parts"] or "—", bold(shown(k["largest_logit_gap"]))
+                 [[plain(k["kind"]), k["parts"] or "—", bold(shown(k["largest_logit_gap"]))
                    if k["kind"] == "exact" else shown(k["largest_logit_gap"]),
                    f"{k['greedy_stories_changed']} of {b['stories']}", k["scores_held"]]
                   for k in b["kinds"]])

@@ -162,38 +162,25 @@ def _learned_table(layers, kv_heads, seed, ids):
 
 # The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
 # against it strictly (exactly these keys), and the documents' marks before a run.
+ONE_MODEL = {"largest_logit_gap": svg.COUNT, "continuation_changed": bool}   # one model's
+OVER_MODELS = dict.fromkeys(("models", "largest_logit_gap", "continuations_changed"), svg.COUNT)
 RECORDS = {
     "rotary": {
-        "positions": svg.COUNT, "dropped": svg.COUNT, "continued": svg.COUNT,
-        "heads": svg.COUNT, "width": svg.COUNT, "base": svg.COUNT,
+        **dict.fromkeys(("positions", "dropped", "continued", "heads", "width", "base"),
+                        svg.COUNT),
         "shapes": [{
-            "layers": svg.COUNT, "kv_heads": svg.COUNT, "largest_logit_gap": svg.COUNT,
-            "floats_per_position": svg.COUNT,
-            "key_gap_rotated_back_vs_rotated_once": svg.COUNT,
+            **dict.fromkeys(("layers", "kv_heads", "largest_logit_gap", "floats_per_position",
+                             "key_gap_rotated_back_vs_rotated_once"), svg.COUNT),
             "layer_1_keys_rotated_once_equal_recomputed": bool,
             "key_gap_rotated_once_vs_recomputed": svg.COUNT,
-            "rounding": {"largest_logit_gap": svg.COUNT, "continuation_changed": bool},
-            "against_recompute": {
-                "largest_logit_gap": svg.COUNT, "continuation_changed": bool},
-            "offset_with_nothing_before": svg.optional({
-                "largest_logit_gap": svg.COUNT, "continuation_changed": bool}),
-            "offset_after_other_tokens": svg.optional({
-                "largest_logit_gap": svg.COUNT, "continuation_changed": bool}),
-            "learned_old_keys_against_recompute": svg.optional({
-                "largest_logit_gap": svg.COUNT, "continuation_changed": bool})}],
+            "rounding": ONE_MODEL, "against_recompute": ONE_MODEL,
+            **dict.fromkeys(("offset_with_nothing_before", "offset_after_other_tokens",
+                             "learned_old_keys_against_recompute"), svg.optional(ONE_MODEL))}],
         "key_gap_rotated_back_vs_rotated_once": svg.COUNT,
-        "rounding": {
-            "models": svg.COUNT, "largest_logit_gap": svg.COUNT,
-            "continuations_changed": svg.COUNT},
-        "against_recompute_by_layers": [{
-            "layers": svg.COUNT, "models": svg.COUNT, "largest_logit_gap": svg.COUNT,
-            "continuations_changed": svg.COUNT}],
-        "offset_with_nothing_before": {
-            "models": svg.COUNT, "largest_logit_gap": svg.COUNT,
-            "continuations_changed": svg.COUNT},
-        "learned_old_keys_against_recompute": {
-            "models": svg.COUNT, "largest_logit_gap": svg.COUNT,
-            "continuations_changed": svg.COUNT}},
+        "rounding": OVER_MODELS,
+        "against_recompute_by_layers": [{"layers": svg.COUNT, **OVER_MODELS}],
+        **dict.fromkeys(("offset_with_nothing_before", "learned_old_keys_against_recompute"),
+                        OVER_MODELS)},
 }
 
 

@@ -457,16 +457,21 @@ def deep_cache_bytes(lab):
 
 def shapes_table(record, timing):
     """Section 26's table: each kind of attention's gaps, and its numbers and bytes a position."""
-    objects = {(m["layers"], m["kv_heads"]): m["bytes_per_position"]
-               for m in timing["deep_model_cache_bytes_as_cpython_objects"]}
+    from trace_lesson import TIMED   # (trace_lesson imports this module)
+    objects = svg.checked(timing, svg.picked(TIMED, "deep_model_cache_bytes_as_cpython_objects"),
+                          "time")["deep_model_cache_bytes_as_cpython_objects"]
+    svg.checked(record, RECORDS)
     rows = []
     for kv_heads, kind in ((4, "multi-head (4 key-value heads)"), (2, "grouped-query (2 "
                            "key-value heads)"), (1, "multi-query (1 key-value head)")):
-        shapes = [s for s in record["deep_models"]["shapes"] if s["kv_heads"] == kv_heads]
+        shapes = svg.found(record["deep_models"]["shapes"], "deep_models.shapes",
+                           kv_heads=kv_heads)
+        one_layer = svg.found(objects, "time.deep_model_cache_bytes_as_cpython_objects",
+                              layers=1, kv_heads=kv_heads)[0]
         rows.append([kind, bold(" / ".join(shown(s["largest_logit_gap"]) for s in shapes)),
                      " / ".join(f"{s['floats_per_position']:g}" for s in shapes),
                      f"{shapes[0]['bytes_per_position_as_8_byte_floats']:g}",
-                     f"{objects[1, kv_heads]:,}"])
+                     f"{one_layer['bytes_per_position']:,}"])
     return table(["attention", "largest gap, cached against full pass, 1 / 2 / 3 / 4 layers",
                   "numbers per position, 1 / 2 / 3 / 4 layers", "bytes per position, one "
                   "layer, as 8-byte floats", "the same as CPython objects"], rows)

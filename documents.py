@@ -3,7 +3,7 @@ and pictures they quote from the record, each marked with the code that gives it
 every figure lives in one place. python3 trace_kv.py --write fills every mark from
 kv-trace.json and kv-time.json, on any machine; test_readme checks them all in one loop.
 A Part draws its own tables and pictures, in its own module; this module only fills the
-marks, and holds the Markdown helpers they are drawn with (shown, table, bold).
+marks, and holds the Markdown helpers they are drawn with (shown, table, bold, plain, code).
 
 The marks are comments a reader does not see:
 
@@ -185,8 +185,10 @@ def path_problem(path, shape, name):
 def shown(figure, spec=""):
     """Write a figure as the documents print it.
 
-    With spec, in that format spec; else an int with its thousands separated (20,509), a
-    float to 4 significant digits (0.0 as 0.0), a bool as yes or no, None as a dash."""
+    None as a dash; with spec, in that format spec; else an int with its thousands separated
+    (20,509), a float to 4 significant digits (0.0 as 0.0), a bool as yes or no."""
+    if figure is None:
+        return "—"
     if spec:
         return format(figure, spec)
     if isinstance(figure, bool):
@@ -195,7 +197,7 @@ def shown(figure, spec=""):
         return f"{figure:,}"
     if isinstance(figure, float):
         return "0.0" if figure == 0 else f"{figure:.4g}"
-    return "—" if figure is None else str(figure)
+    return str(figure)
 
 
 def table(header, rows):
@@ -216,5 +218,25 @@ def bold(text):
 
 
 def indented(stories):
-    """Stories as an indented block, a line each."""
-    return [f"    {story.rstrip(chr(10))}" for story in stories]
+    """Stories as an indented block, a line each: a story's own line breaks become spaces."""
+    return [f"    {' '.join(story.splitlines())}" for story in stories]
+
+
+MARKDOWN = re.compile(r"([\\`*_\[\]<>&~])")   # what Markdown or HTML acts on in a line of text
+
+
+def plain(text):
+    """Write text so that Markdown shows it as it is: its markup and HTML escaped.
+
+    For a record's text in a table's cell (documents.table escapes its | and line breaks)."""
+    return MARKDOWN.sub(r"\\\1", text)
+
+
+def code(text):
+    """Write text as Markdown code (`text`), whatever backticks it holds.
+
+    Fenced by one backtick more than its longest run of them, spaced if it starts or ends
+    with one."""
+    fence = "`" * (1 + max(map(len, re.findall("`+", text)), default=0))
+    padded = f" {text} " if text.startswith("`") or text.endswith("`") else text
+    return f"{fence}{padded}{fence}"

@@ -21,9 +21,10 @@ from math import fsum, isnan
 
 import model
 import svg
-from documents import shown, table
+from documents import plain, shown, table
 from cache_protocol import check_positions
 from kv_cache import KVCache
+import lossy
 from lossy import Series, declared, measure
 
 
@@ -280,7 +281,7 @@ def rows_equal_to_the_masked_pass(record, timing):
     For each kind, or all kinds at once where they agree."""
     counts = [(name, rung["rows_equal_to_the_masked_pass"],
                rung["rows_compared_with_the_masked_pass"])
-              for (name, _), rung in declared(record, "eviction", RUNGS)
+              for (name, _), rung in declared(record, RECORDS, "eviction", RUNGS)
               if rung["rows_compared_with_the_masked_pass"]]
     if len({(equal, compared) for _, equal, compared in counts}) == 1:
         return f"{counts[0][1]:,} of {counts[0][2]:,} rows for each kind"
@@ -292,8 +293,8 @@ def rungs_table(record, timing):
 
     For each rung: the most positions a row read after its prompt, the largest logit gap,
     the stories changed, and the rows equal to the masked full pass (of those compared)."""
-    stories = record["eviction"]["stories"]
-    rows = [[rung["cache"], rung["most_positions_a_row_read_after_the_prompt"],
+    stories = svg.checked(record, RECORDS)["eviction"]["stories"]
+    rows = [[plain(rung["cache"]), rung["most_positions_a_row_read_after_the_prompt"],
              shown(rung["largest_logit_gap"]), rung["greedy_stories_changed"],
              rung["sampled_stories_changed"],
              f"{rung['rows_equal_to_the_masked_pass']:,} of "
@@ -311,12 +312,13 @@ def budgets_table(record, timing):
 
     Greedy (and sampled) stories changed, of the openings: by position (the ladder's windows
     and sinks) and by attention (each kind)."""
+    svg.checked(record, {**lossy.RECORDS, **RECORDS})
     windows = [rung for rung in record["ladder"]["rungs"] if rung["positions_kept"]]
-    by_kind = dict(declared(record, "eviction", RUNGS))
+    by_kind = dict(declared(record, RECORDS, "eviction", RUNGS))
 
     def cell(rung):
         return f"{rung['greedy_stories_changed']} ({rung['sampled_stories_changed']})"
-    rows = [[budget, "; ".join(f"{r['cache']}: {cell(r)}" for r in windows
+    rows = [[budget, "; ".join(f"{plain(r['cache'])}: {cell(r)}" for r in windows
                                if r["positions_kept"] == budget) or "—",
              *(cell(by_kind[name, budget]) if (name, budget) in by_kind else "—"
                for name, _ in KINDS)] for budget in BUDGETS]
@@ -330,6 +332,6 @@ def side_by_side(record):
 
     Each its budgets, against the positions kept."""
     kinds = {}
-    for (name, _), rung in declared(record, "eviction", RUNGS):
+    for (name, _), rung in declared(record, RECORDS, "eviction", RUNGS):
         kinds.setdefault(name, []).append(rung)
     return [Series("positions_kept", name, rungs, False) for name, rungs in kinds.items()]

@@ -8,7 +8,7 @@ import generate
 import kv_cache
 import model
 import svg
-from documents import bold, table
+from documents import bold, code, table
 from instruments import passes_by_input, recording, reusing
 from kv_cache import feed
 from paged import BlockPool, check_pool
@@ -109,12 +109,13 @@ def parallel_sampling(lab):
 
 def forks_table(record, timing):
     """Section 16's table: forks of one prefill against caches of their own, by opening."""
-    p, forks = record["parallel_sampling"], record["parallel_sampling"]["continuations_each"]
+    p = svg.checked(record, RECORDS)["parallel_sampling"]
+    forks = p["continuations_each"]
     return table(["opening", "prompt tokens", f"distinct continuations (of {forks})",
                   f"blocks held at the end: forks / {forks} caches of their own",
                   f"prompt rows: forks / {forks} caches of their own",
                   "identical to `generate`'s"],
-                 [[f"`{o['prompt']}`", o["prompt_tokens"], o["distinct_continuations"],
+                 [[code(o["prompt"]), o["prompt_tokens"], o["distinct_continuations"],
                    f"{o['blocks_held_with_forks']} / {o['blocks_held_by_caches_of_their_own']}",
                    f"{o['prompt_rows_with_forks']} / "
                    f"{o['prompt_rows_with_caches_of_their_own']}",

@@ -33,7 +33,7 @@ from deep_model import DeepCache, deep_ids, forward, forward_step
 from deep_params import HYBRID, SHAPE, check_model_shape, init_params, kv_layers
 from instruments import largest_gap, recording
 import svg
-from documents import shown, table
+from documents import plain, shown, table
 from model import WIDTH, check_int, dot, excerpt
 
 PATTERNS = ("gpt-oss", "gemma-3")   # pattern_windows's names
@@ -284,22 +284,16 @@ def experiment(lab):
 
 # ---- what Part 6 shows of it (documents.py fills its marks) --------------------------
 
-MODEL_SHAPE = {"model": str, "layers": svg.COUNT, "windows": [(0, svg.LARGEST, None)],
-               "kv_from": [svg.COUNT], "rows_compared": svg.COUNT,
-               "largest_logit_gap": svg.COUNT, "positions_held": svg.COUNT,
-               "numbers_per_position": svg.COUNT, "formula": svg.COUNT}
-
-
 def models_table(record, timing):
     """Section 32's table: each hybrid model's cached rows against its full pass, its cache."""
-    entry = svg.checked(record, {"hybrid_models": {"positions": svg.COUNT,
-                                                   "models": [MODEL_SHAPE]}})["hybrid_models"]
+    entry = svg.checked(record, {"hybrid_models": svg.picked(
+        RECORDS["hybrid_models"], "positions", "models")})["hybrid_models"]
     rows = []
     for model in entry["models"]:
         windows = ", ".join("full" if w is None else str(w) for w in model["windows"])
         reading = [f"{layer} reads {read}" for layer, read in enumerate(model["kv_from"])
                    if read != layer]
-        rows.append([model["model"], windows, ", ".join(reading) or "its own",
+        rows.append([plain(model["model"]), windows, ", ".join(reading) or "its own",
                      f"{model['rows_compared']:,}", shown(model["largest_logit_gap"]),
                      f"{shown(model['numbers_per_position'], 'g')} ({model['formula']})"])
     return table(["model", "each layer's window", "layer whose keys and values it reads",
@@ -309,15 +303,14 @@ def models_table(record, timing):
 
 def real_models_table(record, timing):
     """Section 32's table of real models: their caches with windows kept and counted full."""
-    bytes_shape = [svg.COUNT]
-    entries = svg.checked(record, {"hybrid_models": {"real_models": [{
-        "model": str, "bytes_as_windows": bytes_shape, "bytes_as_full": bytes_shape}]}})[
-        "hybrid_models"]["real_models"]
+    entries = svg.checked(record, {"hybrid_models": svg.picked(
+        RECORDS["hybrid_models"], "real_models")})["hybrid_models"]["real_models"]
     rows = []
-    for model, entry in zip(REAL_MODELS, entries):
-        if entry["model"] != model["model"] or len(entry["bytes_as_full"]) != len(WORKLOADS):
-            raise ValueError(f"the record's real models must be {REAL_MODELS}'s, each at "
-                             f"{len(WORKLOADS)} workloads; got {excerpt(entry)}")
+    for i, (model, entry) in enumerate(zip(REAL_MODELS, entries)):
+        if entry["model"] != model["model"] or {len(entry["bytes_as_full"]),
+                                                len(entry["bytes_as_windows"])} != {len(WORKLOADS)}:
+            raise ValueError(f"the record's hybrid_models.real_models[{i}] must be "
+                             f"{model['model']}'s, at {len(WORKLOADS)} workloads")
         windows = model["windows"]
         cells = [model["model"], f"{windows.count(None)} full, "
                  f"{len(windows) - windows.count(None)} of {max(filter(None, windows)):,}"]

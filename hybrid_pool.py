@@ -363,50 +363,14 @@ BLOCK_SIZE = 2   # against a window of 4 (hybrid.WINDOW), as 16 against gpt-oss'
 
 # The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
 # against it strictly (exactly these keys), and the documents' marks before a run.
-RECORDS = {
-    "hybrid_pool": {
-        "positions": svg.COUNT, "window": svg.COUNT, "block_size": svg.COUNT,
-        "models": {
-            "gpt-oss": {
-                "freeing": {
-                    "window_blocks_by_step": [svg.COUNT],
-                    "full_blocks_by_step": [svg.COUNT],
-                    "window_blocks_at_the_end": svg.COUNT,
-                    "full_blocks_at_the_end": svg.COUNT, "page_bytes": svg.COUNT,
-                    "rows_equal_to_the_masked_pass": bool},
-                "keeping": {
-                    "window_blocks_by_step": [svg.COUNT],
-                    "full_blocks_by_step": [svg.COUNT],
-                    "window_blocks_at_the_end": svg.COUNT,
-                    "full_blocks_at_the_end": svg.COUNT, "page_bytes": svg.COUNT,
-                    "rows_equal_to_the_masked_pass": bool}},
-            "gemma-3": {
-                "freeing": {
-                    "window_blocks_by_step": [svg.COUNT],
-                    "full_blocks_by_step": [svg.COUNT],
-                    "window_blocks_at_the_end": svg.COUNT,
-                    "full_blocks_at_the_end": svg.COUNT, "page_bytes": svg.COUNT,
-                    "rows_equal_to_the_masked_pass": bool},
-                "keeping": {
-                    "window_blocks_by_step": [svg.COUNT],
-                    "full_blocks_by_step": [svg.COUNT],
-                    "window_blocks_at_the_end": svg.COUNT,
-                    "full_blocks_at_the_end": svg.COUNT, "page_bytes": svg.COUNT,
-                    "rows_equal_to_the_masked_pass": bool}},
-            "shared": {
-                "freeing": {
-                    "window_blocks_by_step": [svg.COUNT],
-                    "full_blocks_by_step": [svg.COUNT],
-                    "window_blocks_at_the_end": svg.COUNT,
-                    "full_blocks_at_the_end": svg.COUNT, "page_bytes": svg.COUNT,
-                    "rows_equal_to_the_masked_pass": bool},
-                "keeping": {
-                    "window_blocks_by_step": [svg.COUNT],
-                    "full_blocks_by_step": [svg.COUNT],
-                    "window_blocks_at_the_end": svg.COUNT,
-                    "full_blocks_at_the_end": svg.COUNT, "page_bytes": svg.COUNT,
-                    "rows_equal_to_the_masked_pass": bool}}}},
-}
+WAYS = ("freeing", "keeping")
+WAY = {"window_blocks_by_step": [svg.COUNT], "full_blocks_by_step": [svg.COUNT],
+       **dict.fromkeys(("window_blocks_at_the_end", "full_blocks_at_the_end", "page_bytes"),
+                       svg.COUNT),
+       "rows_equal_to_the_masked_pass": bool}   # one way's figures, for one model
+RECORDS = {"hybrid_pool": {
+    **dict.fromkeys(("positions", "window", "block_size"), svg.COUNT),
+    "models": dict.fromkeys(("gpt-oss", "gemma-3", "shared"), dict.fromkeys(WAYS, WAY))}}
 
 
 def experiment(lab):
@@ -422,28 +386,10 @@ def experiment(lab):
 
 # ---- what Part 6 shows of it (documents.py fills its marks) --------------------------
 
-WAYS = ("freeing", "keeping")
-WAY_SHAPE = {"window_blocks_by_step": [svg.COUNT], "full_blocks_by_step": [svg.COUNT],
-             "window_blocks_at_the_end": svg.COUNT, "full_blocks_at_the_end": svg.COUNT,
-             "page_bytes": svg.COUNT}
-
-
 def _models(record):
-    """The record's hybrid_pool models, checked: {name: {way: its figures}}."""
-    entry = svg.checked(record, {"hybrid_pool": {"positions": svg.COUNT,
-                                                 "block_size": svg.COUNT}})["hybrid_pool"]
-    models = entry.get("models")
-    if not isinstance(models, dict) or not models or len(models) > svg.MOST_ITEMS:
-        raise ValueError(f"the record's hybrid_pool.models is {excerpt(models)}, not an "
-                         f"object of 1 to {svg.MOST_ITEMS} models")
-    for name, ways in models.items():
-        where = f"hybrid_pool.models.{name}"
-        svg.checked(ways, dict.fromkeys(WAYS, WAY_SHAPE), where)
-        for way in WAYS:
-            if not isinstance(ways[way].get("rows_equal_to_the_masked_pass"), bool):
-                raise ValueError(f"the record's {where}.{way}.rows_equal_to_the_masked_pass "
-                                 f"is not true or false")
-    return models
+    """The record's hybrid_pool models, checked as declared: {name: {way: its figures}}."""
+    models = svg.checked(record, RECORDS)["hybrid_pool"]["models"]
+    return {name: models[name] for name in RECORDS["hybrid_pool"]["models"]}
 
 
 def bytes_at_the_end(way):

@@ -336,12 +336,12 @@ def experiment(lab):
 
 def shapes_table(record, timing):
     """Section 28's table of latent shapes: numbers cached, both paths' gaps, continuations."""
+    entry = svg.checked(record, RECORDS)["latent_attention"]
     rows = []
     for positions, latent, rotary_key in (("learned", 4, 0), ("learned", 8, 0), ("rotary", 4, 2),
                                           ("rotary", 8, 2), ("rotary", 8, 0)):
-        shapes = [s for s in record["latent_attention"]["shapes"]
-                  if (s["positions"], s["latent"], s["rotary_key"]) == (positions, latent,
-                                                                        rotary_key)]
+        shapes = svg.found(entry["shapes"], "latent_attention.shapes", positions=positions,
+                           latent=latent, rotary_key=rotary_key)
         against = shapes[0]["against"]
         rows.append([f"{positions} positions, latent {latent}"
                      + (f", rotary key {rotary_key}" if rotary_key else
@@ -358,16 +358,19 @@ def shapes_table(record, timing):
                   "multi-head / grouped-query (2) / multi-query, 1 layer",
                   "rebuilt keys: largest gap, 1 / 2 layers",
                   "absorbed: largest gap, 1 / 2 layers",
-                  f"absorbed greedy continuation ({record['latent_attention']['continued']} "
+                  f"absorbed greedy continuation ({entry['continued']} "
                   f"tokens)"], rows)
 
 
 def work_table(record, timing):
     """Section 28's table of one decode step's products on each path, by positions attended."""
-    work = record["latent_attention"]["work_per_step"]
+    work = svg.checked(record, RECORDS)["latent_attention"]["work_per_step"]
     shape, steps = work["shape"], work["steps"]
-    latent = (f"latent {shape['latent']} + rotary key {shape['rotary_key']} "
-              f"({cache_floats(1, 4, 4, shape['latent'], shape['rotary_key'])})")
+    try:
+        floats = cache_floats(1, 4, 4, shape["latent"], shape["rotary_key"])
+    except ValueError as e:
+        raise ValueError(f"the record's latent_attention.work_per_step.shape: {e}") from None
+    latent = f"latent {shape['latent']} + rotary key {shape['rotary_key']} ({floats})"
     return table(["one decode step, 1 layer, 4 heads", *(f"attending to {s['attended']}"
                                                           for s in steps)],
                  [[label, *(shown(s[path]) for s in steps)]

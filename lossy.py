@@ -15,7 +15,7 @@ from collections import namedtuple
 import model
 import svg
 from cache_protocol import check_positions
-from documents import shown, table
+from documents import plain, shown, table
 from instruments import largest_gap, sums_in_another_order
 from generate import Generation
 from kv_cache import KVCache, feed
@@ -296,13 +296,12 @@ def ladder(lab, rungs):
 
 def ladder_table(record, timing):
     """Section 17's table: every rung of the ladder beside the exact lists, and what it costs."""
-    svg.checked({**record, "time": timing}, {"time": {"cache_bytes_per_position": svg.COUNT},
-                                             "ladder": {"stories": svg.COUNT, "rungs": [{
-        **RUNG_SHAPE, "largest_logit_gap": svg.COUNT, "sampled_stories_changed": svg.COUNT}]}})
+    from trace_lesson import TIMED   # (trace_lesson's stages import the lab's Parts)
+    svg.checked(record, RECORDS)
+    svg.checked(timing, svg.picked(TIMED, "cache_bytes_per_position"), "time")
     rows = [["exact, in lists (the reference)",
              f"{timing['cache_bytes_per_position']:,} as CPython objects", "all", "0.0", 0, 0]]
-    rows += [[rung["cache"], shown(rung["bytes_per_position"], "g")
-              if rung["bytes_per_position"] is not None else "—",
+    rows += [[plain(rung["cache"]), shown(rung["bytes_per_position"], "g"),
               "all" if rung["positions_kept"] is None else rung["positions_kept"],
               shown(rung["largest_logit_gap"]), rung["greedy_stories_changed"],
               rung["sampled_stories_changed"]] for rung in record["ladder"]["rungs"]]
@@ -321,11 +320,7 @@ def ladder_picture(record, timing):
     As in its table: the bytes it holds for a full context of 64 positions (its measured
     bytes a position, or the positions it keeps as the exact lists' 8-byte numbers) and the
     largest logit gap it gives (a log scale); red where it changed a greedy story."""
-    svg.checked(record, {"cache_floats_per_position": (1, svg.LARGEST), "ladder": {
-        "stories": svg.COUNT, "rungs": [{
-            "cache": str, "bytes_per_position": (*svg.COUNT, None),
-            "positions_kept": (*svg.COUNT, None), "largest_logit_gap": svg.COUNT,
-            "greedy_stories_changed": svg.COUNT}]}})
+    svg.checked(record, {"cache_floats_per_position": (1, svg.LARGEST), **RECORDS})
     exact = record["cache_floats_per_position"] * 8
     stories = record["ladder"]["stories"]
     rungs = [{"cache": "exact lists", "bytes_per_position": exact, "positions_kept": None,
@@ -358,17 +353,16 @@ Series = namedtuple("Series", "axis name rungs dashed")
 Series.__doc__ = """A line of section 19's picture: the record's key it is drawn against
 ("positions_kept" or "bytes_per_position"), its name in the legend, its rungs (the
 record's), and whether it is dashed (a baseline: the ladder's own)."""
-RUNG_SHAPE = {"cache": str, "positions_kept": (*svg.COUNT, None),   # what the picture reads
-              "greedy_stories_changed": svg.COUNT, "bytes_per_position": (*svg.COUNT, None)}
 
 
-def declared(record, stage, declarations, key="rungs"):
+def declared(record, records, stage, declarations, key="rungs"):
     """Give the rungs of record[stage][key], each beside the declaration it was measured from.
 
-    The rungs are checked as RUNG_SHAPE says; declarations: the stage's, in its cases'
-    order, so that no code reads a rung's kind back from its label. Refused, naming the key,
-    if the record holds another number of rungs than the stage declares."""
-    rungs = svg.checked(record, {stage: {key: [RUNG_SHAPE]}})[stage][key]
+    The rungs are checked as the stage's module declares them (records: its RECORDS);
+    declarations: the stage's, in its cases' order, so that no code reads a rung's kind back
+    from its label. Refused, naming the key, if the record holds another number of rungs
+    than the stage declares."""
+    rungs = svg.checked(record, {stage: {key: records[stage][key]}})[stage][key]
     if len(rungs) != len(declarations):
         raise ValueError(f"the record's {stage}.{key} holds {len(rungs)} rungs, and the stage "
                          f"declares {len(declarations)}: write the record again "
@@ -382,7 +376,7 @@ def side_by_side(record):
     Its windows by their sinks, against the positions kept, and its compact formats (one
     scale a vector) against the bytes."""
     kept, formats = {}, []
-    for (_, kind), rung in declared(record, "ladder", RUNGS):
+    for (_, kind), rung in declared(record, RECORDS, "ladder", RUNGS):
         if isinstance(kind, tuple):   # (window, sinks)
             kept.setdefault(f"a window, sinks {kind[1]}", []).append(rung)
         elif kind in FORMATS:
@@ -415,7 +409,8 @@ def side_by_side_picture(record, timing):
     positions included (the formats, and quantization.py's RotatedCaches and GroupedCaches
     by kind). Each series has a colour and a marker of its own, and is drawn SHIFT pixels
     right of the one before it."""
-    stories = svg.checked(record, {"ladder": {"stories": svg.COUNT}})["ladder"]["stories"]
+    stories = svg.checked(record, {"ladder": svg.picked(RECORDS["ladder"], "stories")})[
+        "ladder"]["stories"]
     series = [line for module in keeping_less() for line in module.side_by_side(record)]
     by_kept, by_bytes = ([line for line in series if line.axis == axis]
                          for axis in ("positions_kept", "bytes_per_position"))

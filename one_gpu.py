@@ -203,16 +203,15 @@ REQUEST_LENGTHS = (4096, 32768)  # tokens each request holds, for the memory
 # against it strictly (exactly these keys), and the documents' marks before a run.
 RECORDS = {
     "one_gpu": {
-        "lesson": {
-            "prompts": svg.COUNT, "prompt_tokens": svg.COUNT,
-            "prefill_multiply_adds": svg.COUNT, "prefill_numbers_read": svg.COUNT,
-            "decode_multiply_adds": svg.COUNT, "decode_numbers_read": svg.COUNT},
+        "lesson": dict.fromkeys(
+            ("prompts", "prompt_tokens", "prefill_multiply_adds", "prefill_numbers_read",
+             "decode_multiply_adds", "decode_numbers_read"), svg.COUNT),
         "models": [{
-            "model": str, "kv_heads": svg.COUNT, "prefill_seconds": [(*svg.COUNT, None)],
-            "decode_seconds": [(*svg.COUNT, None)], "tokens_to_the_ridge": svg.COUNT,
-            "weight_bytes": svg.COUNT, "bytes_left": svg.COUNT,
-            "cache_kib_per_token": svg.COUNT, "tokens_that_fit": svg.COUNT,
-            "requests": [(*svg.COUNT, None)]}]},
+            "model": str, "kv_heads": svg.COUNT,
+            **dict.fromkeys(("prefill_seconds", "decode_seconds", "requests"),
+                            [(*svg.COUNT, None)]),
+            **dict.fromkeys(("tokens_to_the_ridge", "weight_bytes", "bytes_left",
+                             "cache_kib_per_token", "tokens_that_fit"), svg.COUNT)}]},
 }
 
 
@@ -254,6 +253,22 @@ def _model(entry):
     return next(model for model in MODELS if model["model"] == entry["model"])
 
 
+def _entries(record):
+    """The record's one_gpu.models, checked as declared, each one of MODELS' with its figures.
+
+    As many figures for each of PROMPTS and of REQUEST_LENGTHS as they hold."""
+    entries = svg.checked(record, RECORDS)["one_gpu"]["models"]
+    for i, entry in enumerate(entries):
+        where = f"the record's one_gpu.models[{i}]"
+        if entry["model"] not in [model["model"] for model in MODELS]:
+            raise ValueError(f"{where}.model is {entry['model'][:100]!r}, not one of MODELS'")
+        for key, count in (("prefill_seconds", len(PROMPTS)), ("decode_seconds", len(PROMPTS)),
+                           ("requests", len(REQUEST_LENGTHS))):
+            if len(entry[key]) != count:
+                raise ValueError(f"{where}.{key} holds {len(entry[key])} figures, not {count}")
+    return entries
+
+
 def _name(entry):
     heads = _model(entry)["width"] // 128
     kind = "multi-head" if entry["kv_heads"] == heads else f"grouped-query, {entry['kv_heads']}"
@@ -267,11 +282,11 @@ def _beyond(entry):
 def first_token_table(record, timing):
     """Section 30's table: the real models' least prefill and decode step, and their ridge."""
     rows = []
-    for entry in record["one_gpu"]["models"]:
+    for entry in _entries(record):
         cells = [_name(entry)]
         for prefill, decode in zip(entry["prefill_seconds"], entry["decode_seconds"]):
             cells += ([f"{prefill * 1e3:,.1f} ms", f"{decode * 1e3:.2f} ms"]
-                      if prefill is not None else [_beyond(entry), "—"])
+                      if None not in (prefill, decode) else [_beyond(entry), "—"])
         rows.append(cells + [f"{entry['tokens_to_the_ridge']} tokens"])
     header = [f"model, on an {A100['gpu']}"]
     for n in PROMPTS:
@@ -282,7 +297,7 @@ def first_token_table(record, timing):
 def fit_table(record, timing):
     """Section 31's table: each real model's weights, memory left, and requests that fit."""
     rows = []
-    for entry in record["one_gpu"]["models"]:
+    for entry in _entries(record):
         rows.append([_name(entry), f"{entry['weight_bytes'] / 2 ** 30:.2f} GiB",
                      f"{entry['bytes_left'] / 2 ** 30:.2f} GiB",
                      f"{entry['cache_kib_per_token']} KiB", f"{entry['tokens_that_fit']:,}",

@@ -376,18 +376,14 @@ class PagedSequence(KVCache):
 
 # The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
 # against it strictly (exactly these keys), and the documents' marks before a run.
+LAYOUTS = dict.fromkeys(("static, 64 per story", "blocks of 4", "blocks of 8", "blocks of 16"),
+                       svg.COUNT)   # a figure for each way of reserving slots
 RECORDS = {
     "paged": {
-        "positions_held": svg.COUNT,
-        "slots_reserved": {
-            "static, 64 per story": svg.COUNT, "blocks of 4": svg.COUNT,
-            "blocks of 8": svg.COUNT, "blocks of 16": svg.COUNT},
-        "wasted_share": {
-            "static, 64 per story": svg.COUNT, "blocks of 4": svg.COUNT,
-            "blocks of 8": svg.COUNT, "blocks of 16": svg.COUNT},
-        "prefix_sharing_blocks_of_4": {
-            "blocks_shared": svg.COUNT, "prompt_rows_without_sharing": svg.COUNT,
-            "prompt_rows_with_sharing": svg.COUNT, "greedy_identical": svg.COUNT}},
+        "positions_held": svg.COUNT, "slots_reserved": LAYOUTS, "wasted_share": LAYOUTS,
+        "prefix_sharing_blocks_of_4": dict.fromkeys(
+            ("blocks_shared", "prompt_rows_without_sharing", "prompt_rows_with_sharing",
+             "greedy_identical"), svg.COUNT)},
 }
 
 
@@ -425,10 +421,10 @@ def experiment(lab, runs):
 def slots_table(record, timing):
     """Section 16's table: the slots each way of reserving memory takes, and its waste."""
     labels, p = {"static, 64 per story": "a whole 64-position context per story (a static "
-                                         "cache)"}, record["paged"]
+                                         "cache)"}, svg.checked(record, RECORDS)["paged"]
     return table(["how the cache reserves memory", "slots reserved", "wasted"],
-                 [[labels.get(way, f"{way} positions"), shown(slots),
-                   f"{p['wasted_share'][way]:.1%}"] for way, slots in p["slots_reserved"].items()])
+                 [[labels.get(way, f"{way} positions"), shown(p["slots_reserved"][way]),
+                   f"{p['wasted_share'][way]:.1%}"] for way in LAYOUTS])
 
 
 def block_tables(record=None, timing=None, folder=LAB):

@@ -79,10 +79,11 @@ def generate_one_pass(params, tok, prompt, max_new_tokens=60, temperature=0.0, t
 # against it strictly (exactly these keys), and the documents' marks before a run.
 RECORDS = {
     "one_pass_prefill": {
-        "positions_compared_by_chunk": {
-            "1": svg.COUNT, "4": svg.COUNT, "8": svg.COUNT, "whole prompt": svg.COUNT},
-        "largest_logit_gap": svg.COUNT, "greedy_identical": svg.COUNT,
-        "prompt_calls_one_token_at_a_time": svg.COUNT, "prompt_calls_one_pass": svg.COUNT},
+        "positions_compared_by_chunk": dict.fromkeys(("1", "4", "8", "whole prompt"),
+                                                     svg.COUNT),
+        **dict.fromkeys(("largest_logit_gap", "greedy_identical",
+                         "prompt_calls_one_token_at_a_time", "prompt_calls_one_pass"),
+                        svg.COUNT)},
 }
 
 

@@ -20,7 +20,7 @@ from math import fsum
 
 from deep_model import DeepCache, deep_ids, forward, forward_step
 from deep_params import check_params, init_params
-from documents import bold, shown, table
+from documents import bold, plain, shown, table
 from eviction import check_kernel, snapkv_choice
 from instruments import largest_gap
 from model import CONTEXT, WIDTH, check_int, excerpt
@@ -171,14 +171,15 @@ def experiment(lab):
 
 def budgets_table(record, timing):
     """Section 26's table of pyramid and uniform budgets: kept by layer, gaps, rows equal."""
-    pyramid = record["pyramid"]
-    rows = [[run["budget"], run["kind"], " / ".join(map(str, run["layer_budgets"])),
+    pyramid = svg.checked(record, {"pyramid": {**RECORDS["pyramid"], "layers": (
+        1, svg.MOST_ITEMS)}})["pyramid"]   # a layer each, in the header
+    rows = [[run["budget"], plain(run["kind"]), " / ".join(map(str, run["layer_budgets"])),
              bold(shown(run["largest_logit_gap_of_the_decoded_rows"])),
              f"{run['rows_equal_to_the_masked_pass']} of "
              f"{run['rows_compared_with_the_masked_pass']}"] for run in pyramid["runs"]]
     return table([f"positions a layer keeps of the {pyramid['prompt_tokens']}-token prompt, "
                   f"on average", "budgets", "kept by layer "
-                  + " / ".join(map(str, range(pyramid["layers"]))),
+                  + " / ".join(map(str, range(round(pyramid["layers"])))),
                   f"largest logit gap of the {pyramid['positions'] - pyramid['prompt_tokens']} "
                   f"decoded rows to the full pass", "rows equal (==) to the pass masked by "
                   "their reads"], rows)

@@ -18,9 +18,10 @@ from array import array
 
 import model
 import documents
+import lossy
 import svg
 from cache_protocol import check_positions
-from documents import shown
+from documents import plain, shown
 from instruments import largest_gap
 from kv_cache import KVCache, feed
 from lossy import QuantizedCache, Series, declared, measure
@@ -338,8 +339,8 @@ CASES = range(len(RUNGS) + len(ONE_SCALE_RUNGS))   # the stage's: RUNGS, then ON
 def side_by_side(record):
     """Give section 19's series by bytes a position: one-scale RotatedCaches, KIVI's, rotated."""
     series = {"rotated, one scale": [rung for _, rung in declared(
-        record, "quantization", ONE_SCALE_RUNGS, "one_scale_rungs")]}
-    for (_, settings), rung in declared(record, "quantization", RUNGS):
+        record, RECORDS, "quantization", ONE_SCALE_RUNGS, "one_scale_rungs")]}
+    for (_, settings), rung in declared(record, RECORDS, "quantization", RUNGS):
         series.setdefault("rotated" if settings.get("rotate") else "KIVI", []).append(rung)
     return [Series("bytes_per_position", name, rungs, False) for name, rungs in series.items()]
 
@@ -351,35 +352,29 @@ def full_context(lab):
 
 # The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
 # against it strictly (exactly these keys), and the documents' marks before a run.
+CHANGED = {"positions_kept": (*svg.COUNT, None),   # what a rung changes, and how much
+           **dict.fromkeys(("largest_logit_gap", "greedy_stories_changed",
+                            "sampled_stories_changed"), svg.COUNT)}
+REQUANTIZED = dict.fromkeys(("positions", "quantized", "numbers_requantized", "numbers_moved",
+                            "largest_key_error", "largest_key_error_quantized_once"), svg.COUNT)
 RECORDS = {
     "quantization": {
         "stories": svg.COUNT,
         "rungs": [{
-            "cache": str, "rotate": bool, "flush": str, "bits": svg.COUNT,
-            "group": svg.COUNT, "residual": svg.COUNT, "bytes_per_position": svg.COUNT,
-            "bytes_per_quantized_position": svg.COUNT,
-            "positions_kept": (*svg.COUNT, None), "largest_logit_gap": svg.COUNT,
-            "greedy_stories_changed": svg.COUNT, "sampled_stories_changed": svg.COUNT,
-            "numbers_requantized": svg.COUNT, "numbers_moved": svg.COUNT}],
+            "cache": str, "rotate": bool, "flush": str,
+            **dict.fromkeys(("bits", "group", "residual", "bytes_per_position",
+                             "bytes_per_quantized_position"), svg.COUNT),
+            **CHANGED, "numbers_requantized": svg.COUNT, "numbers_moved": svg.COUNT}],
         "one_scale_rungs": [{
             "cache": str, "format": str, "rotate": bool, "bytes_per_position": svg.COUNT,
-            "positions_kept": (*svg.COUNT, None), "largest_logit_gap": svg.COUNT,
-            "greedy_stories_changed": svg.COUNT, "sampled_stories_changed": svg.COUNT}],
+            **CHANGED}],
         "turned_only": {
             "positions": svg.COUNT, "rows_equal": bool, "largest_logit_gap": svg.COUNT},
         "key_channel_peaks": svg.COUNT, "value_channel_peaks": svg.COUNT,
-        "compounding": {
-            "positions": svg.COUNT, "quantized": svg.COUNT,
-            "numbers_requantized": svg.COUNT, "numbers_moved": svg.COUNT,
-            "largest_key_error": svg.COUNT, "largest_key_error_quantized_once": svg.COUNT},
-        "whole_groups": {
-            "positions": svg.COUNT, "quantized": svg.COUNT,
-            "numbers_requantized": svg.COUNT, "numbers_moved": svg.COUNT,
-            "largest_key_error": svg.COUNT, "largest_key_error_quantized_once": svg.COUNT},
-        "prompt_rows": {
-            "residual": svg.COUNT, "prompt_rows": svg.COUNT,
-            "rows_reading_quantized_keys": svg.COUNT,
-            "stories_choosing_the_first_token_from_them": svg.COUNT}},
+        "compounding": REQUANTIZED, "whole_groups": REQUANTIZED,
+        "prompt_rows": dict.fromkeys(
+            ("residual", "prompt_rows", "rows_reading_quantized_keys",
+             "stories_choosing_the_first_token_from_them"), svg.COUNT)},
 }
 
 
@@ -489,13 +484,15 @@ def compounding(exact, settings):
 
 def table(record, timing):
     """Section 19's table: int8, int4 (one scale a vector), RotatedCaches', then GroupedCaches'."""
-    ladder = {rung["cache"]: rung for rung in record["ladder"]["rungs"]}
-    one_scale = [dict(ladder[fmt], cache=f"{fmt}, one scale a vector") for fmt in ("int8", "int4")]
+    svg.checked(record, {**lossy.RECORDS, **RECORDS})
+    ladder = dict(declared(record, lossy.RECORDS, "ladder", lossy.RUNGS))   # by declaration
+    one_scale = [dict(ladder[fmt, fmt], cache=f"{fmt}, one scale a vector")
+                 for fmt in ("int8", "int4")]
     one_scale += record["quantization"]["one_scale_rungs"]
-    rows = [[r["cache"], "none", "—", shown(r["bytes_per_position"], "g"),
+    rows = [[plain(r["cache"]), "none", "—", shown(r["bytes_per_position"], "g"),
              shown(r["bytes_per_position"], "g"), shown(r["largest_logit_gap"]),
              r["greedy_stories_changed"], r["sampled_stories_changed"]] for r in one_scale]
-    rows += [[r["cache"], f"1 to {r['residual']}", r["flush"],
+    rows += [[plain(r["cache"]), f"1 to {r['residual']}", plain(r["flush"]),
               shown(r["bytes_per_quantized_position"], "g"), shown(r["bytes_per_position"], "g"),
               shown(r["largest_logit_gap"]), r["greedy_stories_changed"],
               r["sampled_stories_changed"]] for r in record["quantization"]["rungs"]]

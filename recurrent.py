@@ -41,7 +41,7 @@ from documents import shown, table
 from instruments import largest_gap
 from model import (CONTEXT, VOCAB_SIZE, add, check_ids, check_int, dot, excerpt, layernorm,
                    linear, relu)
-from recurrent_params import (TOKENS, Checkpoint, check_checkpoint, check_params,
+from recurrent_params import (REAL_CACHE, TOKENS, Checkpoint, check_checkpoint, check_params,
                               init_params, kv_numbers, pattern_kinds, real_caches,
                               state_numbers, zero_state)
 
@@ -382,27 +382,20 @@ def checkpoint_runs(params, prompts):
 
 # The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
 # against it strictly (exactly these keys), and the documents' marks before a run.
-RECORDS = {
-    "recurrent": {
-        "positions": svg.COUNT, "kinds": [str], "rows_compared": svg.COUNT,
-        "rows_equal": bool, "largest_logit_gap": svg.COUNT,
-        "lengths": [{
-            "length": svg.COUNT, "state_numbers": svg.COUNT, "kv_numbers": svg.COUNT,
-            "formula": [svg.COUNT]}],
-        "chunked": [{"chunk": svg.COUNT, "largest_logit_gap": svg.COUNT}],
-        "prefix": {
-            "shared": svg.COUNT, "prompt": svg.COUNT, "new_tokens": svg.COUNT,
-            "attention_reuse": [svg.COUNT],
-            "checkpoints": [{
-                "every": svg.COUNT, "positions_reused": [svg.COUNT],
-                "checkpoints_stored": svg.COUNT, "numbers_stored": svg.COUNT,
-                "rows_equal_to_the_full_pass": bool}]},
-        "real_models": [{
-            "model": str, "recurrent_layers": svg.COUNT, "attention_layers": svg.COUNT,
-            "state_bytes": svg.COUNT, "attention_layer_bytes": [svg.COUNT],
-            "model_bytes": [svg.COUNT], "every_layer_attention_bytes": [svg.COUNT],
-            "tokens_as_large": svg.COUNT}]},
-}
+COUNTS = [svg.COUNT]
+RECORDS = {"recurrent": {
+    "positions": svg.COUNT, "kinds": [str], "rows_compared": svg.COUNT, "rows_equal": bool,
+    "largest_logit_gap": svg.COUNT,
+    "lengths": [{**dict.fromkeys(("length", "state_numbers", "kv_numbers"), svg.COUNT),
+                 "formula": COUNTS}],
+    "chunked": [{"chunk": svg.COUNT, "largest_logit_gap": svg.COUNT}],
+    "prefix": {
+        **dict.fromkeys(("shared", "prompt", "new_tokens"), svg.COUNT),
+        "attention_reuse": COUNTS,
+        "checkpoints": [{"every": svg.COUNT, "positions_reused": COUNTS,
+                         "checkpoints_stored": svg.COUNT, "numbers_stored": svg.COUNT,
+                         "rows_equal_to_the_full_pass": bool}]},
+    "real_models": [REAL_CACHE]}}
 
 
 def experiment(lab):
@@ -435,13 +428,9 @@ def experiment(lab):
 # ---- what Part 6 shows of it (documents.py fills its marks) --------------------------
 
 def _entry(record):
-    """The record's recurrent entry, checked."""
-    return svg.checked(record, {"recurrent": {
-        "kinds": [str], "lengths": [{"length": svg.COUNT, "state_numbers": svg.COUNT,
-                                     "kv_numbers": svg.COUNT, "formula": [svg.COUNT]}],
-        "prefix": {"attention_reuse": [svg.COUNT], "checkpoints": [{
-            "every": svg.COUNT, "positions_reused": [svg.COUNT],
-            "checkpoints_stored": svg.COUNT, "numbers_stored": svg.COUNT}]}}})["recurrent"]
+    """The record's recurrent entry: what the tables read of it, checked as declared."""
+    return svg.checked(record, {"recurrent": svg.picked(
+        RECORDS["recurrent"], "kinds", "lengths", "prefix")})["recurrent"]
 
 
 def lengths_table(record, timing):

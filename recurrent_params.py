@@ -16,7 +16,7 @@ from collections import namedtuple
 
 import svg
 from deep_params import check_model_shape, drawn, param_shapes as deep_shapes
-from documents import table
+from documents import plain, table
 from model import check_ids, check_int, check_shape, check_values, excerpt
 
 KINDS = ("recurrent", "attention")
@@ -178,6 +178,11 @@ REAL_MODELS = (
      "head_width": 128, "state_numbers": 8192 * 16 + 3 * 8192})
 BYTES_PER_NUMBER = 2
 TOKENS = (4096, 131072)
+REAL_CACHE = {   # the shape (svg.checked's) of one of real_caches(), in recurrent's record
+    "model": str, **dict.fromkeys(("recurrent_layers", "attention_layers", "state_bytes",
+                                   "tokens_as_large"), svg.COUNT),
+    **dict.fromkeys(("attention_layer_bytes", "model_bytes", "every_layer_attention_bytes"),
+                    [svg.COUNT])}
 
 
 def real_caches():
@@ -204,16 +209,13 @@ def real_caches():
 
 def real_models_table(record, timing):
     """Section 36's table of real hybrids: a state against an attention layer, and the model."""
-    models = svg.checked(record, {"recurrent": {"real_models": [{
-        "model": str, "recurrent_layers": svg.COUNT, "attention_layers": svg.COUNT,
-        "state_bytes": svg.COUNT, "attention_layer_bytes": [svg.COUNT],
-        "model_bytes": [svg.COUNT], "every_layer_attention_bytes": [svg.COUNT]}]}})
+    models = svg.checked(record, {"recurrent": {"real_models": [REAL_CACHE]}})
     rows = []
-    for model in models["recurrent"]["real_models"]:
+    for i, model in enumerate(models["recurrent"]["real_models"]):
         if len(model["attention_layer_bytes"]) != len(TOKENS):
-            raise ValueError(f"the record's real model {model['model']} must give its bytes at "
-                             f"{len(TOKENS)} lengths, {TOKENS}; got {excerpt(model)}")
-        rows.append([model["model"], f"{model['recurrent_layers']} recurrent, "
+            raise ValueError(f"the record's recurrent.real_models[{i}].attention_layer_bytes "
+                             f"must give its bytes at {len(TOKENS)} lengths, {TOKENS}")
+        rows.append([plain(model["model"]), f"{model['recurrent_layers']} recurrent, "
                      f"{model['attention_layers']} attention",
                      svg.bytes_label(model["state_bytes"]),
                      *map(svg.bytes_label, model["attention_layer_bytes"]),

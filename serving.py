@@ -264,44 +264,30 @@ def serve_and_compare(lab, requests, results, full_rows, pool, max_batch):
 
 # The records of this module's stages, in svg.checked's shapes: trace_kv checks each run
 # against them strictly (exactly these keys), and the documents' marks before a run.
+POOLS = ("small pool", "ample pool")
+GAP = "largest_logit_gap_of_choosing_rows"
 RECORDS = {
     "prefix_cache": {
         "positions_held_in_all": svg.COUNT,
-        "small pool": {
-            "blocks": svg.COUNT, "prefix_hits": svg.COUNT, "rows_saved": svg.COUNT,
-            "rows": svg.COUNT, "evictions": svg.COUNT, "identical": svg.COUNT,
-            "largest_logit_gap_of_choosing_rows": svg.COUNT},
-        "ample pool": {
-            "blocks": svg.COUNT, "prefix_hits": svg.COUNT, "rows_saved": svg.COUNT,
-            "rows": svg.COUNT, "evictions": svg.COUNT, "identical": svg.COUNT,
-            "largest_logit_gap_of_choosing_rows": svg.COUNT}},
+        **dict.fromkeys(POOLS, dict.fromkeys(
+            ("blocks", "prefix_hits", "rows_saved", "rows", "evictions", "identical", GAP),
+            svg.COUNT))},
     "many_requests": {
         "requests": svg.COUNT, "max_batch": svg.COUNT,
-        "small pool": {
-            "steps": svg.COUNT, "request_steps": svg.COUNT, "rows": svg.COUNT,
-            "recomputed_rows": svg.COUNT, "readmitted_positions": svg.COUNT,
-            "readmitted_prefix_hits": svg.COUNT, "preemptions": svg.COUNT,
-            "peak_blocks": svg.COUNT, "prefix_hits": svg.COUNT, "blocks": svg.COUNT,
-            "evictions": svg.COUNT, "mean_requests_per_step": svg.COUNT,
-            "first_admission_prefix_hits": svg.COUNT, "identical": svg.COUNT,
-            "largest_logit_gap_of_choosing_rows": svg.COUNT},
-        "ample pool": {
-            "steps": svg.COUNT, "request_steps": svg.COUNT, "rows": svg.COUNT,
-            "recomputed_rows": svg.COUNT, "readmitted_positions": svg.COUNT,
-            "readmitted_prefix_hits": svg.COUNT, "preemptions": svg.COUNT,
-            "peak_blocks": svg.COUNT, "prefix_hits": svg.COUNT, "blocks": svg.COUNT,
-            "evictions": svg.COUNT, "mean_requests_per_step": svg.COUNT,
-            "first_admission_prefix_hits": svg.COUNT, "identical": svg.COUNT,
-            "largest_logit_gap_of_choosing_rows": svg.COUNT},
-        "small_pool_extra_rows": {
-            "in_all": svg.COUNT, "recomputed": svg.COUNT, "prefix_sharing_lost": svg.COUNT},
+        **dict.fromkeys(POOLS, dict.fromkeys(
+            ("steps", "request_steps", "rows", "recomputed_rows", "readmitted_positions",
+             "readmitted_prefix_hits", "preemptions", "peak_blocks", "prefix_hits", "blocks",
+             "evictions", "mean_requests_per_step", "first_admission_prefix_hits",
+             "identical", GAP), svg.COUNT)),
+        "small_pool_extra_rows": dict.fromkeys(
+            ("in_all", "recomputed", "prefix_sharing_lost"), svg.COUNT),
         "static_batching_steps": svg.COUNT},
     "batched_decode": {
         "requests": svg.COUNT,
         "runs": [{
-            "kernel": str, "max_batch": svg.COUNT, "pool": str, "blocks": svg.COUNT,
-            "steps": svg.COUNT, "preemptions": svg.COUNT, "prefix_hits": svg.COUNT,
-            "stories_identical_to_generate": svg.COUNT,
+            "kernel": str, "max_batch": svg.COUNT, "pool": str,
+            **dict.fromkeys(("blocks", "steps", "preemptions", "prefix_hits",
+                             "stories_identical_to_generate"), svg.COUNT),
             "greedy_stories_identical_to_generate": (*svg.COUNT, None),
             "largest_logit_gap_against_exact": svg.COUNT,
             "stories_identical_to_batches_of_1": svg.COUNT,
@@ -452,7 +438,7 @@ def kernel_table(lab, runs_of_kernels):
 
 def prefix_cache_table(record, timing):
     """Section 20's table: the prefix cache in a small pool and in an ample one."""
-    c = record["prefix_cache"]
+    c = svg.checked(record, svg.picked(RECORDS, "prefix_cache"))["prefix_cache"]
     labels = {"small pool": f"small: far less than the 60 stories hold "
                             f"({shown(c['positions_held_in_all'])} positions)",
               "ample pool": "ample: nothing is evicted"}
@@ -468,7 +454,7 @@ def prefix_cache_table(record, timing):
 
 def many_requests_table(record, timing):
     """Section 21's table: the openings as requests, served from a small pool and an ample one."""
-    m = record["many_requests"]
+    m = svg.checked(record, svg.picked(RECORDS, "many_requests"))["many_requests"]
     return table(["pool of blocks of 4", "steps", "requests choosing a token, mean a step",
                   "rows", "rows recomputed", "preemptions", "peak blocks", "evictions",
                   "prefix hits: at a first admission / at a readmission", "identical",
@@ -479,7 +465,7 @@ def many_requests_table(record, timing):
                    f"{c['first_admission_prefix_hits']} / {c['readmitted_prefix_hits']}",
                    bold(f"{c['identical']} of {m['requests']}"),
                    bold(shown(c["largest_logit_gap_of_choosing_rows"]))]
-                  for run, c in ((run, m[run]) for run in ("small pool", "ample pool"))])
+                  for run, c in ((run, m[run]) for run in POOLS)])
 
 
 def timeline(record=None, timing=None, folder=LAB):

@@ -12,7 +12,7 @@ import generate
 import model
 import prefill
 import svg
-from documents import bold, shown, table
+from documents import bold, plain, shown, table
 from instruments import chosen_rows, largest_gap, recording
 from kv_cache import KVCache, check_cache, fork_for_prompt
 from stories import split_stories, story_ids
@@ -228,12 +228,13 @@ def experiment(lab, draft, runs):
 
 def runs_table(record, timing):
     """Section 24's table: each drafter's model calls, rows, drafts accepted and stories."""
+    svg.checked(record, RECORDS)
     return table(["drafter", "lookahead", "model calls", "rows computed",
                   "drafted tokens accepted", "identical", "gap of the choosing rows"],
-                 [[run["drafter"], run["lookahead"], shown(run["model_calls"]),
+                 [[plain(run["drafter"]), run["lookahead"], shown(run["model_calls"]),
                    shown(run["rows"]),
                    f"{shown(run['accepted'])} of {shown(run['drafted'])} "
-                   f"({run['accepted'] / run['drafted']:.0%})",
+                   f"({shown((run['drafted'] or None) and run['accepted'] / run['drafted'], '.0%')})",
                    bold(f"{run['identical']} of 120"),
                    bold(shown(run["largest_logit_gap_of_choosing_rows"]))]
                   for run in record["speculative_decoding"]])

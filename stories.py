@@ -9,6 +9,7 @@ import re
 from itertools import accumulate
 from math import fsum
 
+import svg
 from checkpoint import CONFIG
 from documents import bold, indented, shown, table
 
@@ -131,6 +132,21 @@ def common_start(ids, other_ids):
     return next((i for i in range(fed) if ids[i] != other_ids[i]), fed)
 
 
+# The shape of each path's story_quality in the lesson's record (below)
+AGREEING = {"pronouns": svg.COUNT, "agreeing": svg.COUNT}
+ON_THE_NAME = {"pronouns": svg.COUNT, **dict.fromkeys(("mean_weight_on_the_name", "even_share"),
+                                                      (*svg.COUNT, None))}
+STORY_QUALITY = {
+    "pronouns_referring_to_the_name": svg.COUNT, "agreeing": svg.COUNT,
+    "agreeing_share": (*svg.COUNT, None),
+    "agreeing_by_opening": dict.fromkeys(("with a pronoun", "with only the name"), AGREEING),
+    "pronouns_referring_to_a_person": AGREEING,
+    "stories_of_corpus_words_only": svg.COUNT,
+    "stories_with_a_wrong_pronoun": [str, (0, 64)],
+    "first_three_right_where_only_the_name_tells": [str, (0, 64)],
+    "attention_on_the_name": dict.fromkeys(("agreeing", "wrong"), ON_THE_NAME)}
+
+
 def story_quality(tok, corpus, prompts, results):
     """How well the greedy and the sampled stories keep the corpus's rules (story_agreement).
 
@@ -207,9 +223,15 @@ def rounded_mean(values):
 
 # ---- what the Reference shows of it (documents.py fills its marks) -------------------
 
+def _quality(record):
+    """The record's story_quality, checked as the lesson's stage declares it (STORY_QUALITY)."""
+    return svg.checked(record, {"story_quality": dict.fromkeys(("greedy", "sampled"),
+                                                               STORY_QUALITY)})["story_quality"]
+
+
 def quality_table(record, timing):
     """The table of how well the greedy and the sampled stories keep the corpus's rules."""
-    greedy, sampled = record["story_quality"]["greedy"], record["story_quality"]["sampled"]
+    greedy, sampled = (_quality(record)[kind] for kind in ("greedy", "sampled"))
 
     def both(pick):
         return [pick(greedy), pick(sampled)]
@@ -219,7 +241,7 @@ def quality_table(record, timing):
     return table(["the 60 test openings, continued", "greedy", "sampled at temperature 1.0"], [
         ["pronouns that refer to the name and agree with its gender", *both(
             lambda q: f"{q['agreeing']} of {q['pronouns_referring_to_the_name']} "
-                      f"({q['agreeing_share']:.1%})")],
+                      f"({shown(q['agreeing_share'], '.1%')})")],
         ["of those, after an opening with a pronoun in it too (`mia lost her green shell.`)",
          *both(lambda q: of(q["agreeing_by_opening"]["with a pronoun"]))],
         ["after an opening where only the name tells the gender (`emma went to the park.`)",
@@ -237,7 +259,7 @@ def attention_table(record, timing):
                                ("wrong", "pronouns with the wrong gender", False)):
         cells = [label]
         for kind in ("greedy", "sampled"):
-            w = record["story_quality"][kind]["attention_on_the_name"][key]
+            w = _quality(record)[kind]["attention_on_the_name"][key]
             weight = shown(w["mean_weight_on_the_name"])
             cells += ([bold(weight) if strong else weight, shown(w["even_share"])]
                       if w["pronouns"] else ["—", "—"]) + [w["pronouns"]]
@@ -248,10 +270,9 @@ def attention_table(record, timing):
 
 def stories_with_a_wrong_pronoun(record, timing):
     """The greedy stories with a pronoun of the wrong gender, indented."""
-    return indented(record["story_quality"]["greedy"]["stories_with_a_wrong_pronoun"])
+    return indented(_quality(record)["greedy"]["stories_with_a_wrong_pronoun"])
 
 
 def right_where_only_the_name_tells(record, timing):
     """The first three greedy stories that keep every rule where only the name tells."""
-    return indented(record["story_quality"]["greedy"]
-                    ["first_three_right_where_only_the_name_tells"])
+    return indented(_quality(record)["greedy"]["first_three_right_where_only_the_name_tells"])

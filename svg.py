@@ -71,6 +71,22 @@ def checked(record, shape, where="", strict=False):
     return record
 
 
+def picked(shape, *keys):
+    """The part of a dict's shape (checked's) that holds keys: what a function reads of it."""
+    return {key: shape[key] for key in keys}
+
+
+def found(items, where, **fields):
+    """The items of a checked list of dicts whose fields have these values, at least one.
+
+    Else a ValueError names the list (where: its key in the record) and the fields."""
+    chosen = [item for item in items if all(item.get(k) == v for k, v in fields.items())]
+    if not chosen:
+        raise ValueError(f"the record's {where} has no item with "
+                         + ", ".join(f"{key} {value!r}" for key, value in fields.items()))
+    return chosen
+
+
 class optional(namedtuple("optional", "shape")):
     """The shape of a dict's key that may be missing: optional(shape) in a dict's shape."""
 

@@ -3,19 +3,25 @@ mark naming nothing is found in a moment, before python3 trace_kv.py --write run
 and that what is drawn by running the lab's code comes from the folder written. (That
 every document's marks are what the record gives is test_readme's.)"""
 import ast
+import copy
+import inspect
 import json
+import math
 import os
+import random
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import unittest
+import xml.etree.ElementTree as ET
 
 import bpe
 import checkpoint
 import documents
 import model
+import support
 import svg
 import verdicts
 from stories import openings, split_stories
@@ -160,6 +166,16 @@ class Tables(unittest.TestCase):
         lines = documents.table(["prompt", "n"], [["mia | was\nsad.", 3]])
         self.assertEqual(lines, ["| prompt | n |", "|---|---|", "| mia \\| was sad. | 3 |"])
 
+    def test_a_record_s_text_is_shown_as_it_is_not_as_markup(self):
+        """Escaped as text (plain), or as code whatever backticks it holds (code); a story
+        indented on one line."""
+        self.assertEqual(documents.plain("a <b>`c`*d*_e_[f]&x\\"),
+                         "a \\<b\\>\\`c\\`\\*d\\*\\_e\\_\\[f\\]\\&x\\\\")
+        self.assertEqual([documents.code(text) for text in ("mia ran.", "a`b", "`a``")],
+                         ["`mia ran.`", "``a`b``", "``` `a`` ```"])
+        self.assertEqual(documents.indented(["one\ntwo\n", "three\n"]),
+                         ["    one two", "    three"])
+
 
 class ConflictMarkers(unittest.TestCase):
 
@@ -222,6 +238,163 @@ class Docstrings(unittest.TestCase):
             "x.py line 5, g: its first line is not a sentence of its own ('Does')",
             "x.py line 8, h: no docstring",
             "x.py line 12, C.m: its first line is not a sentence of its own ('no stop')"])
+
+
+class HostileRecords(unittest.TestCase):
+    """Every table and picture the documents mark, drawn from random edits of the shipped
+    record and timing: its normal output, or a ValueError naming the record's key."""
+
+    MARKUP = "a|b\n<b>`c`*d*"   # a cell's end, a line break, HTML and Markdown
+    WILD = (None, 10 ** 400, -1, 0.5, math.nan, True, "3", [], {}, MARKUP)
+    EACH = 20   # the default cases for each function
+
+    @classmethod
+    def setUpClass(cls):
+        """The functions drawn from the record (whose record has no default), by mark, each
+        with the paths of the record and the timing it reads."""
+        marked = [name for text in map(lab_file, documents.documents()) for name in
+                  [m[1] for m in documents.BLOCK.finditer(text)]
+                  + [name for name, _ in documents.PICTURE.findall(text)]]
+        cls.drawings = {name: draw for name, draw in map(
+            lambda name: (name, documents.drawing(name)), marked)
+            if inspect.signature(draw).parameters["record"].default is inspect.Parameter.empty}
+        cls.reads = {}
+        for name, draw in cls.drawings.items():
+            read = set()
+            draw(Reads(RECORD, ("record",), read), Reads(TIMING, ("time",), read))
+            cls.reads[name] = sorted(read, key=repr)
+
+    def problem(self, name, record, timing):
+        """None if name draws record and timing, or refuses them naming a key; else why."""
+        try:
+            drawn = self.drawings[name](record, timing)
+        except ValueError as refused:
+            why = str(refused)
+            return (None if why.startswith("the record") and why.isprintable()
+                    and len(why) < 400 else f"{name} refused it with {why[:400]!r}")
+        if isinstance(drawn, str):
+            ET.fromstring(drawn)   # a picture: valid XML (test_pictures checks the rest)
+            return None if len(drawn) < 100_000 else f"{name} drew {len(drawn):,} characters"
+        lines = "\n".join(drawn).splitlines()
+        cells = [len(re.findall(r"(?<!\\)\|", line)) for line in lines if line.startswith("|")]
+        if len(set(cells)) > 1 or len(lines) != len(drawn):
+            return f"{name} wrote rows of {sorted(set(cells))} | or a line break: {drawn}"
+        quoted = documents.code(" ".join(self.MARKUP.splitlines())).replace("|", "\\|")
+        if any(markup in line.replace(quoted, "") for line in lines if line.startswith("|")
+               for markup in ("<b>", "`c`", "*d*")):   # in a table, as code or escaped only
+            return f"{name} copied the record's markup: {drawn}"
+        return None
+
+    def test_random_edits_draw_each_table_and_picture_or_are_refused_naming_a_key(self):
+        """Case n edits what the (n % count)th function reads, and draws it: 1 to 3 edits (a
+        key removed, a value null, huge, negative, NaN, of another type or with markup, a
+        list cut to one item, doubled or too long), or in 3 cases of 10 one of its texts
+        made markup alone. Each edit draws a key of the record or the timing that the
+        function reads, then a path below it."""
+        names = sorted(name for name, reads in self.reads.items() if reads)
+
+        def trial(number):
+            rng, name = random.Random(number), names[number % len(names)]
+            both = {"record": RECORD, "time": TIMING}
+            read = {kind: [path for path in self.reads[name] if isinstance(at(both, path), kind)]
+                    for kind in (str, list, object)}
+            markup = bool(read[str]) and rng.random() < 0.3
+            both, copied = {"record": dict(RECORD), "time": dict(TIMING)}, set()
+            for _ in range(1 if markup else rng.choice((1, 1, 2, 3))):
+                kind = "markup" if markup else rng.choice(("remove", "list", "value"))
+                paths = read[str] if markup else read[list] if kind == "list" and read[list] \
+                    else read[object]
+                top = rng.choice(sorted({path[:2] for path in paths}))   # a key, then a path
+                *within, last = path = rng.choice([p for p in paths if p[:2] == top])
+                if len(path) > 2 and path[:2] not in copied and reaches(both[path[0]], path[1]):
+                    both[path[0]][path[1]] = copy.deepcopy(both[path[0]][path[1]])
+                    copied.add(path[:2])   # the shipped record is never edited
+                inner = both
+                for step in within:
+                    inner = inner[step] if reaches(inner, step) else None
+                if not reaches(inner, last):   # an earlier edit took the path away
+                    continue
+                if kind == "remove" and isinstance(inner, dict):
+                    del inner[last]
+                elif kind == "list" and isinstance(inner[last], list) and inner[last]:
+                    inner[last] = rng.choice((inner[last][:1], inner[last] * 2,
+                                              inner[last] * (svg.MOST_ITEMS + 1)))
+                else:
+                    inner[last] = self.MARKUP if markup else rng.choice(self.WILD)
+            return self.problem(name, both["record"], both["time"])
+        support.check_random_cases(self, self.EACH * len(names), trial)
+
+
+class Reads(dict):
+    """A copy of a record's dict that notes the path of each entry read of it (by [], get,
+    in or iteration), at every depth, in read."""
+
+    def __init__(self, value, where, read):
+        super().__init__(value)
+        self.where, self.read = where, read
+
+    def __getitem__(self, key):
+        self.read.add((*self.where, key))
+        return watched(super().__getitem__(key), (*self.where, key), self.read)
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
+
+    def __contains__(self, key):
+        self.read.add((*self.where, key))
+        return super().__contains__(key)
+
+    def items(self):
+        return [(key, self[key]) for key in self]
+
+    def values(self):
+        return [self[key] for key in self]
+
+
+class ReadList(list):
+    """A copy of a record's list that notes each item read of it (Reads)."""
+
+    def __init__(self, value, where, read):
+        super().__init__(value)
+        self.where, self.read = where, read
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(len(self))[index]]
+        self.read.add((*self.where, index % len(self)))
+        return watched(super().__getitem__(index), (*self.where, index % len(self)), self.read)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+
+def watched(value, where, read):
+    """value, noting what is read of it if it is a dict or a list (Reads, ReadList)."""
+    if isinstance(value, dict):
+        return Reads(value, where, read)
+    return ReadList(value, where, read) if isinstance(value, list) else value
+
+
+def paths(value, where):
+    """Every path (a tuple of keys) into value, from where, value's own first."""
+    yield where
+    items = value.items() if isinstance(value, dict) else (
+        enumerate(value) if isinstance(value, list) else ())
+    for key, inner in items:
+        yield from paths(inner, (*where, key))
+
+
+def at(value, path):
+    """The value at path (a tuple of keys) in value."""
+    for key in path:
+        value = value[key]
+    return value
+
+
+def reaches(inner, key):
+    """Whether inner (a dict or a list) holds key."""
+    return (isinstance(inner, dict) and key in inner
+            or isinstance(inner, list) and isinstance(key, int) and key < len(inner))
 
 
 if __name__ == "__main__":

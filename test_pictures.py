@@ -262,14 +262,22 @@ class Pictures(unittest.TestCase):
             self.assertTrue(legend_problems(batched.stories_picture(self.record, None)))
 
     def test_a_rung_without_its_axis_is_refused_naming_it(self):
-        """A rung whose positions kept or bytes a position is null (which the record's check
-        lets through, for the other panel) cannot be placed: refused, naming it."""
-        for stage, key in (("eviction", "positions_kept"), ("quantization", "bytes_per_position")):
+        """A rung whose positions kept or bytes a position is null (which the ladder's
+        declaration lets through, for the other panel) cannot be placed: refused, naming it;
+        where its stage declares no null, refused by the declaration, naming the key."""
+        window = len(lossy.RUNGS) - len(lossy.WINDOWS)   # the ladder's first window
+        unplaced, declared = (r"the record's rung '{}' has no {} \(null\)",
+                              r"the record's {2}.rungs\[0\]\.{1} is None")
+        for stage, rung, key, refused in (
+                ("ladder", window, "positions_kept", unplaced),
+                ("ladder", 1, "bytes_per_position", unplaced),
+                ("eviction", 0, "positions_kept", declared),
+                ("quantization", 0, "bytes_per_position", declared)):
             record = copy.deepcopy(self.record)
-            record[stage]["rungs"][0][key] = None
-            name = re.escape(record[stage]["rungs"][0]["cache"])
-            with self.subTest(key), self.assertRaisesRegex(
-                    ValueError, rf"^the record's rung '{name}' has no {key} \(null\)"):
+            record[stage]["rungs"][rung][key] = None
+            name = re.escape(record[stage]["rungs"][rung]["cache"])
+            with self.subTest(stage=stage, key=key), self.assertRaisesRegex(
+                    ValueError, "^" + refused.format(name, key, stage)):
                 lossy.side_by_side_picture(record, None)
 
     def test_the_ladder_s_table_refuses_what_no_run_gives_naming_it(self):

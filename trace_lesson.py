@@ -23,7 +23,7 @@ from documents import TRACE, indented, shown, table
 from instruments import (largest_gap, passes_by_input, recording, replaced, results, reusing,
                          sums_in_another_order)
 from kv_cache import KVCache, feed, generate_cached, work
-from stories import common_start, rounded_mean, story_ids, story_quality
+from stories import STORY_QUALITY, common_start, rounded_mean, story_ids, story_quality
 
 
 LENGTHS = (8, 16, 32, 64)   # the record's cost_by_length: positions from a one-token prompt
@@ -78,27 +78,8 @@ def gather_runs(lab, ones):
     return Runs(*([one[field] for one in ones] for field in Runs._fields))
 
 
-# The shape of each path's story_quality in the lesson's record (below)
-STORY_QUALITY = {
-    "pronouns_referring_to_the_name": svg.COUNT, "agreeing": svg.COUNT,
-    "agreeing_share": (*svg.COUNT, None),
-    "agreeing_by_opening": {
-        "with a pronoun": {"pronouns": svg.COUNT, "agreeing": svg.COUNT},
-        "with only the name": {"pronouns": svg.COUNT, "agreeing": svg.COUNT}},
-    "pronouns_referring_to_a_person": {
-        "pronouns": svg.COUNT, "agreeing": svg.COUNT},
-    "stories_of_corpus_words_only": svg.COUNT,
-    "stories_with_a_wrong_pronoun": [str, (0, 64)],
-    "first_three_right_where_only_the_name_tells": [str, (0, 64)],
-    "attention_on_the_name": {
-        "agreeing": {
-            "pronouns": svg.COUNT,
-            "mean_weight_on_the_name": (*svg.COUNT, None),
-            "even_share": (*svg.COUNT, None)},
-        "wrong": {
-            "pronouns": svg.COUNT,
-            "mean_weight_on_the_name": (*svg.COUNT, None),
-            "even_share": (*svg.COUNT, None)}}}
+WORK = dict.fromkeys(("uncached_rows", "cached_rows", "uncached_scores", "cached_scores"),
+                     svg.COUNT)
 
 # The records of this module's stages, in svg.checked's shapes: trace_kv checks each run
 # against them strictly (exactly these keys), and the documents' marks before a run.
@@ -110,17 +91,12 @@ RECORDS = {
             "stories": svg.COUNT, "positions": svg.COUNT, "largest_logit_gap": svg.COUNT},
         "greedy_identical": svg.COUNT, "sampled_identical": svg.COUNT,
         "greedy_ended_with_newline": svg.COUNT, "generated_tokens": svg.COUNT,
-        "work": {
-            "uncached_rows": svg.COUNT, "cached_rows": svg.COUNT,
-            "uncached_scores": svg.COUNT, "cached_scores": svg.COUNT},
+        "work": WORK,
         "rows_ratio": svg.COUNT, "scores_ratio": svg.COUNT,
         "cache_floats_per_position": svg.COUNT, "cache_floats_full_context": svg.COUNT,
         "greedy_examples": [str],
-        "story_quality": {
-            "greedy": STORY_QUALITY, "sampled": STORY_QUALITY},
-        "cost_by_length": [{
-            "positions": svg.COUNT, "uncached_rows": svg.COUNT, "cached_rows": svg.COUNT,
-            "uncached_scores": svg.COUNT, "cached_scores": svg.COUNT}],
+        "story_quality": dict.fromkeys(("greedy", "sampled"), STORY_QUALITY),
+        "cost_by_length": [{"positions": svg.COUNT, **WORK}],
         "attention_to_position_0": {"mean_weight": svg.COUNT, "even_share": svg.COUNT}},
     "prefix_sharing": {
         "runs": svg.COUNT, "identical": svg.COUNT,
@@ -346,13 +322,24 @@ def summary(record, timing):
 
 
 def summary_block(record, timing):
-    """What python3 trace_kv.py prints, as the README shows it."""
+    """What python3 trace_kv.py prints, as the README shows it.
+
+    The record and the timing checked first against their declarations (the timing's:
+    trace_kv.TIMING, which imports this module)."""
+    from trace_kv import TIMING
+    svg.checked(record, svg.picked(RECORDS["lesson"], "stories", "every_row_of_every_story",
+                                   "greedy_identical", "sampled_identical", "generated_tokens",
+                                   "work", "rows_ratio", "scores_ratio"))
+    if timing:
+        svg.checked(timing, svg.picked(TIMING, "uncached_seconds", "cached_seconds", "speedup"),
+                    "time")
     return ["```", *summary(record, timing).splitlines(), FULL_RECORD.format(TRACE), "```"]
 
 
 def work_table(record, timing):
     """The table of rows and attention scores computed without and with the cache."""
-    w = record["work"]
+    w = svg.checked(record, svg.picked(RECORDS["lesson"], "work", "rows_ratio",
+                                       "scores_ratio"))["work"]
     return table(["", "without the cache", "with the cache", "ratio"], [
         ["rows (positions run through the model)", shown(w["uncached_rows"]),
          shown(w["cached_rows"]), f"{record['rows_ratio']}x"],
@@ -362,6 +349,8 @@ def work_table(record, timing):
 
 def cost_table(record, timing):
     """The table of rows, scores and seconds to reach each length, without and with the cache."""
+    svg.checked(record, svg.picked(RECORDS["lesson"], "cost_by_length"))
+    svg.checked(timing, svg.picked(TIMED, "cost_by_length"), "time")
     return table(["positions", "rows without", "rows with", "scores without", "scores with",
                   "seconds without", "seconds with", "speed-up", "rows ratio"],
                  [[e["positions"], shown(e["uncached_rows"]), shown(e["cached_rows"]),
@@ -373,19 +362,22 @@ def cost_table(record, timing):
 
 def cost_chart(record, timing):
     """A text chart of the rows computed to reach each length, without and with the cache."""
-    lengths, width = record["cost_by_length"], 48   # the longest bar, in characters
-    most = max(e["uncached_rows"] for e in lengths)
+    lengths = svg.checked(record, svg.picked(RECORDS["lesson"], "cost_by_length"))[
+        "cost_by_length"]
+    width, most = 48, max(1, *(e["uncached_rows"] for e in lengths))   # the longest bar
     lines = ["rows computed to reach each length (# without the cache, = with it)"]
     for e in lengths:
         for label, rows, mark in ((e["positions"], e["uncached_rows"], "#"),
                                   ("", e["cached_rows"], "=")):
-            lines.append(f"{label:>3} {mark * max(1, round(rows / most * width))} {rows:,}")
+            lines.append(f"{label:>3} {mark * min(width, max(1, round(rows / most * width)))} "
+                         f"{rows:,}")
     return ["```text", *lines, "```"]
 
 
 def greedy_examples(record, timing):
     """The first three greedy stories, indented."""
-    return indented(record["greedy_examples"])
+    return indented(svg.checked(record, svg.picked(RECORDS["lesson"], "greedy_examples"))[
+        "greedy_examples"])
 
 
 def rows_saved_by_sharing(record, timing):
@@ -429,10 +421,8 @@ def rows_picture(record, timing):
     """Section 8's picture: rows and attention scores computed to reach each length.
 
     With and without the cache (the record's cost_by_length)."""
-    lengths = svg.checked(record, {"cost_by_length": [{
-        "positions": (1, svg.LARGEST), **dict.fromkeys(
-            ("uncached_rows", "cached_rows", "uncached_scores", "cached_scores"), svg.COUNT)
-    }]})["cost_by_length"]
+    lengths = svg.checked(record, {"cost_by_length": [{**WORK, "positions": (1, svg.LARGEST)}]}
+                          )["cost_by_length"]
     body = []
     for left, kind, unit in ((90, "rows", "rows computed"),
                              (450, "scores", "attention scores computed")):
