@@ -12,7 +12,6 @@ beat, at the same bytes; RotatedCache is lossy.py's QuantizedCache turned the sa
 llama.cpp turns before its one-scale formats.
 """
 import math
-import struct
 import sys
 from array import array
 
@@ -24,9 +23,9 @@ from cache_protocol import check_positions
 from documents import plain, shown
 from instruments import largest_gap
 from kv_cache import KVCache, feed
+from kivi import check_sizes, given_back, keys_by_channel, stored_bytes, value_by_token
 from lossy import QuantizedCache, Series, declared, measure
 
-BITS = (2, 4, 8, 64)   # 64: no levels, every number kept as a float64 (the rotation alone)
 FLUSHES = ("groups", "requantize")
 FLOAT32_MAX = 3.4028234663852886e38
 SPREAD = 4   # a turned number is at most 4 times the largest of its vector (16 x 0.25)
@@ -51,90 +50,6 @@ def turned(vector):
         raise ValueError(f"turned takes a vector of {model.WIDTH} numbers (the Hadamard "
                          f"matrix's size), got {len(vector)}")
     return [model.dot(row, vector) for row in HADAMARD]
-
-
-def _check_sizes(bits, group=1, residual=1):
-    """Refuse bits other than BITS' (16 or 9 would pack no level in a byte), and a group or a
-    residual that a GroupedCache cannot have."""
-    if not model.is_int(bits) or bits not in BITS:
-        raise ValueError(f"bits must be 2, 4, 8 or 64, got {model.excerpt(bits)}")
-    model.check_int("group", group, 1, model.CONTEXT, " (positions)")
-    model.check_int("residual", residual, 1, model.CONTEXT, " (the newest positions, kept exact)")
-
-
-def _f32(x):
-    return struct.unpack("<f", struct.pack("<f", x))[0]
-
-
-def _grid(numbers, top):
-    """Zero point and scale numbers share, 32-bit floats: smallest to level 0, largest to top."""
-    low = min(numbers)
-    return _f32(low), _f32((max(numbers) - low) / top)
-
-
-def _level(x, zero, scale, top):
-    """The nearest level of x from 0 to top (ties to the even one, as round does)."""
-    return min(top, max(0, round((x - zero) / scale))) if scale else 0
-
-
-def _packed(levels, bits):
-    """Levels of bits bits, 8 // bits to a byte, the first in the lowest bits."""
-    per = 8 // bits
-    return bytes(sum(level << bits * i for i, level in enumerate(levels[at:at + per]))
-                 for at in range(0, len(levels), per))
-
-
-def _unpacked(data, bits):
-    mask = (1 << bits) - 1
-    return [byte >> bits * i & mask for byte in data for i in range(8 // bits)]
-
-
-def keys_by_channel(keys, bits):
-    """Store a group of keys: per channel, a zero point and a scale over the group (_grid).
-
-    Each number becomes its level, packed position by position; at 64 bits, the numbers.
-    keys: one or more, each of 16 numbers."""
-    _check_sizes(bits)
-    if not keys or any(len(key) != model.WIDTH for key in keys):
-        raise ValueError(f"keys must be a non-empty list of keys of {model.WIDTH} numbers, got "
-                         f"{model.excerpt(keys)}")
-    if bits == 64:
-        return (array("d", [x for key in keys for x in key]),)
-    top = 2 ** bits - 1
-    zeros, scales = zip(*(_grid(channel, top) for channel in zip(*keys)))
-    levels = [_level(x, zero, scale, top)
-              for key in keys for x, zero, scale in zip(key, zeros, scales)]
-    return _packed(levels, bits), array("f", zeros), array("f", scales)
-
-
-def value_by_token(value, bits):
-    """Store one value: one zero point and one scale over its 16 numbers (_grid).
-
-    Each number becomes its level, packed; at 64 bits, the numbers."""
-    _check_sizes(bits)
-    if bits == 64:
-        return (array("d", value),)
-    top = 2 ** bits - 1
-    zero, scale = _grid(value, top)
-    return _packed([_level(x, zero, scale, top) for x in value], bits), array("f", [zero, scale])
-
-
-def given_back(stored, bits, per_channel):
-    """Give the vectors that stored stands for: each level times its scale, plus its zero point.
-
-    stored: keys_by_channel's (per_channel) or value_by_token's."""
-    if bits == 64:
-        numbers = list(stored[0])
-    else:
-        data, *grids = stored
-        zeros, scales = grids if per_channel else ([grids[0][0]], [grids[0][1]])
-        numbers = [level * scales[i % len(scales)] + zeros[i % len(zeros)]
-                   for i, level in enumerate(_unpacked(data, bits))]
-    return [numbers[at:at + model.WIDTH] for at in range(0, len(numbers), model.WIDTH)]
-
-
-def _stored_bytes(stored):
-    return sum(len(part) * getattr(part, "itemsize", 1) for part in stored)
 
 
 def _refuse_unless_storable(vector, kind, largest, how):
@@ -166,7 +81,7 @@ class GroupedCache(KVCache):
     stores_exactly = fixed_once_kept = False
 
     def __init__(self, params, bits, group, residual, rotate=False, flush="groups"):
-        _check_sizes(bits, group, residual)
+        check_sizes(bits, group, residual)
         if not isinstance(rotate, bool):
             raise ValueError(f"rotate must be True or False, got {model.excerpt(rotate)}")
         if flush not in FLUSHES:
@@ -264,8 +179,8 @@ class GroupedCache(KVCache):
         """Count the bytes it stores: (quantized positions', exact positions').
 
         The quantized: packed levels and every zero point and scale; the exact: their floats."""
-        return (sum(map(_stored_bytes, self.key_groups + self.stored_values)),
-                _stored_bytes(self.exact_keys + self.exact_values))
+        return (sum(map(stored_bytes, self.key_groups + self.stored_values)),
+                stored_bytes(self.exact_keys + self.exact_values))
 
     def bytes_per_position(self):
         """The bytes its keys and values take per position (stored_bytes)."""
@@ -302,22 +217,6 @@ class RotatedCache(QuantizedCache):
         float64 (a turned number is at most SPREAD times the largest)."""
         _refuse_unless_storable(vector, "RotatedCache", sys.float_info.max / SPREAD, "turned")
         return turned(vector)
-
-
-def bytes_by_formula(bits, group, residual, positions):
-    """Give the bytes per position of a GroupedCache holding positions positions (1 or more).
-
-    16 numbers a key and 16 a value, bits / 8 bytes each once quantized, 8 while exact; 4 bytes
-    each zero point and scale, one of each per channel of a group of keys (the last perhaps short)
-    and per value. The exact: those fed since the last flush, 1 to residual. Refuses what
-    GroupedCache refuses of bits, group and residual, and positions beyond what it holds."""
-    _check_sizes(bits, group, residual)
-    model.check_int("positions", positions, 1, model.CONTEXT, " (the positions a GroupedCache "
-                    "holds)")
-    exact = (positions - 1) % residual + 1
-    quantized = positions - exact
-    grids = 0 if bits == 64 else model.WIDTH * math.ceil(quantized / group) + quantized
-    return (2 * model.WIDTH * (quantized * bits / 8 + exact * 8) + 8 * grids) / positions
 
 
 # ---- the experiment (a stage of trace_kv.py, one rung a case) ----------------------

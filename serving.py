@@ -8,12 +8,10 @@ they change it.
 import os
 from collections import deque
 
-import blockwise
 import generate
 import model
 import svg
-from batched import (ItemRefused, batch_invariant, by_batch, by_batch_float32, computed_by,
-                     exact, exact_attention, forward_rows)
+from batched import ItemRefused, computed_by, exact, exact_attention, forward_rows
 from documents import LAB, bold, shown, table
 from instruments import chosen_rows, largest_gap, recording
 from paged import BlockPool, check_pool
@@ -21,18 +19,6 @@ from stories import openings, split_stories, story_ids
 
 PREFIX_CACHE_BLOCKS = 64          # the experiment: a pool far smaller than the 60 stories
 MAX_BATCH, SMALL_POOL = 8, 24     # the experiment: 120 requests, preempting in a small pool
-KERNELS = {"batch-dependent": {"product": by_batch},              # serve's keywords
-           "32-bit batch-dependent": {"product": by_batch_float32},
-           "batch-invariant": {"product": batch_invariant},
-           "split-KV attention": {"attention": blockwise.heuristic}}
-KERNEL_RUNS = (("batch-dependent", 1, "ample"), ("batch-dependent", 8, "ample"),
-               ("batch-dependent", 8, "small"),
-               *((kernel, batch, "ample") for kernel in ("32-bit batch-dependent",
-                                                         "batch-invariant")
-                 for batch in (1, 8)),
-               *(("split-KV attention", batch, "ample") for batch in (1, 8)))
-GREEDY_TOO = (("batch-dependent", 8, "ample"),   # kernel_run says why
-              ("32-bit batch-dependent", 8, "ample"))
 
 
 def serve(params, tok, requests, pool, max_batch, log=None, product=exact,
@@ -282,19 +268,6 @@ RECORDS = {
         "small_pool_extra_rows": dict.fromkeys(
             ("in_all", "recomputed", "prefix_sharing_lost"), svg.COUNT),
         "static_batching_steps": svg.COUNT},
-    "batched_decode": {
-        "requests": svg.COUNT,
-        "runs": [{
-            "kernel": str, "max_batch": svg.COUNT, "pool": str,
-            **dict.fromkeys(("blocks", "steps", "preemptions", "prefix_hits",
-                             "stories_identical_to_generate"), svg.COUNT),
-            "greedy_stories_identical_to_generate": (*svg.COUNT, None),
-            "largest_logit_gap_against_exact": svg.COUNT,
-            "stories_identical_to_batches_of_1": svg.COUNT,
-            "first_position_parting_from_batches_of_1": (*svg.COUNT, None),
-            "choosing_rows_compared_with_batches_of_1": svg.COUNT,
-            "choosing_rows_unlike_batches_of_1": svg.COUNT,
-            "logits_as_with_batches_of_1": bool}]},
 }
 
 
@@ -320,7 +293,7 @@ def prefix_cache(lab, runs):
     return record
 
 
-def _all_openings(lab):
+def all_openings(lab):
     """The 60 greedy and the 60 sampled openings as 120 requests, in that order."""
     return ([{"prompt": prompt} for prompt in lab.prompts]
             + [{"prompt": prompt, "temperature": 1.0, "seed": index}
@@ -335,7 +308,7 @@ def many_requests(lab, runs):
     readmitted requests recompute and the prefix sharing between requests it loses; and the
     steps static batching takes for the same requests (each batch of MAX_BATCH starts
     together and waits for its longest)."""
-    requests = _all_openings(lab)
+    requests = all_openings(lab)
     results = runs.greedy + runs.sampled
     record = {"requests": len(requests), "max_batch": MAX_BATCH}
     for name, blocks in (("small pool", SMALL_POOL), ("ample pool", len(requests) * 16)):
@@ -358,80 +331,6 @@ def many_requests(lab, runs):
     record["static_batching_steps"] = sum(max(lengths[first:first + MAX_BATCH])
                                           for first in range(0, len(lengths), MAX_BATCH))
     return record
-
-
-def kernel_run(lab, case, runs):
-    """Serve the 60 sampled openings with the engine's kernel of KERNEL_RUNS[case].
-
-    The kernel does every matrix product or every row's attention (prefill and decode rows
-    alike). Gives what serving did, each story's token IDs, how many are generate's, the
-    largest gap between a logit a token was chosen with and the uncached full pass's for the
-    same tokens, and every such choosing row (its tokens, its logits). A run that is in
-    GREEDY_TOO then serves the 60 greedy openings the same way, from the same pool (their
-    prompts' blocks are found there): how many of those stories are generate's (None for the
-    other runs)."""
-    kernel, max_batch, pool = KERNEL_RUNS[case]
-    openings = _all_openings(lab)
-    requests = openings[len(lab.prompts):]
-    blocks = SMALL_POOL if pool == "small" else len(requests) * 16
-    pool_of_blocks = BlockPool(lab.params, blocks, 4)
-    with recording(generate.Generation, "choose") as choices:
-        served, counts = serve(lab.params, lab.tok, requests, pool_of_blocks, max_batch,
-                               **KERNELS[kernel])
-    greedy = None
-    if KERNEL_RUNS[case] in GREEDY_TOO:
-        served_greedy, _ = serve(lab.params, lab.tok, openings[:len(lab.prompts)],
-                                 pool_of_blocks, max_batch, **KERNELS[kernel])
-        greedy = sum(a == b for a, b in zip(served_greedy, runs.greedy))
-    exact_stories = [story_ids(lab.tok, request["prompt"], result)
-                     for request, result in zip(requests, runs.sampled)]
-    exact_rows = {tuple(ids[:position + 1]): row
-                  for ids, rows in zip(exact_stories, runs.sampled_rows)
-                  for position, row in enumerate(rows)}
-    stories = [story_ids(lab.tok, request["prompt"], result)
-               for request, result in zip(requests, served)]
-    chosen = sorted((tuple(generation.ids[:position + 1]), logits)
-                    for generation, position, logits in chosen_rows(choices))
-    return {"kernel": kernel, "max_batch": max_batch, "pool": pool, "blocks": blocks,
-            "steps": counts["steps"], "preemptions": counts["preemptions"],
-            "prefix_hits": counts["prefix_hits"], "stories": stories,
-            "stories_identical_to_generate": sum(a == b for a, b in zip(stories,
-                                                                        exact_stories)),
-            "greedy_stories_identical_to_generate": greedy,
-            "largest_logit_gap_against_exact": max(largest_gap([logits], [exact_rows[ids]])
-                                                   for ids, logits in chosen
-                                                   if ids in exact_rows),
-            "chosen": chosen}
-
-
-def kernel_table(lab, runs_of_kernels):
-    """Compare each kernel run with its kernel in batches of 1, and with the uncached generator.
-
-    Against both: stories identical, the first position where a story parts, how many
-    choosing rows for the same tokens have other logits, and whether every choosing row is
-    bit for bit the same."""
-    alone = {run["kernel"]: run for run in runs_of_kernels if run["max_batch"] == 1}
-    table = []
-    for run in runs_of_kernels:
-        first = alone[run["kernel"]]
-        parted = [next(position for position, (a, b) in enumerate(zip(story + [None],
-                                                                       other + [None]))
-                       if a != b)
-                  for story, other in zip(run["stories"], first["stories"]) if story != other]
-        rows_alone = {}   # tokens -> the logits batches of 1 chose with (openings may repeat)
-        for ids, logits in first["chosen"]:
-            rows_alone.setdefault(ids, []).append(logits)
-        compared = [(ids, logits) for ids, logits in run["chosen"] if ids in rows_alone]
-        table.append({**{key: value for key, value in run.items()
-                         if key not in ("stories", "chosen")},
-                      "stories_identical_to_batches_of_1": sum(
-                          a == b for a, b in zip(run["stories"], first["stories"])),
-                      "first_position_parting_from_batches_of_1": min(parted, default=None),
-                      "choosing_rows_compared_with_batches_of_1": len(compared),
-                      "choosing_rows_unlike_batches_of_1": sum(
-                          logits not in rows_alone[ids] for ids, logits in compared),
-                      "logits_as_with_batches_of_1": run["chosen"] == first["chosen"]})
-    return {"requests": len(runs_of_kernels[0]["stories"]), "runs": table}
 
 
 # ---- what Part 4 shows of it (documents.py fills its marks) --------------------------

@@ -472,34 +472,5 @@ class Refusals(unittest.TestCase):
                                  "the caches and the pool")
 
 
-class TheRecord(unittest.TestCase):
-    """What the recorded run (support.recorded) says of batched decode's kernels."""
-
-    @classmethod
-    def setUpClass(cls):
-        cls.batched = support.recorded("batched_decode")
-
-    def test_a_batch_invariant_kernel_s_rows_never_see_the_batch(self):
-        for run in self.batched["runs"]:
-            if run["kernel"] == "batch-invariant":
-                with self.subTest(batch=run["max_batch"], pool=run["pool"]):
-                    self.assertEqual((run["logits_as_with_batches_of_1"],
-                                      run["stories_identical_to_batches_of_1"]),
-                                     (True, self.batched["requests"]))
-
-    def test_the_batch_dependent_kernels_give_other_logits_in_larger_batches(self):
-        for kernel in ("batch-dependent", "32-bit batch-dependent", "split-KV attention"):
-            with self.subTest(kernel):
-                self.assertIn(False, [run["logits_as_with_batches_of_1"]
-                                      for run in self.batched["runs"] if run["kernel"] == kernel])
-
-    def test_no_greedy_story_changes_with_the_kernels_the_text_names(self):
-        import serving
-        greedy = {(run["kernel"], run["max_batch"], run["pool"]):
-                  run["greedy_stories_identical_to_generate"] for run in self.batched["runs"]
-                  if run["greedy_stories_identical_to_generate"] is not None}
-        self.assertEqual(greedy, dict.fromkeys(serving.GREEDY_TOO, self.batched["requests"]))
-
-
 if __name__ == "__main__":
     unittest.main()

@@ -20,9 +20,9 @@ import xml.etree.ElementTree as ET
 from unittest import mock
 
 import bandwidth
-import batched
 import documents
 import eviction
+import kernel_runs
 import lossy
 import support
 import svg
@@ -249,7 +249,7 @@ class Pictures(unittest.TestCase):
         missing = copy.deepcopy(self.record)
         del missing["batched_decode"]["runs"][next(
             i for i, run in enumerate(runs) if run["pool"] == "ample")]
-        drawn = batched.stories_picture(missing, None)
+        drawn = kernel_runs.stories_picture(missing, None)
         self.assertEqual(legend_problems(drawn), [])
         self.assertEqual([title for element, title in marks(drawn)
                           if element.get("class") == "cross"], [
@@ -257,9 +257,9 @@ class Pictures(unittest.TestCase):
         self.assertNotIn("not run", self.drawn["kv-batches.svg"])
         always = replacing(lambda node: isinstance(node, ast.Name) and node.id == "not_run"
                            and isinstance(node.ctx, ast.Load), lambda node: ast.Constant(True))
-        with mock.patch.object(batched, "stories_picture",
-                               plant(batched, "stories_picture", always)):
-            self.assertTrue(legend_problems(batched.stories_picture(self.record, None)))
+        with mock.patch.object(kernel_runs, "stories_picture",
+                               plant(kernel_runs, "stories_picture", always)):
+            self.assertTrue(legend_problems(kernel_runs.stories_picture(self.record, None)))
 
     def test_a_rung_without_its_axis_is_refused_naming_it(self):
         """A rung whose positions kept or bytes a position is null (which the ladder's
@@ -323,7 +323,7 @@ class Pictures(unittest.TestCase):
             run["kernel"] += f" {run['max_batch']}"
         with self.assertRaisesRegex(ValueError, r"^the record's batched_decode\.runs has "
                                                 r"\d+ kernels, more than the 7 colours"):
-            batched.stories_picture(record, None)
+            kernel_runs.stories_picture(record, None)
 
     def test_every_stage_that_keeps_less_is_drawn_side_by_side(self):
         """A new module of the lab that declares side_by_side is drawn in section 19's
@@ -412,14 +412,14 @@ class HostileRecords(unittest.TestCase):
     def test_a_count_of_a_trillion_draws_a_dozen_ticks_at_most(self):
         for requests in (10 ** 5, svg.LARGEST):
             with self.subTest(requests=requests), timed_out_after(2):
-                drawn = documents.drawing("batched.stories_picture")(
+                drawn = documents.drawing("kernel_runs.stories_picture")(
                     self.edited(**{"batched_decode.requests": requests}), None)
                 self.assertLessEqual(drawn.count('stroke="#ddd"'), 2 * 12)   # two panels
                 self.assertIsNone(self.drawn_or_refused(
                     self.edited(**{"batched_decode.requests": requests})))
         with self.assertRaisesRegex(ValueError, r"^the record's batched_decode\.requests is "
                                                 r"1000000000001, not a number from 0 to "):
-            documents.drawing("batched.stories_picture")(
+            documents.drawing("kernel_runs.stories_picture")(
                 self.edited(**{"batched_decode.requests": svg.LARGEST + 1}), None)
 
     def test_the_smallest_records_are_drawn_too(self):
@@ -447,7 +447,7 @@ class HostileRecords(unittest.TestCase):
 
     def test_control_characters_and_markup_in_a_story_make_valid_xml(self):
         kernel = "a\x00\x1b[2J</text><script>\ud800\ufffe&amp;"
-        drawn = documents.drawing("batched.stories_picture")(
+        drawn = documents.drawing("kernel_runs.stories_picture")(
             self.edited(**{"batched_decode.runs.0.kernel": kernel}), None)
         titles = [title for _, title in marks(drawn)]
         self.assertIn("a\\x00\\x1b[2J</text><script>\\ud800\\ufffe&amp;, batches of up to 1: "

@@ -1,4 +1,4 @@
-"""Fewer bits as engines store them (quantization.py): a GroupedCache and a RotatedCache give
+"""Fewer bits as engines store them (kivi.py and quantization.py): a GroupedCache and a RotatedCache give
 back what their docstrings say, worked out plainly; a GroupedCache counts its bytes as the
 formula does; re-quantizing compounds only where a group grows; what they cannot store is
 refused."""
@@ -12,13 +12,13 @@ import support
 import verdicts
 from instruments import is_call_of, replacing
 from kv_cache import KVCache, feed
-from quantization import (GroupedCache, RotatedCache, bytes_by_formula, keys_by_channel,
-                          value_by_token)
+from kivi import bytes_by_formula, keys_by_channel, value_by_token
+from quantization import GroupedCache, RotatedCache
 from support import PARAMS, STORIES, TOK, assert_equal
 from verdicts import Layer, differ, step, strayed
 
 
-LAYER = Layer("quantization", "keys by channel, values by token (quantization.py)",
+LAYER = Layer("quantization", "keys by channel, values by token (kivi.py, quantization.py)",
               ("lesson", "prefill", "lossy"))
 
 

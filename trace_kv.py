@@ -46,6 +46,7 @@ import eviction
 import forks
 import hybrid
 import hybrid_pool
+import kernel_runs
 import latent_attention
 import trace_lesson
 import lossy
@@ -110,8 +111,8 @@ STAGES = (
     Stage(4, "many_requests", serving.many_requests, ("runs",)),
     Stage(4, "speculative_decoding", speculative.experiment, ("runs",),
           cases=range(len(speculative.DRAFTS))),
-    Stage(4, "batched_decode", serving.kernel_run, ("runs",),
-          cases=range(len(serving.KERNEL_RUNS)), gather=serving.kernel_table),
+    Stage(4, "batched_decode", kernel_runs.kernel_run, ("runs",),
+          cases=range(len(kernel_runs.KERNEL_RUNS)), gather=kernel_runs.kernel_table),
     Stage(4, "blockwise", blockwise.story_kinds, ("runs",), cases=each_opening,
           gather=blockwise.kinds_table),
     Stage(4, "cache_files", cache_files.experiment, ("runs",)),
