@@ -45,6 +45,7 @@ import deep_model
 import eviction
 import forks
 import hybrid
+import host_tier
 import hybrid_pool
 import latent_attention
 import trace_lesson
@@ -124,6 +125,7 @@ STAGES = (
     Stage(6, "hybrid_models", hybrid.experiment),
     Stage(6, "hybrid_pool", hybrid_pool.experiment),
     Stage(6, "recurrent", recurrent.experiment),
+    Stage(7, "host_tier", host_tier.experiment, ("runs", "many_requests")),
 )
 PARTS = max(stage.part for stage in STAGES)
 
