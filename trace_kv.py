@@ -60,6 +60,7 @@ import recurrent
 import serving
 import speculative
 import svg
+import token_budget
 from documents import TIMES, TRACE
 from generate import load_trained
 from instruments import where_raised
@@ -126,6 +127,7 @@ STAGES = (
     Stage(6, "hybrid_pool", hybrid_pool.experiment),
     Stage(6, "recurrent", recurrent.experiment),
     Stage(7, "host_tier", host_tier.experiment, ("runs", "many_requests")),
+    Stage(7, "token_budget", token_budget.experiment, ("runs",)),
 )
 PARTS = max(stage.part for stage in STAGES)
 
