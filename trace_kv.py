@@ -61,6 +61,7 @@ import serving
 import speculative
 import svg
 import token_budget
+import two_servers
 from documents import TIMES, TRACE
 from generate import load_trained
 from instruments import where_raised
@@ -128,6 +129,7 @@ STAGES = (
     Stage(6, "recurrent", recurrent.experiment),
     Stage(7, "host_tier", host_tier.experiment, ("runs", "many_requests")),
     Stage(7, "token_budget", token_budget.experiment, ("runs",)),
+    Stage(7, "two_servers", two_servers.experiment, ("runs",)),
 )
 PARTS = max(stage.part for stage in STAGES)
 
