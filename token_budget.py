@@ -177,7 +177,7 @@ def stalls(counts, budget):
 
 # ---- the experiment (a stage of trace_kv.py) ---------------------------------------
 
-BUDGETS = (4, 16)    # rows a step, with batches of up to BATCH: the least, and more
+BUDGETS = (8,)       # rows a step, with batches of up to BATCH: a decode row each, and 4 more
 BATCH = 4
 
 # The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
