@@ -12,14 +12,17 @@ exact (section 15), so each result is generate.generate's at any budget; what th
 changes is how the rows are spread over the steps.
 """
 import math
+import os
 from collections import deque
 
+import generate
 import model
 import svg
 from batched import ItemRefused, exact, exact_attention, forward_rows
-from documents import bold, shown, table
+from documents import LAB, bold, shown, table
 from paged import BlockPool
 from serving import _Served, _all_openings, _checked_settings
+from stories import openings, split_stories
 
 
 def serve(params, tok, requests, pool, max_batch, budget, log=None):
@@ -233,3 +236,33 @@ def budgets_table(record, timing):
                    run["steps"], shown(run["rows"]), run["chunks"], run["largest_step"],
                    *run["stalled_decodes"], shown(run["mean_steps_to_first_token"]),
                    bold(f"{run['identical']} of {b['requests']}")] for run in b["runs"]])
+
+
+def timeline(record=None, timing=None, folder=LAB):
+    """Draw section 39's picture from real runs, with whole prompts and under a budget.
+
+    A line per request, the budget 6 rows a step. Not from the record: on folder's model and corpus, four openings, batches of up to
+    four, a pool of 64 blocks of 4, at most 12 new tokens each. One character per step: P a
+    chunk of its prompt computed, . a decode row, * finished, - waiting (or admitted with no
+    row this step)."""
+    params, tok = generate.load_trained(folder)
+    with open(os.path.join(folder, "corpus.txt"), encoding="utf-8") as f:
+        prompts = openings(split_stories(f.read())[2])[:4]
+    requests = [{"prompt": prompt, "max_new_tokens": 12} for prompt in prompts]
+    lines = ["```text"]
+    for title, budget in (("whole prompts", None), ("at most 6 rows a step", 6)):
+        events = {}
+        _, counts = serve(params, tok, requests, BlockPool(params, 64, 4), 4, budget,
+                          lambda step, index, event: events.setdefault(
+                              (index, step), set()).add(event))
+        lines.append(f"{title}: {counts['steps']} steps, at most {counts['largest_step']} "
+                     f"rows in one")
+        for index, prompt in enumerate(prompts):
+            marks, finished = "", False
+            for step in range(1, counts["steps"] + 1):
+                happened = events.get((index, step), set())
+                marks += ("*" if "finished" in happened else "P" if "prefill" in happened
+                          else "." if "decode" in happened else " " if finished else "-")
+                finished = finished or "finished" in happened
+            lines.append(f"  {prompt:<{max(map(len, prompts))}}  {marks.rstrip()}")
+    return lines + ["```"]

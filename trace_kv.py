@@ -44,8 +44,8 @@ import context_shift
 import deep_model
 import eviction
 import forks
-import hybrid
 import host_tier
+import hybrid
 import hybrid_pool
 import latent_attention
 import trace_lesson
@@ -53,6 +53,7 @@ import lossy
 import model
 import one_gpu
 import paged
+import paper_times
 import prefill
 import pyramid_kv
 import quantization
@@ -130,6 +131,7 @@ STAGES = (
     Stage(7, "host_tier", host_tier.experiment, ("runs", "many_requests")),
     Stage(7, "token_budget", token_budget.experiment, ("runs",)),
     Stage(7, "two_servers", two_servers.experiment, ("runs",)),
+    Stage(7, "paper_times", paper_times.experiment),
 )
 PARTS = max(stage.part for stage in STAGES)
 
