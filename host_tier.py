@@ -335,3 +335,29 @@ def loading_table(record, timing):
                    shown(row["recompute_us_at_1"]),
                    where(row, models[row["model"]]["context_window"])]
                   for row in record["host_tier"]["loading_pays"]])
+
+
+def tiers_picture(record, timing):
+    """Draw section 37's picture: rows recomputed and bytes moved, by the tier's size.
+
+    One bar a tier of the record, each panel from 0 (the tier of 0 blocks has no bytes)."""
+    tiers = svg.checked(record, {"host_tier": {"tiers": [{
+        "host_blocks": svg.COUNT, "recomputed_rows": svg.COUNT, "to_host": {"bytes": svg.COUNT},
+        "to_device": {"bytes": svg.COUNT}}]}})["host_tier"]["tiers"]
+    if not tiers:
+        raise ValueError("the record's host_tier.tiers has no tier to draw")
+    panels = (("rows recomputed", [t["recomputed_rows"] for t in tiers], svg.COLORS[0], False),
+              ("bytes moved, both ways", [t["to_host"]["bytes"] + t["to_device"]["bytes"]
+                                          for t in tiers], svg.COLORS[1], True))
+    body = []
+    for left, (name, values, color, in_bytes) in zip((90, 450), panels):
+        yticks = (svg.byte_ticks if in_bytes else svg.ticks)(max(4, *values))
+        panel = svg.Panel((left, 50, 250, 270), (0, len(tiers)), (0, yticks[-1]))
+        body += panel.axes([], yticks, "blocks in the host tier", name,
+                           ylabels=svg.bytes_label if in_bytes else None)
+        for i, (tier, value) in enumerate(zip(tiers, values)):
+            body.append(svg.text(panel.x(i + 0.5), panel.y(0) + 16, f"{tier['host_blocks']:,}",
+                                 11, "middle"))
+            body.append(panel.bar(i + 0.2, 0, i + 0.8, value, color,
+                                  f"a tier of {tier['host_blocks']:,} blocks: {value:,} {name}"))
+    return svg.page("A host tier: rows recomputed become bytes moved", body)
