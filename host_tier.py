@@ -59,9 +59,10 @@ def unpack(buffers, layout, positions, width):
 class HostTier:
     """Keep copies of full blocks in host memory, forgetting the least recently used.
 
-    It holds at most blocks copies. A copy is found by the kernel that computed the block (None for the exact arithmetic)
-    and its prefix, the tokens from position 0 to its end, as the pool's prefix index finds
-    a block. moved counts what went each way: blocks, copies (buffers) and bytes."""
+    It holds at most blocks copies. A copy is found by the kernel that computed the block
+    (None for the exact arithmetic) and its prefix, the tokens from position 0 to its end,
+    as the pool's prefix index finds a block. moved counts what went each way: blocks,
+    copies (buffers) and bytes."""
 
     def __init__(self, blocks, layout="one block"):
         model.check_int("host blocks", blocks, 0, None, " (the blocks the host tier holds)")
@@ -192,9 +193,10 @@ def loading_pays_from(real_model, link, gpu=A100):
     """Give the shortest prompt from which loading its cache beats recomputing it.
 
     Over link, on gpu, at every longer prompt up to the model's context window; None if
-    no prompt within it does. A prefill's FLOPs grow as a n^2 + b n + c (one_gpu.prefill_flops: attention's a n^2),
-    a load's bytes as n; loading beats recomputing past the larger root of their
-    difference, found here and then settled on whole tokens by comparing the two."""
+    no prompt within it does. A prefill's FLOPs grow as a n^2 + b n + c
+    (one_gpu.prefill_flops: attention's a n^2), a load's bytes as n; loading beats
+    recomputing past the larger root of their difference, found here and then settled on
+    whole tokens by comparing the two."""
     rate, per_token = gpu["flops_per_second"], cache_bytes_per_token(real_model)
     f1, f2, f3 = (prefill_flops(real_model, n) for n in (1, 2, 3))
     a = (f3 - 2 * f2 + f1) / 2
@@ -215,6 +217,7 @@ def loading_pays_from(real_model, link, gpu=A100):
 
 HOST_BLOCKS = (16, 512)   # host tiers beneath section 21's small pool: small, and ample
 DEEP_LAYERS = 4           # the deeper model whose block is packed in each layout
+LAYOUT_MODELS = ("the lab's", "a deeper one")
 
 # The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
 # against it strictly (exactly these keys), and the documents' marks before a run.
@@ -256,7 +259,9 @@ def experiment(lab, runs, many):
     pool). Then a block of 4 positions packed in each layout, on the lab's model and on a
     deeper one of DEEP_LAYERS layers; and when loading pays for the real models over
     LINKS on an A100."""
-    requests = serving._all_openings(lab)
+    requests = ([{"prompt": prompt} for prompt in lab.prompts]   # section 21's, in its order
+                + [{"prompt": prompt, "temperature": 1.0, "seed": index}
+                   for index, prompt in enumerate(lab.prompts)])
     results = runs.greedy + runs.sampled
     small = many["small pool"]
     tiers = [{"host_blocks": 0, **{key: small[key] for key in (
@@ -276,9 +281,9 @@ def experiment(lab, runs, many):
     deep = deep_model.DeepCache(deep_model.init_params(DEEP_LAYERS, 4, 2, 16, 0))
     for position, token_id in enumerate(ids):
         deep_model.forward_step(deep.params, deep, token_id, position)
-    layouts = (_layout_rows("the lab's", [(lesson.keys, lesson.values)])
-               + _layout_rows("a deeper one", [(layer["keys"], layer["values"])
-                                                for layer in deep.layers]))
+    layouts = (_layout_rows(LAYOUT_MODELS[0], [(lesson.keys, lesson.values)])
+               + _layout_rows(LAYOUT_MODELS[1], [(layer["keys"], layer["values"])
+                                                  for layer in deep.layers]))
     loading = [{"model": real["model"], "link": link["link"],
                 "load_us_per_token": load_seconds(real, 1, link) * 1e6,
                 "recompute_us_at_1": recompute_seconds(real, 1) * 1e6,
@@ -292,7 +297,7 @@ def experiment(lab, runs, many):
 
 def tiers_table(record, timing):
     """Section 37's table: section 21's small pool with host tiers of each size beneath it."""
-    h = record["host_tier"]
+    h = svg.checked(record, {"host_tier": RECORDS["host_tier"]})["host_tier"]
     return table(["host tier (blocks of 4)", "rows", "rows recomputed", "blocks copied to the "
                   "host", "blocks loaded back", "bytes moved, both ways", "steps",
                   "identical to `generate`"],
@@ -305,18 +310,27 @@ def tiers_table(record, timing):
 
 def bytes_a_block(record, timing):
     """The bytes each block moved to the host took, in the tiers' run (one figure)."""
-    tier = record["host_tier"]["tiers"][-1]["to_host"]
+    tier = svg.checked(record, {"host_tier": RECORDS["host_tier"]})["host_tier"]["tiers"][-1][
+        "to_host"]
+    if not tier["blocks"]:
+        raise ValueError("the record's host_tier.tiers: its last tier moved no block to the "
+                         "host")
     return shown(tier["bytes"] // tier["blocks"])
 
 
 def layouts_table(record, timing):
     """Section 37's table of layouts: the copies and bytes of one block of 4 positions."""
+    rows = svg.checked(record, {"host_tier": RECORDS["host_tier"]})["host_tier"]["layouts"]
+    for i, row in enumerate(rows):
+        if row["model"] not in LAYOUT_MODELS or row["layout"] not in LAYOUTS:
+            raise ValueError(f"the record's host_tier.layouts[{i}] must be of a model of "
+                             f"{LAYOUT_MODELS} and a layout of {LAYOUTS}")
     return table(["model", "layers", "layout", "copies a block", "bytes a block",
                   "unpacked as packed"],
-                 [[f"{row['model']}", row["layers"], row["layout"], row["copies_a_block"],
+                 [[row["model"], shown(row["layers"]), row["layout"],
+                   shown(row["copies_a_block"]),
                    shown(BYTES_PER_NUMBER * row["numbers_a_block"]),
-                   shown(row["unpacked_equal"])]
-                  for row in record["host_tier"]["layouts"]])
+                   shown(row["unpacked_equal"])] for row in rows])
 
 
 def loading_table(record, timing):
@@ -327,23 +341,25 @@ def loading_table(record, timing):
         if row["from_tokens"] is None:
             return f"never within its {context:,} tokens"
         return f"from {shown(row['from_tokens'])} tokens (of {context:,})"
-    models = {real["model"]: real for real in MODELS}
+    rows = svg.checked(record, {"host_tier": RECORDS["host_tier"]})["host_tier"]["loading_pays"]
+    models, links = {real["model"]: real for real in MODELS}, [link["link"] for link in LINKS]
+    for i, row in enumerate(rows):
+        if row["model"] not in models or row["link"] not in links:
+            raise ValueError(f"the record's host_tier.loading_pays[{i}] must be of a model of "
+                             f"{list(models)} and a link of {links}")
     return table(["model (cache a token)", "link", "loading, µs a token",
                   "recomputing, µs for one token", "loading beats recomputing"],
                  [[f"{row['model']} ({cache_bytes_per_token(models[row['model']]) // 1024} "
                    f"KiB)", row["link"], shown(row["load_us_per_token"]),
                    shown(row["recompute_us_at_1"]),
-                   where(row, models[row["model"]]["context_window"])]
-                  for row in record["host_tier"]["loading_pays"]])
+                   where(row, models[row["model"]]["context_window"])] for row in rows])
 
 
 def tiers_picture(record, timing):
     """Draw section 37's picture: rows recomputed and bytes moved, by the tier's size.
 
     One bar a tier of the record, each panel from 0 (the tier of 0 blocks has no bytes)."""
-    tiers = svg.checked(record, {"host_tier": {"tiers": [{
-        "host_blocks": svg.COUNT, "recomputed_rows": svg.COUNT, "to_host": {"bytes": svg.COUNT},
-        "to_device": {"bytes": svg.COUNT}}]}})["host_tier"]["tiers"]
+    tiers = svg.checked(record, {"host_tier": RECORDS["host_tier"]})["host_tier"]["tiers"]
     if not tiers:
         raise ValueError("the record's host_tier.tiers has no tier to draw")
     panels = (("rows recomputed", [t["recomputed_rows"] for t in tiers], svg.COLORS[0], False),

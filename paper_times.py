@@ -55,9 +55,10 @@ def chunks(prompt, budget, running):
 def times(model=LLAMA_3_1_8B, workload=WORKLOAD, gpu=A100, link=LINK_BYTES_PER_SECOND):
     """Give each way's time to the new request's first token and between the others' tokens.
 
-    In seconds; between tokens usually and at worst. Whole prompt: one step computes the prompt beside the decodes. Chunks: the prompt goes
-    in chunks(...) steps, each beside the decodes. Two servers: the prompt alone on a
-    prefill GPU, then its cache over the link; the decode GPU's steps stay decode steps."""
+    In seconds; between tokens usually and at worst. Whole prompt: one step computes the
+    prompt beside the decodes. Chunks: the prompt goes in chunks(...) steps, each beside
+    the decodes. Two servers: the prompt alone on a prefill GPU, then its cache over the
+    link; the decode GPU's steps stay decode steps."""
     running, context, prompt = workload["running"], workload["context"], workload["prompt"]
     decodes = [(1, context)] * running
     usual = step_seconds(model, decodes, gpu)
@@ -102,7 +103,7 @@ def experiment(lab):
 
 def times_table(record, timing):
     """Section 41's table: the new request's first token and the others' tokens, each way."""
-    ways = record["paper_times"]["ways"]
+    ways = svg.checked(record, {"paper_times": RECORDS["paper_times"]})["paper_times"]["ways"]
     labels = {"whole prompt": "whole prompt, one GPU",
               "chunks": f"chunks of {WORKLOAD['budget'] - WORKLOAD['running']:,} tokens "
                         f"beside the decodes, one GPU",

@@ -21,7 +21,7 @@ import svg
 from batched import ItemRefused, exact, exact_attention, forward_rows
 from documents import LAB, bold, shown, table
 from paged import BlockPool
-from serving import _Served, _all_openings, _checked_settings
+from serving import _Served, _checked_settings
 from stories import openings, split_stories
 
 
@@ -199,11 +199,11 @@ RECORDS = {
 def experiment(lab, runs):
     """Serve the 60 greedy openings with whole prompts, then under each of BUDGETS.
 
-    Batches of up to BATCH, from an ample pool. For each run: steps, rows, prefill chunks, the most rows a step computed, the decode rows
-    that waited in steps of more rows than each of BUDGETS (stalls), the mean steps from a
-    request's admission to the step it chose its first token in, and the results identical
-    to generate's."""
-    requests = _all_openings(lab)[:len(lab.prompts)]
+    Batches of up to BATCH, from an ample pool. For each run: steps, rows, prefill chunks,
+    the most rows a step computed, the decode rows that waited in steps of more rows than
+    each of BUDGETS (stalls), the mean steps from a request's admission to the step it
+    chose its first token in, and the results identical to generate's."""
+    requests = [{"prompt": prompt} for prompt in lab.prompts]
     blocks = len(requests) * 16
     record = {"requests": len(requests), "max_batch": BATCH, "blocks": blocks, "runs": []}
     for budget in (None, *BUDGETS):
@@ -227,24 +227,29 @@ def experiment(lab, runs):
 
 def budgets_table(record, timing):
     """Section 39's table: the greedy openings served with whole prompts and under budgets."""
-    b = record["token_budget"]
+    b = svg.checked(record, {"token_budget": RECORDS["token_budget"]})["token_budget"]
+    for i, run in enumerate(b["runs"]):
+        if len(run["stalled_decodes"]) != len(BUDGETS):
+            raise ValueError(f"the record's token_budget.runs[{i}].stalled_decodes must hold "
+                             f"{len(BUDGETS)} counts, one for each of {BUDGETS}")
     return table(["rows a step at most", "steps", "rows", "prefill chunks",
                   "most rows in a step",
                   *(f"decode rows waiting in steps of more than {limit}" for limit in BUDGETS),
                   "steps from admission to the first token, mean", "identical to `generate`"],
-                 [["no budget: whole prompts" if run["budget"] is None else run["budget"],
-                   run["steps"], shown(run["rows"]), run["chunks"], run["largest_step"],
-                   *run["stalled_decodes"], shown(run["mean_steps_to_first_token"]),
+                 [["no budget: whole prompts" if run["budget"] is None else shown(run["budget"]),
+                   shown(run["steps"]), shown(run["rows"]), shown(run["chunks"]),
+                   shown(run["largest_step"]), *map(shown, run["stalled_decodes"]),
+                   shown(run["mean_steps_to_first_token"]),
                    bold(f"{run['identical']} of {b['requests']}")] for run in b["runs"]])
 
 
 def timeline(record=None, timing=None, folder=LAB):
     """Draw section 39's picture from real runs, with whole prompts and under a budget.
 
-    A line per request, the budget 6 rows a step. Not from the record: on folder's model and corpus, four openings, batches of up to
-    four, a pool of 64 blocks of 4, at most 12 new tokens each. One character per step: P a
-    chunk of its prompt computed, . a decode row, * finished, - waiting (or admitted with no
-    row this step)."""
+    A line per request, the budget 6 rows a step. Not from the record: on folder's model
+    and corpus, four openings, batches of up to four, a pool of 64 blocks of 4, at most 12
+    new tokens each. One character per step: P a chunk of its prompt computed, . a decode
+    row, * finished, - waiting (or admitted with no row this step)."""
     params, tok = generate.load_trained(folder)
     with open(os.path.join(folder, "corpus.txt"), encoding="utf-8") as f:
         prompts = openings(split_stories(f.read())[2])[:4]

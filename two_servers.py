@@ -22,7 +22,7 @@ from documents import bold, shown, table
 from instruments import recording
 from model import CONTEXT
 from paged import BlockPool, check_pool
-from serving import _all_openings, _checked_settings, _Served, _Steps
+from serving import _checked_settings, _Served, _Steps
 import serving
 
 LAYOUTS = ("positions, heads", "heads, positions")   # [2, page, heads, dim] or [2, heads, ...]
@@ -189,7 +189,7 @@ def experiment(lab, runs):
     computes (the decode server's counted in its forward_rows calls), what was sent, and
     the results identical to generate's. Then a deeper model's cache of 8 positions, sent
     in one layout and read in it, and read in the other."""
-    requests = _all_openings(lab)[:len(lab.prompts)]
+    requests = [{"prompt": prompt} for prompt in lab.prompts]
     events = {}
     _, one = serving.serve(lab.params, lab.tok, requests, BlockPool(lab.params, 960, 4), BATCH,
                            lambda step, index, event: events.setdefault(step, set()).add(event))
@@ -235,16 +235,17 @@ def deep_transfer(ids):
 
 def servers_table(record, timing):
     """Section 40's table: the greedy openings on one server and on two."""
-    t = record["two_servers"]
+    t = svg.checked(record, {"two_servers": RECORDS["two_servers"]})["two_servers"]
     one, two = t["one_server"], t["two_servers"]
     return table(["servers", "steps", "prompt rows", "decode rows", "steps computing prompt "
                   "rows beside decodes", "positions sent", "bytes sent",
                   "identical to `generate`"],
-                 [["one (`serving.serve`)", one["steps"],
+                 [["one (`serving.serve`)", shown(one["steps"]),
                    shown(one["rows"] - two["tokens_fed_after_choice"]),
                    shown(two["tokens_fed_after_choice"]),
-                   one["steps_prefilling_beside_decodes"], "—", "—", "—"],
-                  ["two: prefill and decode", two["steps"], shown(two["prefill_rows"]),
-                   shown(two["decode_server_rows"]), two["steps_prefilling_beside_decodes"],
+                   shown(one["steps_prefilling_beside_decodes"]), "—", "—", "—"],
+                  ["two: prefill and decode", shown(two["steps"]), shown(two["prefill_rows"]),
+                   shown(two["decode_server_rows"]),
+                   shown(two["steps_prefilling_beside_decodes"]),
                    shown(two["positions_sent"]), shown(two["bytes_sent"]),
                    bold(f"{two['identical']} of {t['requests']}")]])
