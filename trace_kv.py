@@ -44,6 +44,7 @@ import context_shift
 import deep_model
 import eviction
 import forks
+import host_tier
 import hybrid
 import hybrid_pool
 import kernel_runs
@@ -53,6 +54,7 @@ import lossy
 import model
 import one_gpu
 import paged
+import paper_times
 import prefill
 import pyramid_kv
 import quantization
@@ -60,6 +62,8 @@ import recurrent
 import serving
 import speculative
 import svg
+import token_budget
+import two_servers
 from documents import TIMES, TRACE
 from generate import load_trained
 from instruments import where_raised
@@ -125,6 +129,10 @@ STAGES = (
     Stage(6, "hybrid_models", hybrid.experiment),
     Stage(6, "hybrid_pool", hybrid_pool.experiment),
     Stage(6, "recurrent", recurrent.experiment),
+    Stage(7, "host_tier", host_tier.experiment, ("runs", "many_requests")),
+    Stage(7, "token_budget", token_budget.experiment, ("runs",)),
+    Stage(7, "two_servers", two_servers.experiment, ("runs",)),
+    Stage(7, "paper_times", paper_times.experiment),
 )
 PARTS = max(stage.part for stage in STAGES)
 
