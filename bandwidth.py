@@ -13,7 +13,7 @@ instruments.count_reads. The bound for real models comes from their published sh
 import math
 
 import svg
-import deep_model
+import deep_shapes
 from deep_model import DEEP_SHAPES, heads_of, init_params
 from documents import plain, shown, table
 from latent_attention import LATENT_SHAPES, cache_floats, check_formula, real_cache_bytes
@@ -297,7 +297,7 @@ def cache_bytes_by_design_picture(record, timing):
     The same as section 9's, for the lab's 4-layer models of section 26 (to their 64
     positions) and real ones (to their context windows), DeepSeek-V3 also as if it cached
     its heads' own keys and values: fewer key-value heads, or a latent, move a line down."""
-    declared = deep_model.RECORDS["deep_models"]   # with the counts a log scale needs above 0
+    declared = deep_shapes.RECORDS["deep_models"]   # with the counts a log scale needs above 0
     svg.checked(record, {"deep_models": {**declared, "positions": (1, svg.LARGEST), "shapes": [{
         **declared["shapes"][0], "bytes_per_position_as_8_byte_floats": (1, svg.LARGEST)}]}})
     lines = [_lesson_line(record)]

@@ -187,7 +187,7 @@ RECORDS = {
 def experiment(lab):
     """Shift the cache of a rotary model of each deep_model shape, and gather the gaps over them.
 
-    _shift for every shape of deep_model.experiment() (one model and one sequence each;
+    _shift for every shape of deep_shapes.experiment() (one model and one sequence each;
     elsewhere for the grouped-query ones), and the largest gaps and changed continuations
     over them: rounding alone over all, against a recompute per number of layers."""
     cases = [_shift(layers, kv_heads, seed, kv_heads == 2)

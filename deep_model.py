@@ -27,13 +27,9 @@ pass's order; latent_attention.py reads the latents directly instead.
 What a shape may be, and the parameters of one, are deep_params.py's.
 """
 import math
-import sys
-import svg
 
 from deep_params import check_params, init_params, kv_layers, layer_windows
-from documents import bold, shown, table
-from instruments import largest_gap
-from model import (CONTEXT, VOCAB_SIZE, WIDTH, add, band, causal, check_ids, check_mask,
+from model import (CONTEXT, WIDTH, add, band, causal, check_ids, check_mask,
                    check_token_id, dot, is_int, layernorm, linear, relu, softmax_row)
 
 BASE = 10000.0   # of the rotary angles
@@ -389,89 +385,3 @@ def fed_deep_model(layers, kv_heads, ids, mask=causal):
 
 
 DEEP_SHAPES = tuple((layers, kv_heads) for layers in (1, 2, 3, 4) for kv_heads in (4, 2, 1))
-
-
-# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
-# against it strictly (exactly these keys), and the documents' marks before a run.
-RECORDS = {
-    "deep_models": {
-        "positions": svg.COUNT,
-        "shapes": [{
-            "layers": svg.COUNT, "heads": svg.COUNT, "kv_heads": svg.COUNT,
-            "largest_logit_gap": svg.COUNT, "floats_per_position": svg.COUNT,
-            "formula": svg.COUNT, "bytes_per_position_as_8_byte_floats": svg.COUNT}],
-        "window_through_layers": [{
-            "layers": svg.COUNT, "window": svg.COUNT, "cached_equals_full_pass": bool,
-            "last_position_token_0_reaches": svg.COUNT,
-            "largest_logit_change_at_position_14": svg.COUNT}]},
-}
-
-
-def experiment(lab):
-    """Measure deep_model's cache for 12 shapes, and how far a window reaches through layers.
-
-    deep_model for 1 to 4 layers of multi-head (4 key-value heads), grouped-query (2) and
-    multi-query (1) attention: the largest gap between the cached rows and the full pass's,
-    and the numbers its cache keeps per position; then, with a window of 8 on every layer,
-    which positions changing the token at position 0 reaches."""
-    ids, shapes = deep_ids(lab), []
-    for layers, kv_heads in DEEP_SHAPES:
-        params, rows, cache = fed_deep_model(layers, kv_heads, ids)
-        floats = cache.floats_per_position()
-        shapes.append({"layers": layers, "heads": 4, "kv_heads": kv_heads,
-                       "largest_logit_gap": largest_gap(rows, forward(params, ids)),
-                       "floats_per_position": floats,
-                       "formula": 2 * layers * kv_heads * (WIDTH // 4),
-                       "bytes_per_position_as_8_byte_floats": 8 * floats})
-    window = []
-    mask, changed = band(8), [(ids[0] + 1) % VOCAB_SIZE] + ids[1:]
-    for layers in (1, 2, 3):
-        params, rows, _ = fed_deep_model(layers, 2, ids, mask)
-        full, other = forward(params, ids, mask), forward(params, changed, mask)
-        reached = [p for p, (a, b) in enumerate(zip(full, other)) if a != b]
-        window.append({"layers": layers, "window": 8, "cached_equals_full_pass": rows == full,
-                       "last_position_token_0_reaches": reached[-1],
-                       "largest_logit_change_at_position_14": largest_gap([full[14]], [other[14]])})
-    return {"positions": len(ids), "shapes": shapes, "window_through_layers": window}
-
-
-def deep_cache_bytes(lab):
-    """Bytes CPython uses per position for each shape of the experiment, its cache fed deep_ids().
-
-    The lists and every float object: they depend on the Python, so they are
-    kv-time.json's, measured by trace_lesson.timings."""
-    ids = deep_ids(lab)
-    measured = []
-    for layers, kv_heads in DEEP_SHAPES:
-        _, _, cache = fed_deep_model(layers, kv_heads, ids)
-        objects = sum(sys.getsizeof(vectors) + sum(sys.getsizeof(vector)
-                                                    + sum(map(sys.getsizeof, vector))
-                                                    for vector in vectors)
-                      for layer in cache.layers for vectors in layer.values())
-        measured.append({"layers": layers, "kv_heads": kv_heads,
-                         "bytes_per_position": round(objects / len(ids), 2)})
-    return measured
-
-
-# ---- what Part 5 shows of it (documents.py fills its marks) --------------------------
-
-def shapes_table(record, timing):
-    """Section 26's table: each kind of attention's gaps, and its numbers and bytes a position."""
-    from trace_lesson import TIMED   # (trace_lesson imports this module)
-    objects = svg.checked(timing, svg.picked(TIMED, "deep_model_cache_bytes_as_cpython_objects"),
-                          "time")["deep_model_cache_bytes_as_cpython_objects"]
-    svg.checked(record, RECORDS)
-    rows = []
-    for kv_heads, kind in ((4, "multi-head (4 key-value heads)"), (2, "grouped-query (2 "
-                           "key-value heads)"), (1, "multi-query (1 key-value head)")):
-        shapes = svg.found(record["deep_models"]["shapes"], "deep_models.shapes",
-                           kv_heads=kv_heads)
-        one_layer = svg.found(objects, "time.deep_model_cache_bytes_as_cpython_objects",
-                              layers=1, kv_heads=kv_heads)[0]
-        rows.append([kind, bold(" / ".join(shown(s["largest_logit_gap"]) for s in shapes)),
-                     " / ".join(f"{s['floats_per_position']:g}" for s in shapes),
-                     f"{shapes[0]['bytes_per_position_as_8_byte_floats']:g}",
-                     f"{one_layer['bytes_per_position']:,}"])
-    return table(["attention", "largest gap, cached against full pass, 1 / 2 / 3 / 4 layers",
-                  "numbers per position, 1 / 2 / 3 / 4 layers", "bytes per position, one "
-                  "layer, as 8-byte floats", "the same as CPython objects"], rows)

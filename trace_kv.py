@@ -41,7 +41,7 @@ import bandwidth
 import blockwise
 import cache_files
 import context_shift
-import deep_model
+import deep_shapes
 import eviction
 import forks
 import host_tier
@@ -120,7 +120,7 @@ STAGES = (
     Stage(4, "blockwise", blockwise.story_kinds, ("runs",), cases=each_opening,
           gather=blockwise.kinds_table),
     Stage(4, "cache_files", cache_files.experiment, ("runs",)),
-    Stage(5, "deep_models", deep_model.experiment),
+    Stage(5, "deep_models", deep_shapes.experiment),
     Stage(5, "pyramid", pyramid_kv.experiment),
     Stage(5, "rotary", context_shift.experiment),
     Stage(5, "latent_attention", latent_attention.experiment),

@@ -15,7 +15,7 @@ import time
 from collections import namedtuple
 
 import generate
-import deep_model
+import deep_shapes
 import kv_cache
 import model
 import svg
@@ -219,7 +219,7 @@ def timings(lab, runs):
         "cache_bytes_full_context": memory,
         "cache_bytes_per_position": round(memory / model.CONTEXT, 2),
         "cache_bytes_as_8_byte_floats": 8 * 2 * model.WIDTH * model.CONTEXT,
-        "deep_model_cache_bytes_as_cpython_objects": deep_model.deep_cache_bytes(lab),
+        "deep_model_cache_bytes_as_cpython_objects": deep_shapes.deep_cache_bytes(lab),
     }
 
 
