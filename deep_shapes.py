@@ -14,6 +14,7 @@ from deep_model import DEEP_SHAPES, deep_ids, fed_deep_model, forward
 from documents import bold, shown, table
 from instruments import largest_gap
 from model import VOCAB_SIZE, WIDTH, band
+from trace_records import TIMED
 
 WINDOW = 8   # the window of every layer in window_reach
 
@@ -94,7 +95,6 @@ def deep_cache_bytes(lab):
 
 def shapes_table(record, timing):
     """Section 26's table: each kind of attention's gaps, and its numbers and bytes a position."""
-    from trace_lesson import TIMED   # (trace_lesson imports this module)
     objects = svg.checked(timing, svg.picked(TIMED, "deep_model_cache_bytes_as_cpython_objects"),
                           "time")["deep_model_cache_bytes_as_cpython_objects"]
     svg.checked(record, RECORDS)

@@ -20,6 +20,7 @@ from instruments import largest_gap, sums_in_another_order
 from generate import Generation
 from kv_cache import KVCache, feed
 from stories import common_start, story_ids
+from trace_records import TIMED
 
 FORMATS = ("float64", "float32", "float16", "int8", "int4")
 
@@ -296,7 +297,6 @@ def ladder(lab, rungs):
 
 def ladder_table(record, timing):
     """Section 17's table: every rung of the ladder beside the exact lists, and what it costs."""
-    from trace_lesson import TIMED   # (trace_lesson's stages import the lab's Parts)
     svg.checked(record, RECORDS)
     svg.checked(timing, svg.picked(TIMED, "cache_bytes_per_position"), "time")
     rows = [["exact, in lists (the reference)",

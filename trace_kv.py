@@ -70,8 +70,8 @@ from instruments import where_raised
 from kv_cache import work   # trace_kv.work: the contract
 from lab_files import LAB, add_folder_flag, finish_saving, positive_int, run_command
 from stories import openings, split_stories
-from trace_records import (differing_keys, dumps, kept_times, last_duration, named,
-                           read_record, save_records, shown_path, unknown_names)
+from trace_records import (TIMED, TIMING, differing_keys, dumps, kept_times, last_duration,
+                           named, read_record, save_records, shown_path, unknown_names)
 from workers import Here, Shipped, stop
 from trace_lesson import FULL_RECORD, summary
 
@@ -165,7 +165,7 @@ def run(full_timing=False, folder=LAB, progress=None, workers=None, stories=None
     timing["run_seconds"] = round(time.perf_counter() - start, 1)   # every stage, all told
     if full_timing:
         timing.update(trace_lesson.timings(lab, done["runs"]))
-    svg.checked(timing, {**TIMING, **(trace_lesson.TIMED if full_timing else {})}, "time",
+    svg.checked(timing, {**TIMING, **(TIMED if full_timing else {})}, "time",
                 strict=True)   # what the time marks are checked against
     return record, timing
 
@@ -317,13 +317,6 @@ def _start_worker(folder, stories):
 
 # ---- timing (kv-time.json: it varies, and is never compared) ------------------------
 
-# The shape (svg.checked's) of what every run times; with --times, trace_lesson.TIMED's too
-TIMING = {
-    "uncached_seconds": svg.COUNT, "cached_seconds": svg.COUNT, "speedup": svg.COUNT,
-    "uncached_microseconds_per_row": svg.COUNT, "cached_microseconds_per_row": svg.COUNT,
-    "workers": svg.COUNT, "machine": str, "python": str, "run_seconds": svg.COUNT}
-
-
 def generators_timing(runs, total, workers):
     """The greedy seconds of both generators over the openings, per story and per row."""
     seconds = {path: fsum(one[path] for one in runs.seconds) for path in ("uncached", "cached")}
@@ -394,7 +387,7 @@ def main(argv=None):
         parser.error("--times records the times with --write: add --write")
     try:
         finish_saving(args.folder)   # a --write stopped midway: its files all new, first
-        unknown = (unknown_names(record_shape(), {**TIMING, **trace_lesson.TIMED},
+        unknown = (unknown_names(record_shape(), {**TIMING, **TIMED},
                                  args.folder) if args.write else [])   # in a moment
         if unknown:
             sys.exit("trace_kv.py: error: marks that name nothing, so nothing was run or "

@@ -14,8 +14,8 @@ import sys
 import time
 from collections import namedtuple
 
-import generate
 import deep_shapes
+import generate
 import kv_cache
 import model
 import svg
@@ -24,6 +24,7 @@ from instruments import (largest_gap, passes_by_input, recording, replaced, resu
                          sums_in_another_order)
 from kv_cache import KVCache, feed, generate_cached, work
 from stories import STORY_QUALITY, common_start, rounded_mean, story_ids, story_quality
+from trace_records import TIMED, TIMING
 
 
 LENGTHS = (8, 16, 32, 64)   # the record's cost_by_length: positions from a one-token prompt
@@ -192,16 +193,6 @@ def reordered_sums(lab):
 
 # ---- what --write also times, in this process alone (kv-time.json) ------------------
 
-TIMED = {   # the shape (svg.checked's) of what timings gives
-    "forward_step_over_its_fsum_calls": svg.COUNT,
-    "cost_by_length": [{"positions": svg.COUNT, "uncached_seconds": svg.COUNT,
-                        "cached_seconds": svg.COUNT, "speedup": svg.COUNT}],
-    "cache_bytes_full_context": svg.COUNT, "cache_bytes_per_position": svg.COUNT,
-    "cache_bytes_as_8_byte_floats": svg.COUNT,
-    "deep_model_cache_bytes_as_cpython_objects": [{
-        "layers": svg.COUNT, "kv_heads": svg.COUNT, "bytes_per_position": svg.COUNT}]}
-
-
 def timings(lab, runs):
     """What --write also times, in this process alone.
 
@@ -325,8 +316,7 @@ def summary_block(record, timing):
     """What python3 trace_kv.py prints, as the README shows it.
 
     The record and the timing checked first against their declarations (the timing's:
-    trace_kv.TIMING, which imports this module)."""
-    from trace_kv import TIMING
+    trace_records.TIMING)."""
     svg.checked(record, svg.picked(RECORDS["lesson"], "stories", "every_row_of_every_story",
                                    "greedy_identical", "sampled_identical", "generated_tokens",
                                    "work", "rows_ratio", "scores_ratio"))

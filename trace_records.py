@@ -4,14 +4,31 @@ kv-trace.json holds what any machine reproduces exactly (results and counts), kv
 the wall-clock times, which vary and are never compared. save_records writes the record with
 every document's figures and pictures as one set; read_record, kept_times and last_duration
 read them back; differing_keys is --check's comparison; unknown_names finds the marks of the
-documents that name nothing, before --write's long run.
+documents that name nothing, before --write's long run. TIMING and TIMED declare
+kv-time.json's keys (in svg.checked's shapes), for the run that writes them and the tables
+that read them.
 """
 import json
 import os
 
 import documents
+import svg
 from documents import TIMES, TRACE
 from lab_files import LAB, read_json, write_together
+
+# kv-time.json's shape: what every run times (trace_kv.generators_timing and the run)
+TIMING = {
+    "uncached_seconds": svg.COUNT, "cached_seconds": svg.COUNT, "speedup": svg.COUNT,
+    "uncached_microseconds_per_row": svg.COUNT, "cached_microseconds_per_row": svg.COUNT,
+    "workers": svg.COUNT, "machine": str, "python": str, "run_seconds": svg.COUNT}
+TIMED = {   # with --times, what trace_lesson.timings measures as well
+    "forward_step_over_its_fsum_calls": svg.COUNT,
+    "cost_by_length": [{"positions": svg.COUNT, "uncached_seconds": svg.COUNT,
+                        "cached_seconds": svg.COUNT, "speedup": svg.COUNT}],
+    "cache_bytes_full_context": svg.COUNT, "cache_bytes_per_position": svg.COUNT,
+    "cache_bytes_as_8_byte_floats": svg.COUNT,
+    "deep_model_cache_bytes_as_cpython_objects": [{
+        "layers": svg.COUNT, "kv_heads": svg.COUNT, "bytes_per_position": svg.COUNT}]}
 
 
 def dumps(data):
