@@ -47,13 +47,17 @@ def serve(params, tok, requests, pool, max_batch, log=None, product=exact,
               for index, request in enumerate(requests)]    # every request checked first
     steps = _Steps(params, pool, max_batch, log, product, attention,
                    [request for request in served if not request.generation.stopped])
+    return run_steps(steps, served)
+
+
+def run_steps(steps, served):
+    """Take steps.step() until no request waits or runs; give the results and the counts.
+
+    On the way out, normally or not, no block stays taken."""
     try:
         while steps.waiting or steps.running:
-            steps.admit()
-            steps.choose()
-            steps.preempt_for_room()
-            steps.decode()
-    finally:   # on the way out, normally or not, no block stays taken
+            steps.step()
+    finally:
         for request in served:
             if request.seq is not None:
                 request.seq.free()
@@ -90,6 +94,14 @@ class _Steps:
         self.counts = dict.fromkeys(("steps", "request_steps", "rows", "recomputed_rows",
                                      "readmitted_positions", "readmitted_prefix_hits",
                                      "preemptions", "peak_blocks", "prefix_hits"), 0)
+
+    def step(self):
+        """One step: admit, choose the running requests' next tokens, preempt for room,
+        decode."""
+        self.admit()
+        self.choose()
+        self.preempt_for_room()
+        self.decode()
 
     def note_peak(self):   # after every admission and every decode row
         self.counts["peak_blocks"] = max(self.counts["peak_blocks"],

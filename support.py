@@ -115,6 +115,15 @@ def pool_snapshot(pool):
             pool.prefix_hits, pool.evictions)
 
 
+def paths(value, where):
+    """Every path (a tuple of keys) into a record's value, from where, value's own first."""
+    yield where
+    items = value.items() if isinstance(value, dict) else (
+        enumerate(value) if isinstance(value, list) else ())
+    for key, inner in items:
+        yield from paths(inner, (*where, key))
+
+
 def first_gap(got, expected, within=None, where=()):
     """Where two nested lists (or tuples) of numbers first differ, or None if nowhere.
 

@@ -25,7 +25,7 @@ import support
 import svg
 import verdicts
 from stories import openings, split_stories
-from support import HERE, lab_file
+from support import HERE, lab_file, paths
 
 CONFLICT = re.compile(r"^(<{7} |={7}$|>{7} )", re.M)   # what a merge leaves when it stops
 
@@ -373,15 +373,6 @@ def watched(value, where, read):
     if isinstance(value, dict):
         return Reads(value, where, read)
     return ReadList(value, where, read) if isinstance(value, list) else value
-
-
-def paths(value, where):
-    """Every path (a tuple of keys) into value, from where, value's own first."""
-    yield where
-    items = value.items() if isinstance(value, dict) else (
-        enumerate(value) if isinstance(value, list) else ())
-    for key, inner in items:
-        yield from paths(inner, (*where, key))
 
 
 def at(value, path):

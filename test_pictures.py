@@ -27,7 +27,7 @@ import lossy
 import support
 import svg
 from instruments import is_call_of, plant, replacing
-from support import lab_file
+from support import lab_file, paths
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -466,13 +466,6 @@ class HostileRecords(unittest.TestCase):
         wild = [10 ** 12, 10 ** 12 + 1, 10 ** 400, -1, -1e-300, 0, 0.5, math.nan, math.inf,
                 -math.inf, True, None, "3", "\x1b[2J<b>&\x00", "é\ud800" * 10 ** 5, [], {},
                 [0] * 10 ** 5]
-
-        def paths(value, where):
-            yield where
-            items = value.items() if isinstance(value, dict) else (
-                enumerate(value) if isinstance(value, list) else ())
-            for key, inner in items:
-                yield from paths(inner, (*where, key))
 
         def reaches(inner, key):
             return (isinstance(inner, dict) and key in inner or isinstance(inner, list)

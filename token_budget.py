@@ -21,7 +21,7 @@ import svg
 from batched import ItemRefused, exact, exact_attention, forward_rows
 from documents import LAB, bold, shown, table
 from paged import BlockPool
-from serving import _Served, _checked_settings
+from serving import _Served, _checked_settings, run_steps
 from stories import openings, split_stories
 
 
@@ -49,14 +49,7 @@ def serve(params, tok, requests, pool, max_batch, budget, log=None):
               for index, request in enumerate(requests)]    # every request checked first
     steps = _Steps(params, pool, max_batch, budget, log,
                    [request for request in served if not request.generation.stopped])
-    try:
-        while steps.waiting or steps.running:
-            steps.step()
-    finally:   # on the way out, normally or not, no block stays taken
-        for request in served:
-            if request.seq is not None:
-                request.seq.free()
-    return [request.generation.result() for request in served], steps.counts
+    return run_steps(steps, served)
 
 
 class _Steps:

@@ -22,7 +22,7 @@ from documents import bold, shown, table
 from instruments import recording
 from model import CONTEXT
 from paged import BlockPool, check_pool
-from serving import _checked_settings, _Served, _Steps
+from serving import _checked_settings, _Served, _Steps, run_steps
 import serving
 
 LAYOUTS = ("positions, heads", "heads, positions")   # [2, page, heads, dim] or [2, heads, ...]
@@ -104,17 +104,7 @@ def serve(params, tok, requests, prefill_pool, decode_pool, max_batch, log=None,
     steps = _Steps(params, decode_pool, max_batch, log, decode_product, exact_attention,
                    [request for request in served if not request.generation.stopped])
     steps.counts.update(prefill_rows=0, positions_sent=0, bytes_sent=0, messages=0)
-    try:
-        while steps.waiting or steps.running:
-            steps.admit()
-            steps.choose()
-            steps.preempt_for_room()
-            steps.decode()
-    finally:
-        for request in served:
-            if request.seq is not None:
-                request.seq.free()
-    return [request.generation.result() for request in served], steps.counts
+    return run_steps(steps, served)
 
 
 class _Handed(_Served):
