@@ -186,6 +186,14 @@ def is_call_of(node, name, arguments=None):
             and node.func.id == name and (arguments is None or len(node.args) == arguments))
 
 
+def spelt(node, source):
+    """Whether node (of a syntax tree) is source, as ast.unparse spells it.
+
+    What a planting looks for beside a condition of its own (support.swapping, where it
+    needs none)."""
+    return ast.unparse(node) == source
+
+
 class _Watched(list):
     """A vector of floats that notes which of its entries are read: all of them when it
     is iterated, joined to another list or repeated; some when it is indexed or sliced."""

@@ -15,10 +15,10 @@ import verdicts
 from bandwidth import cache_bytes_per_token
 from host_tier import LAYOUTS, HostTier, TieredPool, pack, unpack
 from instruments import replacing
-from kv_cache import KVCache, feed
+from kv_cache import feed
 from model import WIDTH
 from one_gpu import A100, MODELS, prefill_flops
-from support import OPENINGS, PARAMS, TOK, check_random_cases, random_tokens
+from support import OPENINGS, PARAMS, TOK, check_random_cases, random_tokens, swapping
 from verdicts import Layer, Wrong, differ, step, where_cache_differs
 
 
@@ -132,23 +132,17 @@ def quick_check():
 QuickCheck = verdicts.quick_check_case("host_tier", __name__)
 
 
-def _is(node, source):
-    return ast.unparse(node) == source
-
-
 class Teeth(unittest.TestCase):
     """Each mistake planted in the real host_tier.py makes the layer's quick check fail with
     a line naming the quantity and where."""
 
     MISTAKES = [
         ("a block loaded into the wrong slots (its positions reversed)", host_tier, "unpack",
-         replacing(lambda node: _is(node, "range(positions)"),
-                   lambda node: ast.parse("range(positions - 1, -1, -1)", mode="eval").body),
+         swapping("range(positions)", "range(positions - 1, -1, -1)"),
          r"the host tier \(by layer\), the first story loaded back: its keys, at position 0, "
          r"number 0: .* from TieredPool, .* expected"),
         ("a tier that forgets a block's kernel", HostTier, "store",
-         replacing(lambda node: _is(node, "(kernel, prefix)"),
-                   lambda node: ast.parse("(None, prefix)", mode="eval").body),
+         swapping("(kernel, prefix)", "(None, prefix)"),
          r"the host tier: an exact sequence found 8 positions computed by by_batch, 0 "
          r"expected"),
         ("a loaded block left out of the prefix index", TieredPool, "_load_prefix",
@@ -158,7 +152,7 @@ class Teeth(unittest.TestCase):
          r"the host tier \(by layer\), the first story loaded back: the prefix found is 0 "
          r"positions from TieredPool, 12 expected"),
         ("one copy counted for a block of many buffers", HostTier, "_count",
-         replacing(lambda node: _is(node, "len(buffers)"), lambda node: ast.Constant(1)),
+         swapping("len(buffers)", "1"),
          r"the host tier \(by layer\), the first story loaded back: blocks, copies and bytes "
          r"moved to host, at count 1: 6 from HostTier, 12 expected"),
     ]

@@ -14,7 +14,7 @@ import hybrid_pool
 import support
 import verdicts
 from hybrid_pool import HybridPool, freeing_against_keeping, greedy_story, layer_groups
-from instruments import replacing
+from instruments import replacing, spelt
 from model import CONTEXT, VOCAB_SIZE, band, causal
 from support import assert_each_refused, check_random_cases, deep_snapshot, random_tokens
 from verdicts import Layer, Wrong, deep_label, differ, step
@@ -174,10 +174,6 @@ def expression(source):
     return ast.parse(source, mode="eval").body
 
 
-def _is(node, source):
-    return ast.unparse(node) == source
-
-
 class Teeth(unittest.TestCase):
     """Each mistake planted in the real hybrid_pool.py makes the layer's quick check fail
     with a line naming the quantity and where: the group and block, the request, or the
@@ -187,29 +183,29 @@ class Teeth(unittest.TestCase):
         ("a window block freed one step early (last_useful_token one too far)",
          hybrid_pool.HybridSequence, "free_skipped",
          replacing(lambda node: isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add)
-                   and _is(node.left, "len(self.tokens) - group.window"),
+                   and spelt(node.left, "len(self.tokens) - group.window"),
                    lambda node: ast.BinOp(node.left, ast.Add(), ast.Constant(2))),
          r"the first story, \d+ positions computed: group 1 \(window 4: layers 0, 2\)'s block "
          r"table, at block \d+: None from HybridSequence, \d+ expected"),
         ("every group freed by the window, the full layers' too",
          hybrid_pool.HybridSequence, "free_skipped",
-         replacing(lambda node: _is(node, "group.window"),
+         replacing(lambda node: spelt(node, "group.window"),
                    lambda node: expression("pool.window")),
          r"the first story, \d+ positions computed: group 0 \(full: layers 1, 3\)'s block "
          r"table, at block 0: None from HybridSequence, \d+ expected"),
         ("a prefix hit that ignores the window group", HybridPool, "find",
-         replacing(lambda node: isinstance(node, ast.If) and _is(node.test, "windowed"),
+         replacing(lambda node: isinstance(node, ast.If) and spelt(node.test, "windowed"),
                    lambda node: ast.Pass()),
          r"a request sharing the first story's first 4 tokens: the prefix hit is 4 positions "
          r"from HybridPool.find, 0 expected"),
         ("the window group's hit scanned left to right", HybridPool, "_window_hit",
-         replacing(lambda node: _is(node, "range(most - 1, -1, -1)"),
+         replacing(lambda node: spelt(node, "range(most - 1, -1, -1)"),
                    lambda node: expression("range(most)")),
          r"a request sharing the first story's first 16 tokens: the prefix hit is \d+ "
          r"positions from HybridPool.find, 16 expected"),
         ("a release that drops every table's hold on a block", HybridPool, "release",
          replacing(lambda node: isinstance(node, ast.AugAssign)
-                   and _is(node.target, "block.ref_count"),
+                   and spelt(node.target, "block.ref_count"),
                    lambda node: ast.Assign([node.target], ast.Constant(0))),
          r"once the first story is freed: the pool's ref counts, at block \d+: 0 from "
          r"HybridPool, 1 expected"),

@@ -2,15 +2,14 @@
 and its bytes at the bandwidth, counted here again from the model's shape; the chunks
 fill the budget beside the decodes; each way's times follow from its steps; the record's
 times are the code's."""
-import ast
 import math
 import unittest
 
 import paper_times
 import support
 import verdicts
-from instruments import replacing
 from one_gpu import A100, LLAMA_3_1_8B
+from support import swapping
 from verdicts import Layer, Wrong
 
 
@@ -75,27 +74,19 @@ def quick_check():
 QuickCheck = verdicts.quick_check_case("paper_times", __name__)
 
 
-def _is(node, source):
-    return ast.unparse(node) == source
-
-
 class Teeth(unittest.TestCase):
     """Each mistake planted in the real paper_times.py makes the layer's quick check fail
     with a line naming the quantity and where."""
 
     MISTAKES = [
         ("chunks that fill the whole budget, the decodes forgotten", paper_times, "chunks",
-         replacing(lambda node: _is(node, "budget - running"),
-                   lambda node: ast.Name("budget", ast.Load())),
+         swapping("budget - running", "budget"),
          r"paper_times: the chunks \[2048, 2048, 2048, 2048\]: they must sum to the prompt"),
         ("the weights read once a request, not once a step", paper_times, "step_seconds",
-         replacing(lambda node: _is(node, "model['weight_bytes_read']"),
-                   lambda node: ast.parse("model['weight_bytes_read'] * len(rows)",
-                                          mode="eval").body),
+         swapping("model['weight_bytes_read']", "model['weight_bytes_read'] * len(rows)"),
          r"paper_times: the step of 16 decodes: .* s from step_seconds, .* s by hand"),
         ("the transfer left out of the two servers' first token", paper_times, "times",
-         replacing(lambda node: _is(node, "alone + sent"), lambda node: ast.Name("alone",
-                                                                                   ast.Load())),
+         swapping("alone + sent", "alone"),
          r"paper_times: two servers: first token and worst time between tokens"),
     ]
 

@@ -2,7 +2,6 @@
 every budget; no step computes more rows than the budget; a request that has its first
 token decodes at every step until it finishes or is preempted; chunks and rows are
 counted; a budget smaller than one row, or than the batch, is refused."""
-import ast
 import random
 import unittest
 
@@ -11,8 +10,7 @@ import paged
 import support
 import token_budget
 import verdicts
-from instruments import replacing
-from support import OPENINGS, PARAMS, TOK, check_random_cases
+from support import OPENINGS, PARAMS, TOK, check_random_cases, swapping
 from verdicts import Layer, Wrong, step
 
 
@@ -81,28 +79,21 @@ def quick_check():
 QuickCheck = verdicts.quick_check_case("token_budget", __name__)
 
 
-def _is(node, source):
-    return ast.unparse(node) == source
-
-
 class Teeth(unittest.TestCase):
     """Each mistake planted in the real token_budget.py makes the layer's quick check fail
     with a line naming the quantity and where."""
 
     MISTAKES = [
         ("a chunk that starts one position late", token_budget._Steps, "compute",
-         replacing(lambda node: _is(node, "range(start, start + rows)"),
-                   lambda node: ast.parse("range(start + 1, start + rows + 1)",
-                                          mode="eval").body),
+         swapping("range(start, start + rows)", "range(start + 1, start + rows + 1)"),
          r"four requests, a budget of 4: serving: raised ValueError: items\[\d+\]: expected "
          r"position \d+, got \d+ \(in token_budget.py line \d+, compute"),
         ("chunks that ignore the decode rows already planned", token_budget._Steps, "plan",
-         replacing(lambda node: _is(node, "self.budget - len(plan)"),
-                   lambda node: ast.parse("self.budget", mode="eval").body),
+         swapping("self.budget - len(plan)", "self.budget"),
          r"four requests, a budget of 4: step \d+ computed [5-8] rows, more than the budget "
          r"of 4"),
         ("a decode row counted as a chunk", token_budget._Steps, "compute",
-         replacing(lambda node: _is(node, "not decoding"), lambda node: ast.Constant(1)),
+         swapping("not decoding", "1"),
          r"four requests, a budget of 4: \d+ chunks and \d+ rows counted, \d+ chunks told to "
          r"the log"),
     ]

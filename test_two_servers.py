@@ -16,8 +16,8 @@ import serving
 import support
 import two_servers
 import verdicts
-from instruments import recording, replacing
-from support import OPENINGS, PARAMS, TOK, check_random_cases, random_tokens
+from instruments import recording, replacing, spelt
+from support import OPENINGS, PARAMS, TOK, check_random_cases, random_tokens, swapping
 from two_servers import LAYOUTS
 from verdicts import Layer, Wrong, differ, step
 
@@ -97,28 +97,21 @@ def quick_check():
 QuickCheck = verdicts.quick_check_case("two_servers", __name__)
 
 
-def _is(node, source):
-    return ast.unparse(node) == source
-
-
 class Teeth(unittest.TestCase):
     """Each mistake planted in the real two_servers.py makes the layer's quick check fail
     with a line naming the quantity and where."""
 
     MISTAKES = [
         ("the layout read transposed", two_servers, "receive",
-         replacing(lambda node: isinstance(node, ast.Compare)
-                   and _is(node, "message['layout'] == LAYOUTS[0]"),
-                   lambda node: ast.Compare(node.left, [ast.NotEq()], node.comparators)),
+         swapping("message['layout'] == LAYOUTS[0]", "message['layout'] != LAYOUTS[0]"),
          r"the cache received \(positions, heads\), at layer 0, part 0, position 0, number "
          r"\d+: .* from receive, .* expected: heads and positions transposed"),
         ("bytes counted as numbers", two_servers._Handed, "admit",
-         replacing(lambda node: _is(node, "BYTES_PER_NUMBER * len(message['numbers'])"),
-                   lambda node: ast.parse("len(message['numbers'])", mode="eval").body),
+         swapping("BYTES_PER_NUMBER * len(message['numbers'])", "len(message['numbers'])"),
          r"four requests on two servers: \d+ bytes sent for \d+ positions, \d+ expected"),
         ("the first prompt row's logits sent, not the last's", two_servers._Handed, "admit",
          replacing(lambda node: isinstance(node, ast.Subscript)
-                   and _is(node.slice, "-1") and "forward_rows" in ast.unparse(node.value),
+                   and spelt(node.slice, "-1") and "forward_rows" in ast.unparse(node.value),
                    lambda node: ast.Subscript(node.value, ast.Constant(0), node.ctx)),
          r"four requests on two servers: request \d+'s result is not generate_cached's"),
     ]
