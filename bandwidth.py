@@ -156,8 +156,7 @@ def _check_model(model, needed=("layers",)):
 HELD = (0, 16, CONTEXT - 1)
 
 
-# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
-# against it strictly (exactly these keys), and the documents' marks before a run.
+# The records of this module's stages, in svg.checked's shapes (trace_kv.declared's)
 RECORDS = {
     "bytes_read": {
         "lesson": [{"held": svg.COUNT, "weights": svg.COUNT, "cache": svg.COUNT}],

@@ -249,8 +249,7 @@ KINDS = {"online": online, **{f"split {parts}": split(parts) for parts in (1, 2,
          **{f"exact {parts}": exact(parts) for parts in (1, 8)}}
 
 
-# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
-# against it strictly (exactly these keys), and the documents' marks before a run.
+# The records of this module's stages, in svg.checked's shapes (trace_kv.declared's)
 RECORDS = {
     "blockwise": {
         "stories": svg.COUNT, "longest_row": svg.COUNT,

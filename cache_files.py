@@ -129,8 +129,7 @@ def _cache_problem(tokens, keys, values):
 
 # ---- the experiment (a stage of trace_kv.py) ---------------------------------------
 
-# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
-# against it strictly (exactly these keys), and the documents' marks before a run.
+# The records of this module's stages, in svg.checked's shapes (trace_kv.declared's)
 RECORDS = {
     "cache_files": {
         "positions": svg.COUNT, "bytes": svg.COUNT, "bytes_per_position": svg.COUNT},

@@ -160,8 +160,7 @@ def _learned_table(layers, kv_heads, seed, ids):
     return against_recompute
 
 
-# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
-# against it strictly (exactly these keys), and the documents' marks before a run.
+# The records of this module's stages, in svg.checked's shapes (trace_kv.declared's)
 ONE_MODEL = {"largest_logit_gap": svg.COUNT, "continuation_changed": bool}   # one model's
 OVER_MODELS = dict.fromkeys(("models", "largest_logit_gap", "continuations_changed"), svg.COUNT)
 RECORDS = {

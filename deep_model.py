@@ -35,7 +35,7 @@ from model import (CONTEXT, WIDTH, add, band, causal, check_ids, check_mask,
 BASE = 10000.0   # of the rotary angles
 
 
-def _columns(params):
+def columns_by_block(params):
     """Each block's matrices, and the output layer, by columns (ready for linear)."""
     def cols(matrix):
         return [list(column) for column in zip(*matrix)]
@@ -129,6 +129,18 @@ def attend(q_h, sink, scale, keys, values):
     return [dot(weights, column) for column in zip(*values)], weights
 
 
+def mlp_residual(x1, block, cols):
+    """x1 with its block's MLP added: the second half of every layer, whatever it read."""
+    h2 = layernorm(x1, block["ln2_g"], block["ln2_b"])
+    a = relu(add(linear(h2, cols["W1"]), block["b1"]))
+    return add(x1, add(linear(a, cols["W2"]), block["b2"]))
+
+
+def output_logits(params, x, out_cols):
+    """A row's next-token logits from its last layer's output: the final norm, then W_out."""
+    return add(linear(layernorm(x, params["lnf_g"], params["lnf_b"]), out_cols), params["b_out"])
+
+
 def own_mask(shape):
     """The mask of a model of this shape: causal, or one a layer if a layer has a window.
 
@@ -171,7 +183,7 @@ def forward(params, ids, mask=None):
     check_ids(ids)
     shape = params["shape"]
     masks = layer_masks(own_mask(shape) if mask is None else mask, shape["layers"], len(ids))
-    block_cols, out_cols = _columns(params)
+    block_cols, out_cols = columns_by_block(params)
     heads, d, d_key, group, scale = heads_of(shape)
     thetas, r_thetas = angles(shape)
     if thetas:
@@ -211,12 +223,8 @@ def forward(params, ids, mask=None):
                                     [k_j[kv * d_key:(kv + 1) * d_key] for k_j in keys],
                                     [v_j[kv * d:(kv + 1) * d] for v_j in values])
                 mixed += mixed_h
-            x1 = add(x0, linear(mixed, cols["Wo"]))
-            h2 = layernorm(x1, block["ln2_g"], block["ln2_b"])
-            a = relu(add(linear(h2, cols["W1"]), block["b1"]))
-            xs[i] = add(x1, add(linear(a, cols["W2"]), block["b2"]))
-    return [add(linear(layernorm(x2, params["lnf_g"], params["lnf_b"]), out_cols),
-                params["b_out"]) for x2 in xs]
+            xs[i] = mlp_residual(add(x0, linear(mixed, cols["Wo"])), block, cols)
+    return [output_logits(params, x2, out_cols) for x2 in xs]
 
 
 class DeepCache:
@@ -244,7 +252,7 @@ class DeepCache:
         mask = own_mask(shape) if mask is None else mask
         layer_masks(mask, shape["layers"], 0)   # functions; what they give, each step
         self.params, self.mask, self.tokens = params, mask, []
-        self.block_columns, self.out_columns = _columns(params)
+        self.block_columns, self.out_columns = columns_by_block(params)
         parts = ("latents", "rotary_keys") if shape["latent"] else ("keys", "values")
         self.layers = [{part: [] for part in parts} if read == layer else {}
                        for layer, read in enumerate(kv_layers(shape))]
@@ -354,12 +362,8 @@ def forward_step(params, cache, token_id, position):
                                       [v_j[kv * d:(kv + 1) * d] for v_j in values])
             weights_read[-1].append(weights)
             mixed += mixed_h
-        x1 = add(x0, linear(mixed, cols["Wo"]))
-        h2 = layernorm(x1, block["ln2_g"], block["ln2_b"])
-        a = relu(add(linear(h2, cols["W1"]), block["b1"]))
-        x0 = add(x1, add(linear(a, cols["W2"]), block["b2"]))
-    logits = add(linear(layernorm(x0, params["lnf_g"], params["lnf_b"]), cache.out_columns),
-                 params["b_out"])
+        x0 = mlp_residual(add(x0, linear(mixed, cols["Wo"])), block, cols)
+    logits = output_logits(params, x0, cache.out_columns)
     cache.keep(token_id, new)   # every layer computed: nothing can go wrong now
     for layer, weights_by_head in enumerate(weights_read):   # a cache that evicts chooses by
         cache.attended(layer, weights_by_head)               # what each layer read

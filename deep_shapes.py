@@ -19,8 +19,7 @@ from trace_records import TIMED
 WINDOW = 8   # the window of every layer in window_reach
 
 
-# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
-# against it strictly (exactly these keys), and the documents' marks before a run.
+# The records of this module's stages, in svg.checked's shapes (trace_kv.declared's)
 RECORDS = {
     "deep_models": {
         "positions": svg.COUNT,

@@ -225,8 +225,7 @@ RUNGS = tuple((kind, budget) for kind, _ in KINDS
               for budget in (BUDGETS if kind == "heavy hitters" else BUDGETS[1:]))
 
 
-# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
-# against it strictly (exactly these keys), and the documents' marks before a run.
+# The records of this module's stages, in svg.checked's shapes (trace_kv.declared's)
 RECORDS = {
     "eviction": {
         "stories": svg.COUNT,

@@ -59,8 +59,7 @@ def sample_from_forks(params, tok, prompt, seeds, pool):
 
 # ---- the experiment (a stage of trace_kv.py) --------------------------------------
 
-# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
-# against it strictly (exactly these keys), and the documents' marks before a run.
+# The records of this module's stages, in svg.checked's shapes (trace_kv.declared's)
 RECORDS = {
     "parallel_sampling": {
         "continuations_each": svg.COUNT,

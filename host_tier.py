@@ -219,8 +219,7 @@ HOST_BLOCKS = (16, 512)   # host tiers beneath section 21's small pool: small, a
 DEEP_LAYERS = 4           # the deeper model whose block is packed in each layout
 LAYOUT_MODELS = ("the lab's", "a deeper one")
 
-# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
-# against it strictly (exactly these keys), and the documents' marks before a run.
+# The records of this module's stages, in svg.checked's shapes (trace_kv.declared's)
 _MOVED = {"blocks": svg.COUNT, "copies": svg.COUNT, "bytes": svg.COUNT}
 RECORDS = {
     "host_tier": {

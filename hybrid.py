@@ -233,8 +233,7 @@ def sink_merges(params, ids):
     return {"reads": len(reads), "mergings_compared": len(merged), "mergings_equal": sum(merged)}
 
 
-# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
-# against it strictly (exactly these keys), and the documents' marks before a run.
+# The records of this module's stages, in svg.checked's shapes (trace_kv.declared's)
 RECORDS = {
     "hybrid_models": {
         "positions": svg.COUNT, "window": svg.COUNT,

@@ -361,8 +361,7 @@ def freeing_against_keeping(params, ids, block_size):
 BLOCK_SIZE = 2   # against a window of 4 (hybrid.WINDOW), as 16 against gpt-oss's 128
 
 
-# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
-# against it strictly (exactly these keys), and the documents' marks before a run.
+# The records of this module's stages, in svg.checked's shapes (trace_kv.declared's)
 WAYS = ("freeing", "keeping")
 WAY = {"window_blocks_by_step": [svg.COUNT], "full_blocks_by_step": [svg.COUNT],
        **dict.fromkeys(("window_blocks_at_the_end", "full_blocks_at_the_end", "page_bytes"),

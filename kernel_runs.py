@@ -29,8 +29,7 @@ GREEDY_TOO = (("batch-dependent", 8, "ample"),   # kernel_run says why
 SPLIT_KV = "split-KV attention"   # KERNELS' name for blockwise.heuristic
 
 
-# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
-# against it strictly (exactly these keys), and the documents' marks before a run.
+# The records of this module's stages, in svg.checked's shapes (trace_kv.declared's)
 RECORDS = {
     "batched_decode": {
         "requests": svg.COUNT,

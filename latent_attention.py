@@ -17,14 +17,15 @@ measures what absorption does to it.
 """
 from collections import namedtuple
 
+import svg
 from deep_model import (DeepCache, angles, check_step, compressed, deep_ids, forward,
-                        forward_step, heads_of, init_params, latent_query)
+                        forward_step, heads_of, init_params, latent_query, mlp_residual,
+                        output_logits)
 from deep_params import SHAPE, check_model_shape, check_params
 from documents import bold, shown, table
 from instruments import largest_gap
-from model import (VOCAB_SIZE, WIDTH, add, check_int, dot, excerpt, layernorm, linear, relu,
+from model import (VOCAB_SIZE, WIDTH, add, check_int, dot, excerpt, layernorm, linear,
                    softmax_row)
-import svg
 
 Folded = namedtuple("Folded", "params blocks")
 Folded.__doc__ = """A latent model's weights folded for the absorbed path, once per model:
@@ -134,13 +135,9 @@ def absorbed_step(folded, cache, token_id, position):
             weights = softmax_row(scores)
             weights_read[-1].append(weights)
             mixed += [dot(weights, column) for column in zip(*latents)]
-        x1 = add(x0, linear(mixed, folded_block["out"]))
-        h2 = layernorm(x1, block["ln2_g"], block["ln2_b"])
-        a = relu(add(linear(h2, cols["W1"]), block["b1"]))
-        x0 = add(x1, add(linear(a, cols["W2"]), block["b2"]))
+        x0 = mlp_residual(add(x0, linear(mixed, folded_block["out"])), block, cols)
         new.append({"latents": c_kv, "rotary_keys": k_r})
-    logits = add(linear(layernorm(x0, params["lnf_g"], params["lnf_b"]), cache.out_columns),
-                 params["b_out"])
+    logits = output_logits(params, x0, cache.out_columns)
     cache.keep(token_id, new)
     for layer, weights_by_head in enumerate(weights_read):   # as forward_step tells it
         cache.attended(layer, weights_by_head)
@@ -278,8 +275,7 @@ def _latent_case(layers, positions, latent_width, rotary_key, prompt, continued)
             "floats_per_position": cache.floats_per_position()}
 
 
-# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
-# against it strictly (exactly these keys), and the documents' marks before a run.
+# The records of this module's stages, in svg.checked's shapes (trace_kv.declared's)
 RECORDS = {
     "latent_attention": {
         "prompt": svg.COUNT, "continued": svg.COUNT,

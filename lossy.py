@@ -202,8 +202,7 @@ RUNGS = (("exact lists, sums in another order", "reordered"),
          *((f"window {w}, sinks {s}", (w, s)) for w, s in WINDOWS))
 
 
-# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
-# against it strictly (exactly these keys), and the documents' marks before a run.
+# The records of this module's stages, in svg.checked's shapes (trace_kv.declared's)
 RECORDS = {
     "ladder": {
         "stories": svg.COUNT,

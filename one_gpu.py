@@ -199,8 +199,7 @@ PROMPTS = (1000, 10000)          # tokens, for the first token
 REQUEST_LENGTHS = (4096, 32768)  # tokens each request holds, for the memory
 
 
-# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
-# against it strictly (exactly these keys), and the documents' marks before a run.
+# The records of this module's stages, in svg.checked's shapes (trace_kv.declared's)
 RECORDS = {
     "one_gpu": {
         "lesson": dict.fromkeys(

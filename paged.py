@@ -374,8 +374,7 @@ class PagedSequence(KVCache):
 
 # ---- the experiment (a stage of trace_kv.py) --------------------------------------
 
-# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
-# against it strictly (exactly these keys), and the documents' marks before a run.
+# The records of this module's stages, in svg.checked's shapes (trace_kv.declared's)
 LAYOUTS = dict.fromkeys(("static, 64 per story", "blocks of 4", "blocks of 8", "blocks of 16"),
                        svg.COUNT)   # a figure for each way of reserving slots
 RECORDS = {

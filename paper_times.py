@@ -78,8 +78,7 @@ def times(model=LLAMA_3_1_8B, workload=WORKLOAD, gpu=A100, link=LINK_BYTES_PER_S
 
 # ---- the experiment (a stage of trace_kv.py) ---------------------------------------
 
-# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
-# against it strictly (exactly these keys), and the documents' marks before a run.
+# The records of this module's stages, in svg.checked's shapes (trace_kv.declared's)
 _MS = {"first_token_ms": svg.COUNT, "between_tokens_ms": svg.COUNT,
        "between_tokens_at_worst_ms": svg.COUNT}
 RECORDS = {"paper_times": {"workload": {"running": svg.COUNT, "context": svg.COUNT,

@@ -75,8 +75,7 @@ def generate_one_pass(params, tok, prompt, max_new_tokens=60, temperature=0.0, t
 
 # ---- the experiment (a stage of trace_kv.py) ---------------------------------------
 
-# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
-# against it strictly (exactly these keys), and the documents' marks before a run.
+# The records of this module's stages, in svg.checked's shapes (trace_kv.declared's)
 RECORDS = {
     "one_pass_prefill": {
         "positions_compared_by_chunk": dict.fromkeys(("1", "4", "8", "whole prompt"),

@@ -135,8 +135,7 @@ def pyramid_run(params, ids, prompt_tokens, budget, kind, full):
             "rows_equal_to_the_masked_pass": sum(a == b for a, b in zip(rows, masked))}
 
 
-# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
-# against it strictly (exactly these keys), and the documents' marks before a run.
+# The records of this module's stages, in svg.checked's shapes (trace_kv.declared's)
 RECORDS = {
     "pyramid": {
         "layers": svg.COUNT, "heads": svg.COUNT, "kv_heads": svg.COUNT,

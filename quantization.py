@@ -249,8 +249,7 @@ def full_context(lab):
     return [t for story in lab.test for t in lab.tok.encode(story)][:model.CONTEXT]
 
 
-# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
-# against it strictly (exactly these keys), and the documents' marks before a run.
+# The records of this module's stages, in svg.checked's shapes (trace_kv.declared's)
 CHANGED = {"positions_kept": (*svg.COUNT, None),   # what a rung changes, and how much
            **dict.fromkeys(("largest_logit_gap", "greedy_stories_changed",
                             "sampled_stories_changed"), svg.COUNT)}

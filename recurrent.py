@@ -36,25 +36,16 @@ from itertools import accumulate
 from os.path import commonprefix
 
 import svg
-from deep_model import angles, attend, check_cache_step, deep_ids, heads_of, rotate
+from deep_model import (angles, attend, check_cache_step, columns_by_block, deep_ids, heads_of,
+                        mlp_residual, output_logits, rotate)
 from documents import shown, table
 from instruments import largest_gap
-from model import (CONTEXT, VOCAB_SIZE, add, check_ids, check_int, dot, excerpt, layernorm,
-                   linear, relu)
-from recurrent_params import (REAL_CACHE, TOKENS, Checkpoint, check_checkpoint, check_params,
-                              init_params, kv_numbers, pattern_kinds, real_caches,
-                              state_numbers, zero_state)
+from model import CONTEXT, VOCAB_SIZE, add, check_ids, check_int, dot, layernorm, linear
+from recurrent_params import (REAL_CACHE, Checkpoint, check_checkpoint, check_params, init_params,
+                              kv_numbers, pattern_kinds, real_caches, state_numbers, zero_state)
 
 
 # ---- the recurrence, one head at a time ------------------------------------------------
-
-def _columns(params):
-    """Each block's matrices, and the output layer, by columns (ready for linear)."""
-    def cols(matrix):
-        return [list(column) for column in zip(*matrix)]
-    return ([{name: cols(value) for name, value in block.items() if name.startswith("W")}
-             for block in params["blocks"]], cols(params["W_out"]))
-
 
 def gates(h1, cols, block):
     """Each head's gate for a position, g = sigmoid(h1 Wg + bg): in (0, 1), or 0.0 or 1.0."""
@@ -91,7 +82,7 @@ def forward(params, ids, chunk=None):
     shape = params["shape"]
     heads, d, _, group, scale = heads_of(shape)
     thetas, _ = angles(shape)
-    block_cols, out_cols = _columns(params)
+    block_cols, out_cols = columns_by_block(params)
     xs = [params["tok_emb"][token_id] for token_id in ids]
     for block, cols, kind in zip(params["blocks"], block_cols, shape["kinds"]):
         h1s = [layernorm(x0, block["ln1_g"], block["ln1_b"]) for x0 in xs]
@@ -120,12 +111,8 @@ def forward(params, ids, chunk=None):
                     mixed[i] += attend(q[part], None, scale, [k_j[kv] for k_j in ks[:i + 1]],
                                        [v_j[kv] for v_j in vs[:i + 1]])[0]
         for i, x0 in enumerate(xs):
-            x1 = add(x0, linear(mixed[i], cols["Wo"]))
-            h2 = layernorm(x1, block["ln2_g"], block["ln2_b"])
-            a = relu(add(linear(h2, cols["W1"]), block["b1"]))
-            xs[i] = add(x1, add(linear(a, cols["W2"]), block["b2"]))
-    return [add(linear(layernorm(x2, params["lnf_g"], params["lnf_b"]), out_cols),
-                params["b_out"]) for x2 in xs]
+            xs[i] = mlp_residual(add(x0, linear(mixed[i], cols["Wo"])), block, cols)
+    return [output_logits(params, x2, out_cols) for x2 in xs]
 
 
 def chunked(qs, ks, vs, gs, states, size):
@@ -173,7 +160,7 @@ class RecurrentCache:
             check_int("checkpoint_every", checkpoint_every, 1, CONTEXT,
                       " (the positions between saved states; None saves none)")
         self.params, self.every, self.checkpoints = params, checkpoint_every, {}
-        self.block_columns, self.out_columns = _columns(params)
+        self.block_columns, self.out_columns = columns_by_block(params)
         self._hold(Checkpoint((), [{"state": zero_state(params["shape"])} if kind == "recurrent"
                                    else {"keys": [], "values": []}
                                    for kind in params["shape"]["kinds"]]))
@@ -280,12 +267,8 @@ def forward_step(params, cache, token_id, position):
                 mixed += attend(q[part], None, scale, [k_j[kv] for k_j in keys],
                                 [v_j[kv] for v_j in values])[0]
             new.append({"keys": k, "values": v})
-        x1 = add(x0, linear(mixed, cols["Wo"]))
-        h2 = layernorm(x1, block["ln2_g"], block["ln2_b"])
-        a = relu(add(linear(h2, cols["W1"]), block["b1"]))
-        x0 = add(x1, add(linear(a, cols["W2"]), block["b2"]))
-    logits = add(linear(layernorm(x0, params["lnf_g"], params["lnf_b"]), cache.out_columns),
-                 params["b_out"])
+        x0 = mlp_residual(add(x0, linear(mixed, cols["Wo"])), block, cols)
+    logits = output_logits(params, x0, cache.out_columns)
     cache.keep(token_id, new)   # every layer computed: nothing can go wrong now
     return logits
 
@@ -380,8 +363,7 @@ def checkpoint_runs(params, prompts):
     return runs
 
 
-# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
-# against it strictly (exactly these keys), and the documents' marks before a run.
+# The records of this module's stages, in svg.checked's shapes (trace_kv.declared's)
 COUNTS = [svg.COUNT]
 RECORDS = {"recurrent": {
     "positions": svg.COUNT, "kinds": [str], "rows_compared": svg.COUNT, "rows_equal": bool,

@@ -260,8 +260,7 @@ def serve_and_compare(lab, requests, results, full_rows, pool, max_batch):
     return counts, sum(s == r for s, r in zip(served, results)), gap
 
 
-# The records of this module's stages, in svg.checked's shapes: trace_kv checks each run
-# against them strictly (exactly these keys), and the documents' marks before a run.
+# The records of this module's stages, in svg.checked's shapes (trace_kv.declared's)
 POOLS = ("small pool", "ample pool")
 GAP = "largest_logit_gap_of_choosing_rows"
 RECORDS = {

@@ -169,8 +169,7 @@ def _openings(lab):
     return _PREFILLED["caches"]
 
 
-# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
-# against it strictly (exactly these keys), and the documents' marks before a run.
+# The records of this module's stages, in svg.checked's shapes (trace_kv.declared's)
 RECORDS = {
     "speculative_decoding": [{
         "drafter": str, "lookahead": svg.COUNT, "identical": svg.COUNT,

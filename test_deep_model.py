@@ -347,10 +347,10 @@ class QuickCheckTeeth(unittest.TestCase):
     turn itself, the number), with both numbers."""
 
     MISTAKES = [
-        ("every layer's MLP adds the first layer's output bias", deep_model, "forward_step",
-         replacing(lambda node: isinstance(node, ast.Subscript) and ast.unparse(node)
-                   == "block['b2']", lambda node: ast.parse("params['blocks'][0]['b2']",
-                                                            mode="eval").body),
+        ("every layer's MLP the first layer's", deep_model, "forward_step",
+         replacing(lambda node: is_call_of(node, "mlp_residual"),
+                   lambda node: ast.Call(node.func, [node.args[0], ast.parse(
+                       "params['blocks'][0]", mode="eval").body, node.args[2]], [])),
          GROUPED + r", wrong from layer 1 on \(layer 0 alone agrees\): " + ROW),
         ("a query head reads the wrong key-value head (head % group, not head // group)",
          deep_model, "forward_step", KV_HEAD_BY_MODULO,
@@ -380,8 +380,8 @@ class QuickCheckTeeth(unittest.TestCase):
          deep_model, "heads_of", SCALED_BY_WIDTH,
          GROUPED + r": deep_model.heads_of \(heads, head width, key width, query heads a kv "
          r"head serves, 1 / sqrt\(key width\)\), at entry 4: 0.25 from heads_of, 0.5 expected"),
-        ("the matrices kept by rows, not by columns, for both paths (_columns)", deep_model,
-         "_columns", NOT_BY_COLUMNS,
+        ("the matrices kept by rows, not by columns, for both paths (columns_by_block)", deep_model,
+         "columns_by_block", NOT_BY_COLUMNS,
          LESSON + r": the cached row, at position 0: 16 items from forward_step, 96 items "
          r"expected"),
         ("a position's own key not held when it attends (an IndexError)", deep_model,

@@ -176,8 +176,7 @@ def stalls(counts, budget):
 BUDGETS = (8,)       # rows a step, with batches of up to BATCH: a decode row each, and 4 more
 BATCH = 4
 
-# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
-# against it strictly (exactly these keys), and the documents' marks before a run.
+# The records of this module's stages, in svg.checked's shapes (trace_kv.declared's)
 RECORDS = {
     "token_budget": {
         "requests": svg.COUNT, "max_batch": svg.COUNT, "blocks": svg.COUNT,

@@ -82,8 +82,7 @@ def gather_runs(lab, ones):
 WORK = dict.fromkeys(("uncached_rows", "cached_rows", "uncached_scores", "cached_scores"),
                      svg.COUNT)
 
-# The records of this module's stages, in svg.checked's shapes: trace_kv checks each run
-# against them strictly (exactly these keys), and the documents' marks before a run.
+# The records of this module's stages, in svg.checked's shapes (trace_kv.declared's)
 RECORDS = {
     "lesson": {
         "stories": svg.COUNT, "largest_logit_gap_first_story": svg.COUNT,

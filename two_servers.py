@@ -151,8 +151,7 @@ BATCH = 4
 PREFILL_POOL, DECODE_POOL = (960, 4), (480, 8)   # blocks, positions a block: ample both
 DEEP = (4, 4, 2, 16, 0)   # deep_model.init_params's: the deeper model whose cache is sent
 
-# The record of this module's stage, in svg.checked's shapes: trace_kv checks each run
-# against it strictly (exactly these keys), and the documents' marks before a run.
+# The records of this module's stages, in svg.checked's shapes (trace_kv.declared's)
 RECORDS = {
     "two_servers": {
         "requests": svg.COUNT, "max_batch": svg.COUNT,
