@@ -129,6 +129,13 @@ def attend(q_h, sink, scale, keys, values):
     return [dot(weights, column) for column in zip(*values)], weights
 
 
+def embedded(params, token_id, position):
+    """A position's input row: its token's embedding, plus its position's unless rotary."""
+    if params["shape"]["positions"] == "rotary":
+        return params["tok_emb"][token_id]
+    return add(params["tok_emb"][token_id], params["pos_emb"][position])
+
+
 def mlp_residual(x1, block, cols):
     """x1 with its block's MLP added: the second half of every layer, whatever it read."""
     h2 = layernorm(x1, block["ln2_g"], block["ln2_b"])
@@ -186,11 +193,7 @@ def forward(params, ids, mask=None):
     block_cols, out_cols = columns_by_block(params)
     heads, d, d_key, group, scale = heads_of(shape)
     thetas, r_thetas = angles(shape)
-    if thetas:
-        xs = [params["tok_emb"][token_id] for token_id in ids]
-    else:
-        xs = [add(params["tok_emb"][token_id], params["pos_emb"][position])
-              for position, token_id in enumerate(ids)]
+    xs = [embedded(params, token_id, position) for position, token_id in enumerate(ids)]
     kept = []   # each layer's ks and vs
     for block, cols, layer_mask, read in zip(params["blocks"], block_cols, masks,
                                              kv_layers(shape)):
@@ -323,10 +326,7 @@ def forward_step(params, cache, token_id, position):
     shape = params["shape"]
     heads, d, d_key, group, scale = heads_of(shape)
     thetas, r_thetas = angles(shape)
-    if thetas:
-        x0 = params["tok_emb"][token_id]
-    else:
-        x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])
+    x0 = embedded(params, token_id, position)
     new, weights_read = [], []   # each layer's vectors for this position; its heads' weights
     for block, cols, read, attended in zip(params["blocks"], cache.block_columns,
                                            kv_layers(shape), cache.positions_read(position)):

@@ -18,9 +18,9 @@ measures what absorption does to it.
 from collections import namedtuple
 
 import svg
-from deep_model import (DeepCache, angles, check_step, compressed, deep_ids, forward,
-                        forward_step, heads_of, init_params, latent_query, mlp_residual,
-                        output_logits)
+from deep_model import (DeepCache, angles, check_step, compressed, deep_ids, embedded,
+                        forward, forward_step, heads_of, init_params, latent_query,
+                        mlp_residual, output_logits)
 from deep_params import SHAPE, check_model_shape, check_params
 from documents import bold, shown, table
 from instruments import largest_gap
@@ -110,10 +110,7 @@ def absorbed_step(folded, cache, token_id, position):
     shape = params["shape"]
     heads, d, d_key, _, scale = heads_of(shape)
     thetas, r_thetas = angles(shape)
-    if thetas:
-        x0 = params["tok_emb"][token_id]
-    else:
-        x0 = add(params["tok_emb"][token_id], params["pos_emb"][position])
+    x0 = embedded(params, token_id, position)
     new, weights_read = [], []
     for block, cols, folded_block, layer, attended in zip(
             params["blocks"], cache.block_columns, folded.blocks, cache.layers,

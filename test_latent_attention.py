@@ -246,13 +246,9 @@ ROTARY_QUERY_DROPPED = replacing(   # linear(q_h[:d], ...) + q_h[d:] becomes lin
                   and isinstance(node.right.slice, ast.Slice)),
     lambda node: node.left)
 ROTARY_KEY_A_POSITION_ON = replacing(lambda node: is_call_of(node, "compressed"), a_position_on)
-POSITION_FORGOTTEN = replacing(   # add(tok_emb[token_id], pos_emb[position]) becomes its first
-    lambda node: (is_call_of(node, "add", 2)
-                  and isinstance(node.args[1], ast.Subscript)
-                  and isinstance(node.args[1].value, ast.Subscript)
-                  and isinstance(node.args[1].value.slice, ast.Constant)
-                  and node.args[1].value.slice.value == "pos_emb"),
-    lambda node: node.args[0])
+POSITION_FORGOTTEN = replacing(   # embedded(params, token_id, position): at position 0
+    lambda node: is_call_of(node, "embedded", 3),
+    lambda node: ast.Call(node.func, [*node.args[:2], ast.Constant(0)], []))
 
 LEARNED = r"the 2-layer latent model \(4 heads, 4 kv heads, learned positions, latent 8\)"
 ROTARY = (r"the 2-layer latent model \(4 heads, 4 kv heads, rotary positions, latent 8, "
@@ -274,8 +270,8 @@ class QuickCheckTeeth(unittest.TestCase):
     MISTAKES = [
         ("the folded output matrix made of Wuk, not Wuv", latent_attention, "_fold",
          OUT_FROM_WUK, LEARNED + r", wrong from layer 0 on: " + ABSORBED),
-        ("the learned position left out of the absorbed path's input", latent_attention,
-         "absorbed_step", POSITION_FORGOTTEN, LEARNED + r", wrong from layer 0 on: " + ABSORBED),
+        ("the absorbed path's input embedded at position 0, whatever its position",
+         latent_attention, "absorbed_step", POSITION_FORGOTTEN, LEARNED + r", wrong from layer 0 on: " + ABSORBED),
         ("the query's rotary part left out of the query in latent space", latent_attention,
          "absorbed_step", ROTARY_QUERY_DROPPED, ROTARY + r", wrong from layer 0 on: " + ABSORBED),
         ("the rotary key turned by the next position on the rebuilding path", deep_model,
