@@ -2,15 +2,14 @@
 stories; comparisons that name the first number that differs, not thousands; loops over many
 cases that fail once, naming the case (a random one by its seed, with the command that reruns
 it alone); running from another folder. The layers of the lab, their quick checks' vocabulary
-and the skips they decide are verdicts.py's. No test module imports another; they import these
-two (verdicts.py alone imports a test module, for its layer's quick_check)."""
+and the skips they decide are verdicts.py's; the random models and prompts that seeded cases
+draw, random_models.py's. No test module imports another; they import these three (verdicts.py
+alone imports a test module, for its layer's quick_check)."""
 import ast
 import contextlib
 import functools
 import json
-import math
 import os
-import random
 import reprlib
 import sys
 import tempfile
@@ -21,7 +20,7 @@ import generate
 import kv_cache
 import lab_files
 import model
-from generate import load_trained, never_ending
+from generate import load_trained
 from instruments import plant, recording, replacing, where_raised
 from kv_cache import KVCache, feed
 from stories import openings, split_stories, story_ids
@@ -359,72 +358,6 @@ def check_random_cases(test, default, check):
                   f"(drawn from random.Random({n})): {why}\n"
                   f"rerun it alone: KV_LAB_CASE={n} python3 -m unittest {test.id()}")
     return numbers
-
-
-# ---- random models of the lab's shapes ------------------------------------------------
-
-SCALES = (0.1, 0.3, 1.0, 2.0, 5.0)          # weight matrices and biases
-EMBEDDING_SCALES = (0.1, 1.0, 5.0)
-TEMPERATURES = (0.0, 0.3, 1.0, 2.5)         # 0.0 is greedy
-TOP_KS = (1, 2, 3, 10, model.VOCAB_SIZE, None)
-LONG_EVERY = 20         # cases 0, 20, 40, ...: a long prompt, run until the context is full
-
-
-def random_model(rng, scale, embedding_scale):
-    """Uniform random params of the lab's shapes from rng: matrices with std scale / sqrt(inputs).
-
-    Embeddings with std embedding_scale, layer-norm gains in [-3, 3], biases in [-scale, scale]."""
-    def matrix(rows, cols, std):
-        half_width = std * math.sqrt(3)   # a uniform on [-w, w] has std w / sqrt(3)
-        return [[rng.uniform(-half_width, half_width) for _ in range(cols)]
-                for _ in range(rows)]
-    params = {}
-    for name, shape in model.SHAPES.items():
-        if name.endswith("_emb"):
-            params[name] = matrix(*shape, embedding_scale)
-        elif len(shape) == 2:
-            params[name] = matrix(*shape, scale / math.sqrt(shape[0]))
-        elif name.endswith("_g"):
-            params[name] = [rng.uniform(-3.0, 3.0) for _ in range(shape[0])]
-        else:
-            params[name] = [rng.uniform(-scale, scale) for _ in range(shape[0])]
-    return params
-
-
-def random_tokens(count, seed=0):
-    """count token IDs drawn from random.Random(seed), for the random models of Part 5."""
-    rng = random.Random(seed)
-    return [rng.randrange(model.VOCAB_SIZE) for _ in range(count)]
-
-
-def random_prompt(rng, fewest, most):
-    """The text of random token IDs, re-drawn until it encodes to fewest..most tokens.
-
-    Its text alone counts (encoding may merge otherwise); it holds a letter, as generate needs."""
-    while True:
-        ids = [rng.randrange(model.VOCAB_SIZE) for _ in range(rng.randint(fewest, most))]
-        prompt = TOK.decode(ids)
-        if fewest <= len(TOK.encode(prompt)) <= most and any(map(str.isalpha, prompt)):
-            return prompt
-
-
-def random_case(index):
-    """Random case index, all from random.Random(index): (params, prompt, settings, a label)."""
-    rng = random.Random(index)
-    scale, embedding_scale = rng.choice(SCALES), rng.choice(EMBEDDING_SCALES)
-    params = random_model(rng, scale, embedding_scale)
-    long = index % LONG_EVERY == 0
-    if long:
-        params = never_ending(params, TOK)
-        prompt = random_prompt(rng, 50, 60)
-    else:
-        prompt = random_prompt(rng, 1, 12)
-    settings = {"max_new_tokens": model.CONTEXT if long else rng.randint(0, 8),
-                "temperature": rng.choice(TEMPERATURES),
-                "top_k": rng.choice(TOP_KS), "seed": rng.randrange(2 ** 32)}
-    label = {"case": index, "scale": scale, "embedding_scale": embedding_scale,
-             "never_ends": long, "prompt_tokens": len(TOK.encode(prompt)), **settings}
-    return params, prompt, settings, label
 
 
 def swapping(source, new_source):

@@ -12,7 +12,8 @@ import model
 import verdicts
 from instruments import replacing
 from kv_cache import KVCache, feed
-from support import PARAMS, STORIES, TOK, random_tokens, tear_down
+from random_models import random_tokens
+from support import PARAMS, STORIES, TOK, tear_down
 from verdicts import Layer, Wrong, quick_check_case, set_up, step
 
 

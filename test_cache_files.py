@@ -21,8 +21,8 @@ import support
 import verdicts
 from instruments import replacing, where_raised
 from kv_cache import KVCache, feed, generate_cached
-from support import (OPENINGS, PARAMS, STORIES, TOK, assert_equal, filled_cache,
-                     random_model, snapshot)
+from random_models import random_model
+from support import OPENINGS, PARAMS, STORIES, TOK, assert_equal, filled_cache, snapshot
 from verdicts import Layer, Wrong, step, where_cache_differs
 
 

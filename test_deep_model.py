@@ -14,9 +14,8 @@ import support
 import verdicts
 from generate import load_trained
 from instruments import is_call_of, replacing
-from support import (PARAMS, STORIES, TOK, assert_each_mistake_is_caught,
-                     assert_each_refused, check_random_cases, deep_snapshot, random_tokens,
-                     tear_down)
+from random_models import random_tokens
+from support import PARAMS, STORIES, TOK, assert_each_mistake_is_caught, assert_each_refused, check_random_cases, deep_snapshot, tear_down
 from verdicts import (Layer, deep_label, deep_rows, differ, quick_check_case, set_up, step,
                       where_deep_rows_differ)
 

@@ -6,7 +6,8 @@ import unittest
 import deep_shapes
 import support
 import verdicts
-from support import random_tokens, swapping
+from random_models import random_tokens
+from support import swapping
 from verdicts import Layer, Wrong, step
 
 

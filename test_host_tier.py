@@ -18,7 +18,8 @@ from instruments import replacing
 from kv_cache import feed
 from model import WIDTH
 from one_gpu import A100, MODELS, prefill_flops
-from support import OPENINGS, PARAMS, TOK, check_random_cases, random_tokens, swapping
+from random_models import random_tokens
+from support import OPENINGS, PARAMS, TOK, check_random_cases, swapping
 from verdicts import Layer, Wrong, differ, step, where_cache_differs
 
 

@@ -16,7 +16,8 @@ import model
 import support
 import verdicts
 from instruments import recording, replacing
-from support import STORIES, TOK, random_tokens, swapping
+from random_models import random_tokens
+from support import STORIES, TOK, swapping
 from verdicts import Layer, Wrong, by_layer, deep_label, deep_rows, differ, step
 
 LAYER = Layer("hybrid", "hybrid models: window and full layers, sinks, shared caches "

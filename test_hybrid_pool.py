@@ -16,7 +16,8 @@ import verdicts
 from hybrid_pool import HybridPool, freeing_against_keeping, greedy_story, layer_groups
 from instruments import replacing, spelt
 from model import CONTEXT, VOCAB_SIZE, band, causal
-from support import assert_each_refused, check_random_cases, deep_snapshot, random_tokens
+from random_models import random_tokens
+from support import assert_each_refused, check_random_cases, deep_snapshot
 from verdicts import Layer, Wrong, deep_label, differ, step
 
 

@@ -16,6 +16,7 @@ from unittest import mock
 import generate
 import kv_cache
 import model
+import random_models
 import support
 from generate import never_ending
 from instruments import is_call_of, plant, recording
@@ -112,7 +113,7 @@ class RecordedTrace(unittest.TestCase):
 class RandomModels(BuiltOnTheLesson):
     """The cache is an identity for any weights, not only the trained ones: random models
     of the lab's shapes, random prompts and random settings. Case n draws everything from
-    random.Random(n) (support.random_case(n) rebuilds it)."""
+    random.Random(n) (random_models.random_case(n) rebuilds it)."""
 
     DEFAULT_CASES = 20      # KV_LAB_RANDOM_CASES=1000 runs cases 0..999 instead
     STOP_REASONS = {"end of story", "max_new_tokens", "context full"}
@@ -122,7 +123,7 @@ class RandomModels(BuiltOnTheLesson):
 
         def check(index):
             nonlocal longest
-            params, prompt, settings, label = support.random_case(index)
+            params, prompt, settings, label = random_models.random_case(index)
             uncached = generate.generate(params, TOK, prompt, **settings)
             cached = kv_cache.generate_cached(params, TOK, prompt, **settings)
             stops.add(uncached["stopped"])

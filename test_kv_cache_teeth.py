@@ -12,6 +12,7 @@ from unittest import mock
 
 import kv_cache
 import model
+import random_models
 import support
 from instruments import is_call_of, plant, replacing, sums_in_another_order
 from support import (PARAMS, STORIES, TOK, UNCHANGED, assert_changed, assert_every_row_equal,
@@ -121,7 +122,7 @@ class Teeth(unittest.TestCase):
     def setUpClass(cls):
         cls.ids = TOK.encode(STORIES[0])
         cls.models = {"trained": PARAMS,
-                      "random, seed 6": support.random_model(random.Random(6), 1.0, 1.0)}
+                      "random, seed 6": random_models.random_model(random.Random(6), 1.0, 1.0)}
         # Each path's rows as shipped, once: a mistake is planted in one path at a time.
         cls.shipped = {name: {kv_cache: cached_rows(params, cls.ids),
                               model: model.forward(params, cls.ids)[0]}

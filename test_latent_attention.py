@@ -13,8 +13,8 @@ import latent_attention
 import support
 import verdicts
 from instruments import is_call_of, recording, replacing
-from support import (STORIES, TOK, assert_each_mistake_is_caught, assert_each_refused,
-                     deep_snapshot, random_tokens, swapping, tear_down)
+from random_models import random_tokens
+from support import STORIES, TOK, assert_each_mistake_is_caught, assert_each_refused, deep_snapshot, swapping, tear_down
 from verdicts import (Layer, ROUNDING, Wrong, by_layer, deep_label, quick_check_case,
                       set_up, step, stepped_rows, strayed, where_deep_rows_differ)
 

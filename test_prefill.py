@@ -8,6 +8,7 @@ import unittest
 import batched
 import model
 import prefill
+import random_models
 import support
 import verdicts
 from instruments import is_call_of, recording, replaced, replacing, where_raised
@@ -156,7 +157,7 @@ class OnePassPrefill(unittest.TestCase):
 
     def test_every_chunk_size_on_random_models(self):
         for index in (0, *range(5, 100, 10)):   # case 0 has a long prompt
-            params, prompt, _, label = support.random_case(index)
+            params, prompt, _, label = random_models.random_case(index)
             ids = TOK.encode(prompt)
             full, _ = model.forward(params, ids)
             for size in self.CHUNKS:

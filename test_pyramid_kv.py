@@ -15,7 +15,8 @@ import verdicts
 from eviction import snapkv_choice
 from instruments import is_call_of, replacing
 from pyramid_kv import KINDS, PyramidKVCache
-from support import assert_each_refused, random_tokens
+from random_models import random_tokens
+from support import assert_each_refused
 from verdicts import Layer, deep_label, differ, step, stepped_rows
 
 

@@ -20,7 +20,8 @@ from instruments import replacing
 from model import VOCAB_SIZE
 from recurrent import Checkpoint, CheckpointStore, RecurrentCache, forward, forward_step
 from recurrent_params import init_params, kv_numbers, state_numbers
-from support import STORIES, TOK, assert_each_refused, check_random_cases, random_tokens
+from random_models import random_tokens
+from support import STORIES, TOK, assert_each_refused, check_random_cases
 from support import swapping
 from verdicts import Layer, Wrong, differ, step, strayed
 

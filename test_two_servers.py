@@ -17,7 +17,8 @@ import support
 import two_servers
 import verdicts
 from instruments import recording, replacing, spelt
-from support import OPENINGS, PARAMS, TOK, check_random_cases, random_tokens, swapping
+from random_models import random_tokens
+from support import OPENINGS, PARAMS, TOK, check_random_cases, swapping
 from two_servers import LAYOUTS
 from verdicts import Layer, Wrong, differ, step
 
