@@ -16,13 +16,14 @@ from documents import LAB, bold, shown, table
 from instruments import chosen_rows, largest_gap, recording
 from paged import BlockPool, check_pool
 from stories import openings, split_stories, story_ids
+from token_budget import BudgetedSteps, check_budget
 
 PREFIX_CACHE_BLOCKS = 64          # the experiment: a pool far smaller than the 60 stories
 MAX_BATCH, SMALL_POOL = 8, 24     # the experiment: 120 requests, preempting in a small pool
 
 
 def serve(params, tok, requests, pool, max_batch, log=None, product=exact,
-          attention=exact_attention):
+          attention=exact_attention, budget=None):
     """Run requests to completion from one pool, with continuous batching as servers do.
 
     Each request is a dict of generate.generate's keyword arguments, prompt included. At
@@ -41,12 +42,25 @@ def serve(params, tok, requests, pool, max_batch, log=None, product=exact,
     it happens. If anything raises (log itself, say), every block serve took goes back to
     the pool, and pool.prefix_hits counts only the blocks found by admissions whose rows
     were computed; what an attention gives that is not a row's mixed values is refused,
-    naming the request."""
-    log = _checked_settings(params, tok, requests, pool, max_batch, log, product, attention)
-    served = [_Served(params, tok, index, request, pool)
+    naming the request.
+
+    budget, if given, is the most rows a step computes (Part 7, section 39: at least
+    max_batch): each step is then one batch, a decode row for every running request that
+    chose a token, then chunks of the admitted prompts, oldest admission first, while the
+    budget lasts; a request chooses its first token the step after its last chunk, and
+    log is also told "admitted" when a request takes its blocks
+    (token_budget.BudgetedSteps). The counts then also hold chunks (prefill pieces
+    computed), largest_step (the most rows a step computed), and rows_by_step and
+    decodes_by_step."""
+    log = checked_settings(params, tok, requests, pool, max_batch, log, product, attention)
+    if budget is not None:
+        check_budget(budget, max_batch)
+    served = [Served(params, tok, index, request, pool)
               for index, request in enumerate(requests)]    # every request checked first
-    steps = _Steps(params, pool, max_batch, log, product, attention,
-                   [request for request in served if not request.generation.stopped])
+    waiting = [request for request in served if not request.generation.stopped]
+    steps = (Steps(params, pool, max_batch, log, product, attention, waiting)
+             if budget is None else
+             BudgetedSteps(params, pool, max_batch, log, product, attention, waiting, budget))
     return run_steps(steps, served)
 
 
@@ -64,9 +78,10 @@ def run_steps(steps, served):
     return [request.generation.result() for request in served], steps.counts
 
 
-def _checked_settings(params, tok, requests, pool, max_batch, log, product, attention):
-    """serve's checks of its arguments, the requests' own aside; the log to tell (log,
-    or one that does nothing)."""
+def checked_settings(params, tok, requests, pool, max_batch, log, product, attention):
+    """Check serve's arguments, the requests' own aside; give the log to tell.
+
+    The log is log, or one that does nothing."""
     if log is not None and not callable(log):
         raise ValueError(f"log must be a function of (step, request index, event), got {log!r}")
     check_pool(pool, params)
@@ -83,9 +98,11 @@ def _checked_settings(params, tok, requests, pool, max_batch, log, product, atte
     return log or (lambda step, index, event: None)
 
 
-class _Steps:
-    """serve's steps: the waiting requests (in order) and the running ones (in the order
-    they were admitted), what serving counted, and the four parts of a step."""
+class Steps:
+    """The steps of serve without a budget: each admission prefilled as it happens.
+
+    The waiting requests (in order) and the running ones (in the order they were
+    admitted), what serving counted, and the four parts of a step."""
 
     def __init__(self, params, pool, max_batch, log, product, attention, waiting):
         self.params, self.pool, self.max_batch, self.log = params, pool, max_batch, log
@@ -96,8 +113,7 @@ class _Steps:
                                      "preemptions", "peak_blocks", "prefix_hits"), 0)
 
     def step(self):
-        """One step: admit, choose the running requests' next tokens, preempt for room,
-        decode."""
+        """Take one step: admit, choose the next tokens, preempt for room, decode."""
         self.admit()
         self.choose()
         self.preempt_for_room()
@@ -108,8 +124,10 @@ class _Steps:
                                          len(self.pool.blocks) - self.pool.free_blocks())
 
     def admit(self):
-        """Admit waiting requests in order, each prefilled, while the batch and the pool
-        have room; refuse a first one that cannot be admitted with nothing running."""
+        """Admit waiting requests in order, each prefilled, while there is room.
+
+        Room in the batch and in the pool; a first one that cannot be admitted with
+        nothing running is refused."""
         waiting, running = self.waiting, self.running
         while waiting and len(running) < self.max_batch and waiting[0].admit(
                 self.counts, self.product, self.attention):
@@ -132,8 +150,9 @@ class _Steps:
                 self.log(self.counts["steps"], request.index, "finished")
 
     def preempt_for_room(self):
-        """Preempt the most recently admitted request until the others have room for a
-        decode row each."""
+        """Preempt the most recently admitted request until the others have room.
+
+        Room for a decode row each."""
         while not self.pool.room_for([(request.seq, 1) for request in self.running]):
             victim = self.running.pop()
             victim.preempt()
@@ -156,9 +175,11 @@ class _Steps:
         self.note_peak()
 
 
-class _Served:
-    """One request in serve: its generation, its sequence in the pool while admitted, the
-    logits for its next token, and how many of its positions were ever computed."""
+class Served:
+    """One request in serve, checked as it is made.
+
+    Its generation, its sequence in the pool while admitted, the logits for its next
+    token, and how many of its positions were ever computed."""
 
     SETTINGS = {"max_new_tokens": 60, "temperature": 0.0, "top_k": None, "seed": 0}
 
@@ -187,10 +208,12 @@ class _Served:
         self.seq, self.logits, self.computed = None, None, 0
 
     def admit(self, counts, product, attention):
-        """Prefill the tokens so far into a new sequence, in one pass, after the full
-        blocks the pool has cached for them (never the last position: its logits are
-        needed); False, with nothing changed, if the pool lacks room. If the rows fail, the
-        blocks found are not counted as hits, in pool.prefix_hits either."""
+        """Prefill the tokens so far into a new sequence, in one pass; False if no room.
+
+        The rows after the full blocks the pool has cached for them (never the last
+        position: its logits are needed); False, with nothing changed, if the pool lacks
+        room. If the rows fail, the blocks found are not counted as hits, in
+        pool.prefix_hits either."""
         ids = self.generation.ids
         # The product's kernel (the attention does not matter here: in this one-block
         # model a key or value depends on its own token and position alone).

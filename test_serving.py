@@ -120,20 +120,20 @@ class ServingTeeth(unittest.TestCase):
 
     MISTAKES = [
         ("a decode row's logits not kept (the request chooses from stale ones)",
-         serving._Served, "fed", replacing(_source_is("self.logits = logits", ast.stmt),
+         serving.Served, "fed", replacing(_source_is("self.logits = logits", ast.stmt),
                                            lambda node: ast.Pass())),
         ("a readmitted request's prefill fed from position 0, not after the blocks found",
-         serving._Served, "admit", replacing(_source_is("enumerate(ids[start:], start)"),
+         serving.Served, "admit", replacing(_source_is("enumerate(ids[start:], start)"),
                                              lambda node: ast.parse("enumerate(ids[start:])",
                                                                     mode="eval").body)),
-        ("a preempted request's blocks not given back", serving._Served, "preempt",
+        ("a preempted request's blocks not given back", serving.Served, "preempt",
          replacing(_source_is("self.seq.free()", ast.stmt), lambda node: ast.Pass())),
         ("the prefix looked up with the last token too, so nothing is left to prefill",
-         serving._Served, "admit", replacing(_source_is("self.pool.sequence(ids[:-1], kernel)"),
+         serving.Served, "admit", replacing(_source_is("self.pool.sequence(ids[:-1], kernel)"),
                                              lambda node: ast.parse(
                                                  "self.pool.sequence(ids, kernel)",
                                                  mode="eval").body)),
-        ("a prefix looked up without the kernel that computes the rows", serving._Served,
+        ("a prefix looked up without the kernel that computes the rows", serving.Served,
          "admit", replacing(_source_is("self.pool.sequence(ids[:-1], kernel)"),
                             lambda node: ast.parse("self.pool.sequence(ids[:-1])",
                                                    mode="eval").body))]

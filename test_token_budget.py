@@ -1,12 +1,15 @@
-"""Prefill in chunks under a token budget (token_budget.py): every result is generate's at
-every budget; no step computes more rows than the budget; a request that has its first
-token decodes at every step until it finishes or is preempted; chunks and rows are
-counted; a budget smaller than one row, or than the batch, is refused."""
+"""Prefill in chunks under a token budget (token_budget.py, run by serving.serve's budget):
+every result is generate's at every budget; no step computes more rows than the budget; a
+request that has its first token decodes at every step until it finishes or is
+preempted; chunks and rows are counted; a budget smaller than one row, or than the batch,
+is refused."""
 import random
 import unittest
 
+import batched
 import kv_cache
 import paged
+import serving
 import support
 import token_budget
 import verdicts
@@ -34,15 +37,15 @@ def where_budget_strays(label, requests, blocks, max_batch, budget):
     steps' rows summed."""
     events = []
     step(f"{label}: serving")
-    served, counts = token_budget.serve(PARAMS, TOK, requests, paged.BlockPool(PARAMS, blocks, 4),
-                                        max_batch, budget,
-                                        lambda at, index, event: events.append((at, index, event)))
+    served, counts = serving.serve(PARAMS, TOK, requests, paged.BlockPool(PARAMS, blocks, 4),
+                                   max_batch, lambda at, index, event: events.append(
+                                       (at, index, event)), budget=budget)
     for index, (request, result) in enumerate(zip(requests, served)):
         if result != kv_cache.generate_cached(PARAMS, TOK, **request):
             return Wrong(f"{label}: request {index}'s result is not generate_cached's",
                          f"  request: {request}\n  served: {result['text']!r}")
     for at, rows in enumerate(counts["rows_by_step"], 1):
-        if budget is not None and rows > budget:
+        if rows > budget:
             return Wrong(f"{label}: step {at} computed {rows} rows, more than the budget of "
                          f"{budget}", f"  rows by step: {counts['rows_by_step']}")
     decoding = set()
@@ -64,11 +67,11 @@ def where_budget_strays(label, requests, blocks, max_batch, budget):
 
 def quick_check():
     """Four requests (three greedy, one sampled) in 14 blocks of 4, batches of up to 4, at
-    budgets of 4 and 7 rows a step and with whole prompts: what where_budget_strays checks
-    holds at each."""
+    budgets of 4, 7 and 256 rows a step (256: every prompt whole in a step): what
+    where_budget_strays checks holds at each."""
     requests = [{"prompt": prompt, "max_new_tokens": 12} for prompt in OPENINGS[:3]] + [
         {"prompt": OPENINGS[3], "max_new_tokens": 12, "temperature": 1.0, "seed": 3}]
-    for budget in (4, 7, None):
+    for budget in (4, 7, 256):
         why = where_budget_strays(f"four requests, a budget of {budget}", requests, 14, 4,
                                   budget)
         if why:
@@ -80,19 +83,19 @@ QuickCheck = verdicts.quick_check_case("token_budget", __name__)
 
 
 class Teeth(unittest.TestCase):
-    """Each mistake planted in the real token_budget.py makes the layer's quick check fail
-    with a line naming the quantity and where."""
+    """Each mistake planted in the real token_budget.py (by its syntax tree) makes the
+    layer's quick check fail with a line naming the quantity and where."""
 
     MISTAKES = [
-        ("a chunk that starts one position late", token_budget._Steps, "compute",
+        ("a chunk that starts one position late", token_budget.BudgetedSteps, "compute",
          swapping("range(start, start + rows)", "range(start + 1, start + rows + 1)"),
          r"four requests, a budget of 4: serving: raised ValueError: items\[\d+\]: expected "
          r"position \d+, got \d+ \(in token_budget.py line \d+, compute"),
-        ("chunks that ignore the decode rows already planned", token_budget._Steps, "plan",
+        ("chunks that ignore the decode rows already planned", token_budget.BudgetedSteps, "plan",
          swapping("self.budget - len(plan)", "self.budget"),
          r"four requests, a budget of 4: step \d+ computed [5-8] rows, more than the budget "
          r"of 4"),
-        ("a decode row counted as a chunk", token_budget._Steps, "compute",
+        ("a decode row counted as a chunk", token_budget.BudgetedSteps, "compute",
          swapping("not decoding", "1"),
          r"four requests, a budget of 4: \d+ chunks and \d+ rows counted, \d+ chunks told to "
          r"the log"),
@@ -107,8 +110,8 @@ def random_budget_case(n):
     checks, else why.
 
     All from random.Random(n): 3 to 6 openings, some with a shared start added, greedy or
-    sampled, 4 to 16 new tokens; batches of 1 to 4; a budget from the batch to 20, or
-    whole prompts; a pool of blocks of 4 that fits each request, with up to 8 more."""
+    sampled, 4 to 16 new tokens; batches of 1 to 4; a budget from the batch to 20, or one
+    no step reaches (whole prompts); a pool of blocks of 4 that fits each request, with up to 8 more."""
     rng = random.Random(n)
     requests = []
     for _ in range(rng.randint(3, 6)):
@@ -117,7 +120,7 @@ def random_budget_case(n):
                          **({"temperature": 1.0, "seed": rng.randrange(100)}
                             if rng.random() < 0.5 else {})})
     max_batch = rng.randint(1, 4)
-    budget = rng.choice((None, rng.randint(max_batch, 20)))
+    budget = rng.choice((256, rng.randint(max_batch, 20)))
     fits = max(-(-min(len(TOK.encode(r["prompt"])) + r["max_new_tokens"], 64) // 4)
                for r in requests)
     blocks = rng.randint(fits, fits + 8)
@@ -127,6 +130,20 @@ def random_budget_case(n):
 
 
 class Budget(unittest.TestCase):
+
+    def test_a_budget_s_blocks_are_found_by_their_kernel_only(self):
+        """One prompt served three times under a budget from one pool of blocks of 1: with
+        the batch-dependent kernel twice (the second finds the first's blocks), then exactly
+        (it finds none of them, and its result is generate's)."""
+        pool, request = paged.BlockPool(PARAMS, 40, 1), {"prompt": OPENINGS[0],
+                                                         "max_new_tokens": 4}
+        hits = []
+        for product in (batched.by_batch, batched.by_batch, batched.exact):
+            (result,), counts = serving.serve(PARAMS, TOK, [request], pool, 1,
+                                              product=product, budget=3)
+            hits.append(counts["prefix_hits"])
+        self.assertEqual((hits[0], bool(hits[1]), hits[2]), (0, True, 0))
+        self.assertEqual(result, kv_cache.generate_cached(PARAMS, TOK, **request))
 
     def test_random_requests_budgets_and_pools(self):
         """Random requests, batches, budgets and pools (3 cases, more with
@@ -145,33 +162,9 @@ class Budget(unittest.TestCase):
                 (3, r"budget 3 is smaller than max_batch 4: every running request decodes a "
                     r"row at each step")):
             with self.subTest(budget=budget), self.assertRaisesRegex(ValueError, fragment):
-                token_budget.serve(PARAMS, TOK, requests, pool, 4, budget)
+                serving.serve(PARAMS, TOK, requests, pool, 4, budget=budget)
         self.assertEqual(pool.free_blocks(), 32)
         self.assertEqual(pool.prefix_index, {})
-
-
-class TheRecord(unittest.TestCase):
-    """What the recorded run (support.recorded) says of the token budget."""
-
-    def test_budgets_cap_the_steps_end_the_stalls_and_change_no_story(self):
-        """Every run's stories are generate's; a budgeted run's steps compute at most its
-        budget and none of its decodes waits in a step over it; whole prompts make decodes
-        wait at every budget; a budget takes more steps than whole prompts."""
-        record = support.recorded("token_budget")
-        whole, *budgeted = record["runs"]
-        self.assertIsNone(whole["budget"])
-        self.assertEqual([run["budget"] for run in budgeted], list(token_budget.BUDGETS))
-        for run in record["runs"]:
-            with self.subTest(budget=run["budget"]):
-                self.assertEqual(run["identical"], record["requests"])
-        for run in budgeted:
-            with self.subTest(budget=run["budget"]):
-                self.assertLessEqual(run["largest_step"], run["budget"])
-                self.assertEqual(run["stalled_decodes"][token_budget.BUDGETS.index(
-                    run["budget"])], 0)
-        self.assertTrue(all(whole["stalled_decodes"]))
-        self.assertEqual(whole["chunks"], record["requests"])
-        self.assertTrue(all(run["steps"] > whole["steps"] for run in budgeted))
 
 
 if __name__ == "__main__":

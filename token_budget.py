@@ -1,73 +1,54 @@
-"""Prefill in chunks under a token budget (Part 7, section 39): a server whose every step
-computes at most budget rows, so that a long prompt is prefilled over several steps, in
-chunks, beside the running requests' decodes, which then never wait for it.
+"""Prefill in chunks under a token budget (Part 7, section 39): the steps of a server
+whose every step computes at most budget rows, so that a long prompt is prefilled over
+several steps, in chunks, beside the running requests' decodes, which then never wait
+for it. serving.serve(..., budget=rows) runs them.
 
-serving.serve prefills an admitted request's whole prompt inside one step: a step that
-admits a long prompt computes all its rows, and every running request's next token waits
-for them (a stall). Sarathi-Serve and vLLM's scheduler (max_num_batched_tokens) cap a
-step's rows instead. Here each step gives a row to every running request that has chosen
-a token first, then what is left of the budget to the prompts being prefilled, in the
-order they were admitted, a chunk each. A prompt's chunks are one-pass prefill's chunks,
-exact (section 15), so each result is generate.generate's at any budget; what the budget
-changes is how the rows are spread over the steps.
+Without a budget, serving.serve prefills an admitted request's whole prompt inside one
+step: a step that admits a long prompt computes all its rows, and every running
+request's next token waits for them (a stall). Sarathi-Serve and vLLM's scheduler
+(max_num_batched_tokens) cap a step's rows instead. Here each step is one batch: a row
+for every running request that has chosen a token first, then what is left of the
+budget to the prompts being prefilled, in the order they were admitted, a chunk each. A
+prompt's chunks are one-pass prefill's chunks, exact (section 15), so each result is
+generate.generate's at any budget; what the budget changes is how the rows are spread
+over the steps.
 """
-import math
-import os
 from collections import deque
 
-import generate
 import model
-import svg
-from batched import ItemRefused, exact, exact_attention, forward_rows
-from documents import LAB, bold, shown, table
-from paged import BlockPool
-from serving import _Served, _checked_settings, run_steps
-from stories import openings, split_stories
+from batched import ItemRefused, computed_by, forward_rows
 
 
-def serve(params, tok, requests, pool, max_batch, budget, log=None):
-    """Run requests to completion from one pool, each step computing at most budget rows.
-
-    As serving.serve (its requests, pool, max_batch and log; the exact product), but an
-    admitted request's rows (its prompt, or a readmitted request's tokens so far, after the
-    full blocks the pool still caches) are computed over as many steps as the budget
-    needs: each step, one decode row for every running request that chose a token, then
-    chunks of the prompts being prefilled, oldest admission first, while the budget lasts.
-    A request chooses its first token the step after its last chunk. budget None prefills
-    every prompt whole, in the step after its admission. Returns (results, counts): each
-    result exactly generate.generate's; counts as serve's, with chunks (prefill pieces
-    computed), largest_step (the most rows a step computed), and rows_by_step and
-    decodes_by_step (each step's rows, and its decode rows)."""
-    log = _checked_settings(params, tok, requests, pool, max_batch, log, exact, exact_attention)
-    if budget is not None:
-        model.check_int("budget", budget, 1, None, " (rows a step)")
-        if budget < max_batch:
-            raise ValueError(f"budget {budget} is smaller than max_batch {max_batch}: every "
-                             f"running request decodes a row at each step; give a budget "
-                             f"of at least max_batch rows")
-    served = [_Served(params, tok, index, request, pool)
-              for index, request in enumerate(requests)]    # every request checked first
-    steps = _Steps(params, pool, max_batch, budget, log,
-                   [request for request in served if not request.generation.stopped])
-    return run_steps(steps, served)
+def check_budget(budget, max_batch):
+    """Refuse a budget that is not an int of at least max_batch rows (and at least 1)."""
+    model.check_int("budget", budget, 1, None, " (rows a step)")
+    if budget < max_batch:
+        raise ValueError(f"budget {budget} is smaller than max_batch {max_batch}: every "
+                         f"running request decodes a row at each step; give a budget "
+                         f"of at least max_batch rows")
 
 
-class _Steps:
-    """The budgeted server's steps: the waiting requests, the running ones (in the order
-    they were admitted), what it counted, and the parts of a step."""
+class BudgetedSteps:
+    """The steps of serving.serve under a budget: each step one batch of at most budget rows.
 
-    def __init__(self, params, pool, max_batch, budget, log, waiting):
+    The waiting requests (serving.Served), the running ones (in the order they were
+    admitted), those that chose a token this step, what it counted (serve's counts, and
+    chunks, largest_step, rows_by_step and decodes_by_step), and the parts of a step."""
+
+    def __init__(self, params, pool, max_batch, log, product, attention, waiting, budget):
         self.params, self.pool, self.max_batch, self.log = params, pool, max_batch, log
-        self.budget = math.inf if budget is None else budget
+        self.product, self.attention, self.budget = product, attention, budget
         self.waiting, self.running, self.chose = deque(waiting), [], set()
         self.counts = dict.fromkeys(("steps", "request_steps", "rows", "recomputed_rows",
-                                     "preemptions", "prefix_hits", "chunks", "largest_step"),
-                                    0)
+                                     "readmitted_positions", "readmitted_prefix_hits",
+                                     "preemptions", "peak_blocks", "prefix_hits", "chunks",
+                                     "largest_step"), 0)
         self.counts.update(rows_by_step=[], decodes_by_step=[])
 
     def step(self):
-        """One step: choose, admit, plan the rows within the budget (preempting for room),
-        compute them in one batch."""
+        """Take one step: choose, admit, plan the rows, preempt for room, compute them.
+
+        The rows planned within the budget, computed in one batch."""
         self.counts["steps"] += 1
         self.choose()
         self.admit()
@@ -78,8 +59,9 @@ class _Steps:
         self.compute(plan)
 
     def choose(self):
-        """Every running request whose last row is computed chooses a token; a finished one
-        leaves."""
+        """Let every running request whose last row is computed choose a token.
+
+        A finished one leaves."""
         for request in list(self.running):
             if request.logits is None:
                 continue
@@ -95,16 +77,22 @@ class _Steps:
                 self.chose.add(request.index)
 
     def admit(self):
-        """Admit waiting requests in order, each on its cached prefix (no row computed yet),
-        while the batch has room and the pool holds its tokens; refuse a first one that
-        cannot be admitted with nothing running."""
+        """Admit waiting requests in order, each on its cached prefix, while there is room.
+
+        No row is computed yet; room in the batch, and in the pool for its tokens. A first
+        one that cannot be admitted with nothing running is refused."""
         while self.waiting and len(self.running) < self.max_batch:
             request = self.waiting[0]
             ids = request.generation.ids
-            if not self.pool.room_for_sequence(ids[:-1], len(ids)):
+            kernel = computed_by(self.product)   # a block is found by the kernel's rows
+            if not self.pool.room_for_sequence(ids[:-1], len(ids), kernel):
                 break
-            request.seq = self.pool.sequence(ids[:-1])
-            self.counts["prefix_hits"] += len(request.seq.table)
+            request.seq = self.pool.sequence(ids[:-1], kernel)
+            found = len(request.seq.table)
+            self.counts["prefix_hits"] += found
+            if request.computed:   # readmitted: it held every position but its last token's
+                self.counts["readmitted_positions"] += request.computed
+                self.counts["readmitted_prefix_hits"] += found
             self.running.append(self.waiting.popleft())
             self.log(self.counts["steps"], request.index, "admitted")
         if self.waiting and not self.running:
@@ -112,8 +100,10 @@ class _Steps:
                              f"nothing runs: {self.waiting[0].seq_room()}")
 
     def plan(self):
-        """The step's rows: [(request, rows)], a decode row for each request that chose,
-        then chunks of the others' tokens not yet computed, within the budget."""
+        """Plan the step's rows within the budget: [(request, rows)].
+
+        A decode row for each request that chose, then chunks of the others' tokens not
+        yet computed."""
         plan = [(request, 1) for request in self.running if request.index in self.chose]
         left = self.budget - len(plan)
         for request in self.running:
@@ -136,15 +126,17 @@ class _Steps:
         self.log(self.counts["steps"], victim.index, "preempted")
 
     def compute(self, plan):
-        """Compute the planned rows in one batch; a request whose rows reach its last token
-        keeps that row's logits."""
+        """Compute the planned rows in one batch, and count them.
+
+        A request whose rows reach its last token keeps that row's logits."""
         items, owners = [], []
         for request, rows in plan:
             ids, start = request.generation.ids, len(request.seq)
             items += [(request.seq, ids[at], at) for at in range(start, start + rows)]
             owners += [request.index] * rows
         try:
-            logits = forward_rows(self.params, items) if items else []
+            logits = (forward_rows(self.params, items, self.product, self.attention)
+                      if items else [])
         except ItemRefused as refused:   # name the request
             raise ValueError(f"request {owners[refused.item]}: {refused.why}") from None
         counts, done = self.counts, 0
@@ -160,106 +152,8 @@ class _Steps:
             self.log(counts["steps"], request.index, "decode" if decoding else "prefill")
         counts["rows"] += len(items)
         counts["largest_step"] = max(counts["largest_step"], len(items))
+        counts["peak_blocks"] = max(counts["peak_blocks"],
+                                    len(self.pool.blocks) - self.pool.free_blocks())
         counts["rows_by_step"].append(len(items))
         counts["decodes_by_step"].append(len(self.chose))
         self.chose.clear()
-
-
-def stalls(counts, budget):
-    """Decode rows that waited: those of steps computing more than budget rows."""
-    return sum(decodes for rows, decodes in zip(counts["rows_by_step"],
-                                                 counts["decodes_by_step"]) if rows > budget)
-
-
-# ---- the experiment (a stage of trace_kv.py) ---------------------------------------
-
-BUDGETS = (8,)       # rows a step, with batches of up to BATCH: a decode row each, and 4 more
-BATCH = 4
-
-# The records of this module's stages, in svg.checked's shapes (trace_kv.declared's)
-RECORDS = {
-    "token_budget": {
-        "requests": svg.COUNT, "max_batch": svg.COUNT, "blocks": svg.COUNT,
-        "runs": [{
-            "budget": (*svg.COUNT, None), "steps": svg.COUNT, "rows": svg.COUNT,
-            "chunks": svg.COUNT, "largest_step": svg.COUNT,
-            "stalled_decodes": [svg.COUNT], "mean_steps_to_first_token": svg.COUNT,
-            "identical": svg.COUNT}]},
-}
-
-
-def experiment(lab, runs):
-    """Serve the 60 greedy openings with whole prompts, then under each of BUDGETS.
-
-    Batches of up to BATCH, from an ample pool. For each run: steps, rows, prefill chunks,
-    the most rows a step computed, the decode rows that waited in steps of more rows than
-    each of BUDGETS (stalls), the mean steps from a request's admission to the step it
-    chose its first token in, and the results identical to generate's."""
-    requests = [{"prompt": prompt} for prompt in lab.prompts]
-    blocks = len(requests) * 16
-    record = {"requests": len(requests), "max_batch": BATCH, "blocks": blocks, "runs": []}
-    for budget in (None, *BUDGETS):
-        events = {}
-        served, counts = serve(lab.params, lab.tok, requests, BlockPool(lab.params, blocks, 4),
-                               BATCH, budget, lambda step, index, event: events.setdefault(
-                                   (index, event), step))
-        waits = [min(events.get((index, "decode"), math.inf),
-                     events.get((index, "finished"), math.inf)) - events[(index, "admitted")]
-                 for index in range(len(requests))]
-        record["runs"].append({
-            "budget": budget, "steps": counts["steps"], "rows": counts["rows"],
-            "chunks": counts["chunks"], "largest_step": counts["largest_step"],
-            "stalled_decodes": [stalls(counts, limit) for limit in BUDGETS],
-            "mean_steps_to_first_token": round(sum(waits) / len(waits), 2),
-            "identical": sum(a == b for a, b in zip(served, runs.greedy))})
-    return record
-
-
-# ---- what Part 7 shows of it (documents.py fills its marks) --------------------------
-
-def budgets_table(record, timing):
-    """Section 39's table: the greedy openings served with whole prompts and under budgets."""
-    b = svg.checked(record, {"token_budget": RECORDS["token_budget"]})["token_budget"]
-    for i, run in enumerate(b["runs"]):
-        if len(run["stalled_decodes"]) != len(BUDGETS):
-            raise ValueError(f"the record's token_budget.runs[{i}].stalled_decodes must hold "
-                             f"{len(BUDGETS)} counts, one for each of {BUDGETS}")
-    return table(["rows a step at most", "steps", "rows", "prefill chunks",
-                  "most rows in a step",
-                  *(f"decode rows waiting in steps of more than {limit}" for limit in BUDGETS),
-                  "steps from admission to the first token, mean", "identical to `generate`"],
-                 [["no budget: whole prompts" if run["budget"] is None else shown(run["budget"]),
-                   shown(run["steps"]), shown(run["rows"]), shown(run["chunks"]),
-                   shown(run["largest_step"]), *map(shown, run["stalled_decodes"]),
-                   shown(run["mean_steps_to_first_token"]),
-                   bold(f"{run['identical']} of {b['requests']}")] for run in b["runs"]])
-
-
-def timeline(record=None, timing=None, folder=LAB):
-    """Draw section 39's picture from real runs, with whole prompts and under a budget.
-
-    A line per request, the budget 6 rows a step. Not from the record: on folder's model
-    and corpus, four openings, batches of up to four, a pool of 64 blocks of 4, at most 12
-    new tokens each. One character per step: P a chunk of its prompt computed, . a decode
-    row, * finished, - waiting (or admitted with no row this step)."""
-    params, tok = generate.load_trained(folder)
-    with open(os.path.join(folder, "corpus.txt"), encoding="utf-8") as f:
-        prompts = openings(split_stories(f.read())[2])[:4]
-    requests = [{"prompt": prompt, "max_new_tokens": 12} for prompt in prompts]
-    lines = ["```text"]
-    for title, budget in (("whole prompts", None), ("at most 6 rows a step", 6)):
-        events = {}
-        _, counts = serve(params, tok, requests, BlockPool(params, 64, 4), 4, budget,
-                          lambda step, index, event: events.setdefault(
-                              (index, step), set()).add(event))
-        lines.append(f"{title}: {counts['steps']} steps, at most {counts['largest_step']} "
-                     f"rows in one")
-        for index, prompt in enumerate(prompts):
-            marks, finished = "", False
-            for step in range(1, counts["steps"] + 1):
-                happened = events.get((index, step), set())
-                marks += ("*" if "finished" in happened else "P" if "prefill" in happened
-                          else "." if "decode" in happened else " " if finished else "-")
-                finished = finished or "finished" in happened
-            lines.append(f"  {prompt:<{max(map(len, prompts))}}  {marks.rstrip()}")
-    return lines + ["```"]

@@ -39,6 +39,7 @@ from math import fsum
 
 import bandwidth
 import blockwise
+import budget_runs
 import cache_files
 import context_shift
 import deep_shapes
@@ -62,7 +63,6 @@ import recurrent
 import serving
 import speculative
 import svg
-import token_budget
 import two_servers
 from documents import TIMES, TRACE
 from generate import load_trained
@@ -130,7 +130,7 @@ STAGES = (
     Stage(6, "hybrid_pool", hybrid_pool.experiment),
     Stage(6, "recurrent", recurrent.experiment),
     Stage(7, "host_tier", host_tier.experiment, ("runs", "many_requests")),
-    Stage(7, "token_budget", token_budget.experiment, ("runs",)),
+    Stage(7, "token_budget", budget_runs.experiment, ("runs",)),
     Stage(7, "two_servers", two_servers.experiment, ("runs",)),
     Stage(7, "paper_times", paper_times.experiment),
 )

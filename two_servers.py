@@ -22,7 +22,7 @@ from documents import bold, shown, table
 from instruments import recording
 from model import CONTEXT
 from paged import BlockPool, check_pool
-from serving import _checked_settings, _Served, _Steps, run_steps
+from serving import Served, Steps, checked_settings, run_steps
 import serving
 
 LAYOUTS = ("positions, heads", "heads, positions")   # [2, page, heads, dim] or [2, heads, ...]
@@ -84,8 +84,8 @@ def serve(params, tok, requests, prefill_pool, decode_pool, max_batch, log=None,
     server's alone), and prefill_rows, positions_sent, bytes_sent and messages. Refused
     before anything runs: pools of other params, one pool for both, products that differ
     (the decode server would hold rows of another kernel than its own)."""
-    log = _checked_settings(params, tok, requests, decode_pool, max_batch, log,
-                            decode_product, exact_attention)
+    log = checked_settings(params, tok, requests, decode_pool, max_batch, log,
+                           decode_product, exact_attention)
     check_pool(prefill_pool, params)
     if prefill_pool is decode_pool:
         raise ValueError("prefill_pool and decode_pool are one pool: two servers have a pool "
@@ -101,13 +101,13 @@ def serve(params, tok, requests, prefill_pool, decode_pool, max_batch, log=None,
     prefill = (prefill_pool, prefill_product, layout)
     served = [_Handed(params, tok, index, request, decode_pool, prefill)
               for index, request in enumerate(requests)]
-    steps = _Steps(params, decode_pool, max_batch, log, decode_product, exact_attention,
-                   [request for request in served if not request.generation.stopped])
+    steps = Steps(params, decode_pool, max_batch, log, decode_product, exact_attention,
+                  [request for request in served if not request.generation.stopped])
     steps.counts.update(prefill_rows=0, positions_sent=0, bytes_sent=0, messages=0)
     return run_steps(steps, served)
 
 
-class _Handed(_Served):
+class _Handed(Served):
     """A request of the two servers: prefilled by one, handed to the other's pool."""
 
     def __init__(self, params, tok, index, request, pool, prefill):
