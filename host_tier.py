@@ -15,7 +15,8 @@ bytes moved, blocks x the bytes a block.
 A block moves as one or more buffers, each one copy on a real machine: laid out by
 layer (a buffer for each layer's keys and one for its values, vLLM's older layout) it
 takes 2 x layers copies; laid out as one block (every layer's keys and values side by
-side, vLLM's layout since its 0.12) it takes one. The bytes are the same.
+side, the layout vLLM 0.12 allocates when its offloading connector asks for it) it
+takes one. The bytes are the same.
 """
 import math
 from collections import OrderedDict
@@ -26,7 +27,7 @@ import serving
 import svg
 from documents import shown, table
 from bandwidth import cache_bytes_per_token
-from one_gpu import A100, MODELS, prefill_flops
+from one_gpu import A100, MODELS, prefill_flops, prefill_seconds
 from kv_cache import KVCache, feed
 from paged import BlockPool
 
@@ -166,9 +167,10 @@ class TieredPool(BlockPool):
 
 # ---- when loading pays, on real hardware --------------------------------------------
 
-# Links a tier is read over, one way. NVIDIA's A100 data sheet gives its PCIe Gen4 link
-# 64 GB/s, both ways together: 32 GB/s each way. An SGLang user's file tier (HiCache's
-# file backend, sglang #26886) read at about 1,200 MB/s (iostat).
+# Links a tier is read over, one way. NVIDIA's A100 data sheet lists "PCIe Gen4: 64GB/s",
+# both directions together: 32 GB/s each way. An SGLang user's file tier (HiCache's file
+# backend, sglang #26886) read at more than 1,200 MB/s (iostat), once set to write-through
+# with a smaller host tier.
 LINKS = ({"link": "host memory over PCIe 4.0 x16", "bytes_per_second": 32e9},
          {"link": "a file tier at 1.2 GB/s", "bytes_per_second": 1.2e9})
 
@@ -182,10 +184,11 @@ def load_seconds(real_model, tokens, link):
 
 
 def recompute_seconds(real_model, tokens, gpu=A100):
-    """Give the least time recomputing the cache of tokens tokens takes on gpu.
+    """Give the least time recomputing the cache of tokens tokens takes on a busy gpu.
 
     Its prefill's FLOPs (one_gpu.prefill_flops) at the GPU's peak rate: the best case for
-    recomputing."""
+    recomputing, in a server whose step reads the weights for other requests anyway.
+    Alone on the GPU a prefill also reads every weight (one_gpu.prefill_seconds)."""
     return prefill_flops(real_model, tokens) / gpu["flops_per_second"]
 
 
@@ -213,6 +216,22 @@ def loading_pays_from(real_model, link, gpu=A100):
     return n if n <= real_model["context_window"] else None
 
 
+def loading_wins_alone_up_to(real_model, link, gpu=A100):
+    """Give the longest prompt up to which loading its cache beats a prefill alone on gpu.
+
+    A prefill alone takes its FLOPs at the peak rate or its bytes (every weight, once) at
+    the memory's bandwidth, whichever is longer (one_gpu.prefill_seconds), so a short
+    prefix recomputes no faster than the weights are read. Loading wins at every length
+    from 1 to the one given (0: not even at 1); None if it wins at every length within the
+    context window (as it does wherever loading_pays_from gives 1)."""
+    if loading_pays_from(real_model, link, gpu) == 1:
+        return None
+    n = 0
+    while load_seconds(real_model, n + 1, link) < prefill_seconds(real_model, n + 1, gpu):
+        n += 1
+    return n
+
+
 # ---- the experiment (a stage of trace_kv.py) ---------------------------------------
 
 HOST_BLOCKS = (16, 512)   # host tiers beneath section 21's small pool: small, and ample
@@ -233,7 +252,8 @@ RECORDS = {
             "numbers_a_block": svg.COUNT, "unpacked_equal": bool}],
         "loading_pays": [{
             "model": str, "link": str, "load_us_per_token": svg.COUNT,
-            "recompute_us_at_1": svg.COUNT, "from_tokens": (*svg.COUNT, None)}]},
+            "recompute_us_at_1": svg.COUNT, "from_tokens": (*svg.COUNT, None),
+            "alone_up_to_tokens": (*svg.COUNT, None)}]},
 }
 
 
@@ -286,7 +306,8 @@ def experiment(lab, runs, many):
     loading = [{"model": real["model"], "link": link["link"],
                 "load_us_per_token": load_seconds(real, 1, link) * 1e6,
                 "recompute_us_at_1": recompute_seconds(real, 1) * 1e6,
-                "from_tokens": loading_pays_from(real, link)}
+                "from_tokens": loading_pays_from(real, link),
+                "alone_up_to_tokens": loading_wins_alone_up_to(real, link)}
                for real in MODELS for link in LINKS]
     return {"requests": len(requests), "device_blocks": serving.SMALL_POOL, "tiers": tiers,
             "layouts": layouts, "loading_pays": loading}
@@ -346,12 +367,16 @@ def loading_table(record, timing):
         if row["model"] not in models or row["link"] not in links:
             raise ValueError(f"the record's host_tier.loading_pays[{i}] must be of a model of "
                              f"{list(models)} and a link of {links}")
-    return table(["model (cache a token)", "link", "loading, µs a token",
-                  "recomputing, µs for one token", "loading beats recomputing"],
+    return table(["model (cache a token)", "link", "loading a token, µs",
+                  "recomputing a one-token prefix, busy GPU, µs",
+                  "loading beats recomputing, busy GPU",
+                  "alone on the GPU, loading also wins"],
                  [[f"{row['model']} ({cache_bytes_per_token(models[row['model']]) // 1024} "
                    f"KiB)", row["link"], shown(row["load_us_per_token"]),
                    shown(row["recompute_us_at_1"]),
-                   where(row, models[row["model"]]["context_window"])] for row in rows])
+                   where(row, models[row["model"]]["context_window"]),
+                   "at every length" if row["alone_up_to_tokens"] is None else
+                   f"up to {shown(row['alone_up_to_tokens'])} tokens"] for row in rows])
 
 
 def tiers_picture(record, timing):

@@ -107,7 +107,8 @@ def times_table(record, timing):
               "chunks": f"chunks of {WORKLOAD['budget'] - WORKLOAD['running']:,} tokens "
                         f"beside the decodes, one GPU",
               "two servers": "two servers: a prefill GPU, a decode GPU"}
-    return table(["prefill", "new request's first token, ms", "others' time between tokens, "
-                  "ms", "at worst, ms"],
+    return table(["prefill", "new request's first token, ms", "others' time between tokens "
+                  "in a step of decodes alone, ms", "others' longest wait between two tokens, "
+                  "ms"],
                  [[labels[way], shown(w["first_token_ms"]), shown(w["between_tokens_ms"]),
                    shown(w["between_tokens_at_worst_ms"])] for way, w in ways.items()])

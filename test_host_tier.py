@@ -17,7 +17,7 @@ from host_tier import LAYOUTS, HostTier, TieredPool, pack, unpack
 from instruments import replacing
 from kv_cache import feed
 from model import WIDTH
-from one_gpu import A100, MODELS, prefill_flops
+from one_gpu import A100, MODELS, prefill_flops, prefill_seconds
 from random_models import random_tokens
 from support import OPENINGS, PARAMS, TOK, check_random_cases, swapping
 from verdicts import Layer, Wrong, differ, step, where_cache_differs
@@ -260,6 +260,23 @@ class LoadingPays(unittest.TestCase):
                         self.assertTrue(pays(real, start, link))
                         self.assertTrue(start == 1 or not pays(real, start - 1, link))
                         self.assertTrue(pays(real, context, link))
+
+    def test_loading_beats_a_prefill_alone_up_to_the_length_given_and_not_one_more(self):
+        """For each real model and link: loading beats a prefill alone on the A100 (its
+        FLOPs at the peak or every weight read once, whichever is longer:
+        one_gpu.prefill_seconds) at every length up to loading_wins_alone_up_to's, and not
+        one token longer; None only where loading pays from the first token."""
+        for real in MODELS:
+            for link in host_tier.LINKS:
+                with self.subTest(model=real["model"], link=link["link"]):
+                    up_to = host_tier.loading_wins_alone_up_to(real, link)
+                    wins = [tokens * cache_bytes_per_token(real) / link["bytes_per_second"]
+                            < prefill_seconds(real, tokens)
+                            for tokens in range(1, (up_to or 0) + 2)]
+                    if up_to is None:
+                        self.assertEqual(host_tier.loading_pays_from(real, link), 1)
+                    else:
+                        self.assertEqual(wins, [True] * up_to + [False])
 
     def test_a_slower_link_needs_a_longer_prompt(self):
         """Llama-3.1-8B over links from 64 GB/s down to 0.5 GB/s: the length from which

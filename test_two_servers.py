@@ -185,13 +185,13 @@ class TheRecord(unittest.TestCase):
     """What the recorded run (support.recorded) says of the two servers."""
 
     def test_two_servers_split_the_rows_and_send_the_cache_s_bytes(self):
-        """Every story generate's; the decode server's rows are the tokens fed after their
+        """Every story generate's, on one server and on two; the decode server's rows are the tokens fed after their
         choice, none a prompt's, where one server computed prompt rows beside decodes; the
         two servers' rows are one server's; the bytes are the positions sent x 2 x 16 x 8;
         a deeper cache read in its own layout is the cache, in the other it is not."""
         record = support.recorded("two_servers")
         one, two, deep = record["one_server"], record["two_servers"], record["deep"]
-        self.assertEqual(two["identical"], record["requests"])
+        self.assertEqual((one["identical"], two["identical"]), (record["requests"],) * 2)
         self.assertEqual(two["decode_server_rows"], two["tokens_fed_after_choice"])
         self.assertEqual(two["steps_prefilling_beside_decodes"], 0)
         self.assertGreater(one["steps_prefilling_beside_decodes"], 0)

@@ -157,7 +157,7 @@ RECORDS = {
         "requests": svg.COUNT, "max_batch": svg.COUNT,
         "prefill_block_size": svg.COUNT, "decode_block_size": svg.COUNT,
         "one_server": {"steps": svg.COUNT, "rows": svg.COUNT,
-                       "steps_prefilling_beside_decodes": svg.COUNT},
+                       "steps_prefilling_beside_decodes": svg.COUNT, "identical": svg.COUNT},
         "two_servers": {"steps": svg.COUNT, "prefill_rows": svg.COUNT,
                         "decode_server_rows": svg.COUNT, "tokens_fed_after_choice": svg.COUNT,
                         "steps_prefilling_beside_decodes": svg.COUNT,
@@ -180,8 +180,9 @@ def experiment(lab, runs):
     in one layout and read in it, and read in the other."""
     requests = [{"prompt": prompt} for prompt in lab.prompts]
     events = {}
-    _, one = serving.serve(lab.params, lab.tok, requests, BlockPool(lab.params, 960, 4), BATCH,
-                           lambda step, index, event: events.setdefault(step, set()).add(event))
+    alone, one = serving.serve(lab.params, lab.tok, requests, BlockPool(lab.params, 960, 4),
+                               BATCH, lambda step, index, event: events.setdefault(
+                                   step, set()).add(event))
     with recording(serving, "forward_rows") as calls:
         served, two = serve(lab.params, lab.tok, requests, BlockPool(lab.params, *PREFILL_POOL),
                             BlockPool(lab.params, *DECODE_POOL), BATCH)
@@ -190,7 +191,8 @@ def experiment(lab, runs):
             "one_server": {"steps": one["steps"], "rows": one["rows"],
                            "steps_prefilling_beside_decodes": sum(
                                {"prefill", "decode"} <= happened
-                               for happened in events.values())},
+                               for happened in events.values()),
+                           "identical": sum(a == b for a, b in zip(alone, runs.greedy))},
             "two_servers": {"steps": two["steps"], "prefill_rows": two["prefill_rows"],
                             "decode_server_rows": sum(len(call.args[1]) for call in calls),
                             "tokens_fed_after_choice": sum(len(r["steps"]) - 1 for r in served),
@@ -232,7 +234,8 @@ def servers_table(record, timing):
                  [["one (`serving.serve`)", shown(one["steps"]),
                    shown(one["rows"] - two["tokens_fed_after_choice"]),
                    shown(two["tokens_fed_after_choice"]),
-                   shown(one["steps_prefilling_beside_decodes"]), "—", "—", "—"],
+                   shown(one["steps_prefilling_beside_decodes"]), "—", "—",
+                   bold(f"{one['identical']} of {t['requests']}")],
                   ["two: prefill and decode", shown(two["steps"]), shown(two["prefill_rows"]),
                    shown(two["decode_server_rows"]),
                    shown(two["steps_prefilling_beside_decodes"]),
