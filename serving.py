@@ -40,8 +40,8 @@ def serve(params, tok, requests, pool, max_batch, log=None, product=exact,
     again, and the requests that chose a token, summed over the steps). log(step, request
     index, event), if given, is told each "prefill", "decode", "preempted" and "finished" as
     it happens. If anything raises (log itself, say), every block serve took goes back to
-    the pool, and pool.prefix_hits counts only the blocks found by admissions whose rows
-    were computed; what an attention gives that is not a row's mixed values is refused,
+    the pool, and (without a budget) pool.prefix_hits counts only the blocks found by
+    admissions whose rows were computed; what an attention gives that is not a row's mixed values is refused,
     naming the request.
 
     budget, if given, is the most rows a step computes (Part 7, section 39: at least
